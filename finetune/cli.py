@@ -1,0 +1,26 @@
+"""`finetune COMMAND ...`: one entry point for the project's commands."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("finetune.train", "fine-tune a model with the HF Trainer (same as finetune/train.py)"),
+    "tiny": ("finetune.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+        print("usage: finetune COMMAND [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nfinetune: unknown command '{argv[0]}'", file=sys.stderr)
+            raise SystemExit(2)
+        raise SystemExit(0 if argv else 2)
+    import importlib
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    module.main(argv[1:])

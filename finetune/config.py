@@ -1,0 +1,577 @@
+"""Typed configuration: defaults < YAML recipe < command line, validated in one pass.
+
+All three training paths (the Trainer script, the DeepSpeed launcher script and the accelerate
+loop) parse their flags here, so a flag means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+# Parallelism presets: the name a user types -> the DeepSpeed JSON it stands for (None = plain DDP).
+# `zero3` means ZeRO-3 with parameters and optimizer offloaded to CPU, the preset that fits the most.
+PRESETS: dict[str, str | None] = {
+    "ddp": None,
+    "zero1": "zero1.json",
+    "zero2": "zero2.json",
+    "zero3": "zero3_offload.json",
+    "zero3_no_offload": "zero3_no_offload.json",
+}
+
+DATASET_FORMATS = ("auto", "text", "alpaca", "messages")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(Exception):
+    """Every problem found in the configuration, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+    def __str__(self) -> str:
+        lines = [f"finetune: {len(self.problems)} configuration problem(s):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how (flag names follow TRL's ModelConfig)."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Local folder of a Llama-style causal LM (config.json + safetensors)."}
+    )
+    torch_dtype: str = field(
+        default="auto",
+        metadata={"help": "Weight dtype: auto (float32 on CPU, bfloat16 on GPUs that support it), float32, bfloat16, float16."},
+    )
+    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run Python code shipped with the model folder. Off by default."})
+    allow_pickle: bool = field(
+        default=False, metadata={"help": "Allow loading pickle (*.bin) weights. Off by default: only safetensors are read."}
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Modules that get LoRA adapters; 'all-linear' = every linear projection except the LM head."},
+    )
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base weights in 8-bit (bitsandbytes)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base weights in 4-bit (bitsandbytes)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type: nf4 or fp4."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Double quantization for 4-bit weights."})
+
+
+@dataclass
+class DataConfig:
+    """Where the training data is and how records become tokens."""
+
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "Local .jsonl/.json/.csv/.parquet file, or a folder written by datasets.save_to_disk."},
+    )
+    dataset_format: str = field(
+        default="auto",
+        metadata={"help": "auto (detect), text ('text'), alpaca ('instruction', 'input', 'output') or messages ('messages')."},
+    )
+    max_seq_length: int = field(default=1024, metadata={"help": "Longest tokenized record, in tokens."})
+    drop_long_sequences: bool = field(
+        default=False, metadata={"help": "Drop records longer than max_seq_length instead of truncating them."}
+    )
+    completion_only_loss: bool = field(
+        default=True,
+        metadata={"help": "Train only on completion / assistant tokens (and their EOS). False trains on every token."},
+    )
+    dataset_cache_dir: str | None = field(
+        default=None, metadata={"help": "Where tokenized data is cached (default: ~/.cache/finetune/tokenized)."}
+    )
+
+
+@dataclass
+class LaunchConfig:
+    """How the job is run."""
+
+    config: str = field(
+        default="ddp",
+        metadata={"help": f"Parallelism preset ({', '.join(PRESETS)}) or a path to a DeepSpeed JSON file."},
+    )
+    recipe: str | None = field(default=None, metadata={"help": "YAML file with any of these keys; the command line wins."})
+
+
+# Our defaults for TrainingArguments fields, applied under the recipe and the command line.
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/run",
+    "logging_steps": 1,
+    "report_to": "none",
+    "save_strategy": "no",
+    "lr_scheduler_type": "linear",
+    "average_tokens_across_devices": True,
+    "remove_unused_columns": False,
+    "dataloader_num_workers": 0,
+}
+
+# Keys the project sets itself; a user value would break an invariant, so they are refused.
+RESERVED_TRAINING_KEYS = {"deepspeed": "use --config", "fsdp": "use --config (FSDP is not a preset yet)"}
+
+
+@dataclass
+class FinetuneConfig:
+    model: ModelConfig
+    data: DataConfig
+    launch: LaunchConfig
+    training: Any  # transformers.TrainingArguments
+    deepspeed_config: Path | None
+    sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
+
+    def resolved(self) -> dict[str, Any]:
+        """The flat dict of every key that is not at the HF default, reusable as a --recipe."""
+        out: dict[str, Any] = {}
+        for section in (self.launch, self.model, self.data):
+            for f in dataclasses.fields(section):
+                if f.name != "recipe":
+                    out[f.name] = _plain(getattr(section, f.name))
+        from transformers import TrainingArguments
+
+        hf_default = _training_field_defaults(TrainingArguments)
+        skip = {"local_rank", "deepspeed", "use_cpu", "hub_token"} | set(RESERVED_TRAINING_KEYS)
+        for name, value in self.training.to_dict().items():
+            if name in skip or name not in hf_default or not _is_plain(value):
+                continue  # derived or object-valued fields (e.g. accelerator_config) are not recipe keys
+            if value != _plain(hf_default[name]) or name in TRAINING_DEFAULTS or name in self.sources:
+                out[name] = value
+        return out
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _training_field_defaults(cls) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_"):
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+        else:
+            out[f.name] = None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Type conversion: one function for YAML values and command-line strings.
+
+
+def _type_parts(tp: Any) -> tuple[list[Any], bool]:
+    """Split a field type into its non-None members and whether None is allowed."""
+    if isinstance(tp, str):
+        raise TypeError(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = list(typing.get_args(tp))
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [tp], False
+
+
+_TRUE = {"true", "1", "yes", "y", "on"}
+_FALSE = {"false", "0", "no", "n", "off"}
+
+
+def convert(value: Any, tp: Any) -> Any:
+    """Convert a YAML value or a command-line string to `tp`; raises ValueError with a readable reason."""
+    members, nullable = _type_parts(tp)
+    # The string "none" means None only where a string is not itself valid (report_to takes "none").
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and nullable and str not in members):
+        if nullable:
+            return None
+        raise ValueError("may not be empty")
+    errors = []
+    # Try the specific members first, str last: "3" for `int | str` must become 3.
+    for member in sorted(members, key=lambda m: m is str):
+        try:
+            return _convert_one(value, member)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    raise ValueError("; ".join(dict.fromkeys(errors)))
+
+
+def _convert_one(value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"expected a string, got {type(value).__name__}")
+        return str(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value).value
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in tp)
+            raise ValueError(f"{value!r} is not one of: {choices}") from None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        items = value if isinstance(value, list) else _split_list(value)
+        return [convert(v, inner) for v in items]
+    if origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"expected a JSON object, got {value!r}") from None
+            if isinstance(parsed, dict):
+                return parsed
+        raise ValueError(f"expected a mapping, got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ValueError(f"expected one of {typing.get_args(tp)}, got {value!r}")
+    # Types we do not convert (e.g. accelerate's ParallelismConfig) are set from Python, not flags.
+    raise TypeError(f"cannot be set from a recipe or the command line ({tp})")
+
+
+def _split_list(value: Any) -> list[Any]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return [value]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the command line and the recipe.
+
+
+@dataclass
+class _Setting:
+    value: Any
+    where: str  # "--key" or "recipe.yaml:12"
+
+
+def split_cli(argv: list[str], list_keys: set[str], bool_keys: set[str]) -> tuple[dict[str, _Setting], list[str]]:
+    """HfArgumentParser-style flags: `--key value`, `--key=value`, `--flag`, `--no_flag`, `--list a b c`."""
+    settings: dict[str, _Setting] = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or token == "--":
+            problems.append(f"unexpected argument {token!r}: options look like --key value")
+            i += 1
+            continue
+        key, eq, inline = token[2:].partition("=")
+        key = key.replace("-", "_")
+        i += 1
+        if eq:
+            values = [inline]
+        else:
+            values = []
+            while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2):
+                values.append(argv[i])
+                i += 1
+        if not values:
+            if key.startswith("no_") and key[3:] in bool_keys:
+                settings[key[3:]] = _Setting("false", f"--{key}")
+            else:
+                # A bare flag is `true` for booleans; for anything else the missing value is reported later.
+                settings[key] = _Setting("true" if key in bool_keys else None, f"--{key}")
+            continue
+        if len(values) > 1 and key not in list_keys:
+            problems.append(f"--{key} takes one value, got {len(values)}: {' '.join(values)}")
+        settings[key] = _Setting(values if key in list_keys else values[0], f"--{key}")
+    return settings, problems
+
+
+def read_recipe(path: str) -> tuple[dict[str, _Setting], list[str]]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        return {}, [f"--recipe {path}: no such file"]
+    try:
+        root = yaml.compose(p.read_text())
+    except yaml.YAMLError as e:
+        return {}, [f"{path}: not valid YAML: {e}"]
+    if root is None:
+        return {}, []
+    if not isinstance(root, yaml.MappingNode):
+        return {}, [f"{path}: a recipe is a mapping of key: value, got {root.tag.rsplit(':', 1)[-1]}"]
+    data = yaml.safe_load(p.read_text())
+    settings = {}
+    for key_node, _ in root.value:
+        key = key_node.value
+        settings[key] = _Setting(data[key], f"{path}:{key_node.start_mark.line + 1}")
+    return settings, []
+
+
+def _did_you_mean(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def help_text() -> str:
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((LaunchConfig, ModelConfig, DataConfig, TrainingArguments), prog="finetune train")
+    return parser.format_help()
+
+
+def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:
+    """Parse and validate. Raises ConfigError listing every problem found."""
+    from transformers import TrainingArguments
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig}
+    types_by_key: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for name, cls in sections.items():
+        for key, tp in _field_types(cls).items():
+            types_by_key[key], owner[key] = tp, name
+    for key, tp in _field_types(TrainingArguments).items():
+        if key not in types_by_key:
+            types_by_key[key], owner[key] = tp, "training"
+    valid = sorted(types_by_key)
+    list_keys = {k for k, t in types_by_key.items() if "list" in str(t)}
+    bool_keys = {k for k, t in types_by_key.items() if t is bool or str(t) in ("bool | None", "str | bool")}
+
+    cli, problems = split_cli(argv, list_keys, bool_keys)
+    recipe: dict[str, _Setting] = {}
+    if "recipe" in cli and cli["recipe"].value:
+        recipe, recipe_problems = read_recipe(str(cli["recipe"].value))
+        problems += recipe_problems
+        recipe.pop("recipe", None)
+
+    merged: dict[str, _Setting] = {}
+    sources: dict[str, str] = {}
+    for key, value in TRAINING_DEFAULTS.items():
+        merged[key] = _Setting(value, "default")
+    for origin, settings in (("recipe", recipe), ("cli", cli)):
+        for key, setting in settings.items():
+            if key not in types_by_key:
+                problems.append(f"{setting.where}: unknown key '{key}'{_did_you_mean(key, valid)}")
+                continue
+            if key in RESERVED_TRAINING_KEYS:
+                problems.append(f"{setting.where}: '{key}' is set by finetune; {RESERVED_TRAINING_KEYS[key]}")
+                continue
+            merged[key] = setting
+            sources[key] = origin
+
+    values: dict[str, dict[str, Any]] = {name: {} for name in (*sections, "training")}
+    for key, setting in merged.items():
+        try:
+            if setting.value is None and setting.where.startswith("--"):
+                raise ValueError("needs a value")
+            values[owner[key]][key] = convert(setting.value, types_by_key[key])
+        except (ValueError, TypeError) as e:
+            problems.append(f"{setting.where}: {key}: {e}")
+
+    model = ModelConfig(**values["model"])
+    data = DataConfig(**values["data"])
+    launch = LaunchConfig(**values["launch"])
+    problems += validate(model, data, launch, values["training"], check_paths=check_paths)
+    ds_path = resolve_preset(launch.config)
+
+    training = None
+    if not problems:
+        training, more = build_training_arguments(values["training"], ds_path)
+        problems += more
+    if problems:
+        raise ConfigError(problems)
+    return FinetuneConfig(model, data, launch, training, ds_path, sources)
+
+
+def resolve_preset(name: str) -> Path | None:
+    if name in PRESETS:
+        file = PRESETS[name]
+        return DS_CONFIG_DIR / file if file else None
+    return Path(name)
+
+
+def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, training: dict[str, Any], *, check_paths: bool) -> list[str]:
+    """Every semantic check on the parsed values; returns all problems at once."""
+    problems = []
+    if launch.config not in PRESETS and not launch.config.endswith(".json"):
+        problems.append(
+            f"--config: unknown preset '{launch.config}'{_did_you_mean(launch.config, list(PRESETS))} "
+            f"(presets: {', '.join(PRESETS)}; or give a path to a DeepSpeed .json)"
+        )
+    elif launch.config not in PRESETS:
+        problems += _check_ds_json(Path(launch.config))
+    if model.torch_dtype not in DTYPES:
+        problems.append(f"torch_dtype: '{model.torch_dtype}' is not one of {', '.join(DTYPES)}")
+    if data.dataset_format not in DATASET_FORMATS:
+        problems.append(
+            f"dataset_format: '{data.dataset_format}' is not one of {', '.join(DATASET_FORMATS)}"
+            f"{_did_you_mean(data.dataset_format, list(DATASET_FORMATS))}"
+        )
+    if data.max_seq_length < 2:
+        problems.append(f"max_seq_length: must be at least 2, got {data.max_seq_length}")
+    if model.lora_r <= 0:
+        problems.append(f"lora_r: must be positive, got {model.lora_r}")
+    if not 0.0 <= model.lora_dropout < 1.0:
+        problems.append(f"lora_dropout: must be in [0, 1), got {model.lora_dropout}")
+    if model.load_in_8bit and model.load_in_4bit:
+        problems.append("load_in_8bit and load_in_4bit: choose one")
+    if (model.load_in_8bit or model.load_in_4bit) and not model.use_peft:
+        problems.append("load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)")
+    if (model.load_in_8bit or model.load_in_4bit) and launch.config.startswith("zero3"):
+        problems.append(
+            f"--config {launch.config}: a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
+        )
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if key in training and training[key] < 1:
+            problems.append(f"{key}: must be at least 1, got {training[key]}")
+    if training.get("learning_rate", 1.0) < 0:
+        problems.append(f"learning_rate: must not be negative, got {training['learning_rate']}")
+    if check_paths:
+        if not model.model_name_or_path:
+            problems.append("model_name_or_path: required (a local model folder)")
+        else:
+            problems += check_model_folder(model.model_name_or_path, model.allow_pickle)
+        if not data.dataset:
+            problems.append("dataset: required (a local data file or save_to_disk folder)")
+        elif not Path(data.dataset).exists():
+            problems.append(f"dataset: {data.dataset}: no such file or folder")
+    return problems
+
+
+def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
+    p = Path(path)
+    if not p.is_dir():
+        hint = " (the Hugging Face hub is not used: give a local folder)" if "/" in path and not p.exists() else ""
+        return [f"model_name_or_path: {path}: no such folder{hint}"]
+    if not (p / "config.json").is_file():
+        return [f"model_name_or_path: {path}: no config.json in this folder; is it a Hugging Face model folder?"]
+    has_safetensors = any(p.glob("*.safetensors"))
+    has_pickle = any(p.glob("*.bin")) or any(p.glob("*.pt"))
+    if not has_safetensors and has_pickle and not allow_pickle:
+        return [
+            f"model_name_or_path: {path} holds only pickle weights (*.bin); loading pickle can run arbitrary code. "
+            "Convert to safetensors, or pass --allow_pickle if you trust the files"
+        ]
+    if not has_safetensors and not has_pickle:
+        return [f"model_name_or_path: {path}: no weights (*.safetensors) in this folder"]
+    return []
+
+
+def _check_ds_json(path: Path) -> list[str]:
+    if not path.is_file():
+        return [f"--config {path}: no such DeepSpeed JSON file"]
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"--config {path}:{e.lineno}: not valid JSON: {e.msg}"]
+    if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
+        return [f"--config {path}: expected a DeepSpeed config object with a zero_optimization section"]
+    return []
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_training_arguments(values: dict[str, Any], ds_path: Path | None):
+    """Build TrainingArguments; with DeepSpeed this must happen before the model loads (ZeRO-3 zero.Init)."""
+    import torch
+    from transformers import TrainingArguments
+
+    kwargs = dict(values)
+    if not torch.cuda.is_available():
+        kwargs["use_cpu"] = True
+    if ds_path is not None:
+        kwargs["deepspeed"] = str(ds_path)
+        if world_size() > 1 or "LOCAL_RANK" in os.environ:
+            # DeepSpeed's config check (train_batch_size = micro x accum x world) runs when TrainingArguments
+            # is built; if the process group does not exist yet it uses world size 1 and asserts. Start it first.
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return TrainingArguments(**kwargs), []
+    except (ValueError, TypeError) as e:
+        return None, [f"training arguments: {e}"]
+
+
+def save_resolved(cfg: FinetuneConfig, output_dir: str | Path) -> Path:
+    """Write the resolved config as a recipe (atomically); `--recipe` on this file reproduces the run."""
+    import yaml
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "finetune_config.yaml"
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.resolved(), sort_keys=False))
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,461 @@
+"""Local data files -> validated records -> tokenized examples with loss masks -> padded batches.
+
+Formats: `text` ({"text"}), `alpaca` ({"instruction", "input"?, "output"}) and `messages`
+({"messages": [{"role", "content"}, ...]}, rendered with the tokenizer's chat template).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+IGNORE_INDEX = -100
+# Bump when tokenization changes, so stale caches are not reused.
+DATA_VERSION = "1"
+ROLES = ("system", "user", "assistant", "tool")
+ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+
+
+class DataError(Exception):
+    """A problem with the user's data: names the file, the line or row, and what is wrong."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading files. Each record comes with where it was found, for error messages.
+
+
+def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Return (records, locations); a location reads like 'data.jsonl:12' or 'data.csv row 3'."""
+    p = Path(path)
+    if p.is_dir():
+        return _read_saved(p)
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        records, where = _read_json(p)
+    elif suffix == ".csv":
+        records, where = _read_csv(p)
+    elif suffix == ".parquet":
+        records, where = _read_parquet(p)
+    else:
+        raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
+    if not records:
+        raise DataError(f"{p}: the file holds no records")
+    return records, where
+
+
+def _read_json(p: Path) -> tuple[list[dict], list[str]]:
+    text = p.read_text(encoding="utf-8")
+    if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        records, where = [], []
+        for i, item in enumerate(data):
+            if not isinstance(item, dict):
+                raise DataError(f"{p} record {i}: expected a JSON object, got {type(item).__name__}")
+            records.append(item)
+            where.append(f"{p} record {i}")
+        return records, where
+    records, where = [], []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(item, dict):
+            raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(item).__name__}")
+        records.append(item)
+        where.append(f"{p}:{lineno}")
+    return records, where
+
+
+def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
+    with p.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    records = []
+    for row in rows:
+        # A `messages` column in CSV holds JSON text.
+        if isinstance(row.get("messages"), str) and row["messages"].lstrip().startswith("["):
+            try:
+                row["messages"] = json.loads(row["messages"])
+            except json.JSONDecodeError:
+                pass  # reported by validation as a wrong type
+        records.append(row)
+    return records, [f"{p} row {i + 1}" for i in range(len(records))]
+
+
+def _read_parquet(p: Path) -> tuple[list[dict], list[str]]:
+    import pyarrow.parquet as pq
+
+    records = pq.read_table(p).to_pylist()
+    return records, [f"{p} row {i}" for i in range(len(records))]
+
+
+def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except FileNotFoundError as e:
+        raise DataError(f"{p}: not a folder written by datasets.save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    records = ds.to_list()
+    if not records:
+        raise DataError(f"{p}: the data set holds no records")
+    return records, [f"{p} row {i}" for i in range(len(records))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Formats.
+
+
+def detect_format(record: dict, where: str) -> str:
+    if "messages" in record:
+        return "messages"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    raise DataError(
+        f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
+        "expected 'text', 'instruction'+'output' (alpaca) or 'messages'; or pass --dataset_format"
+    )
+
+
+def validate_record(record: dict, fmt: str, where: str) -> None:
+    def need_str(key: str, optional: bool = False) -> None:
+        if key not in record or record[key] is None:
+            if optional:
+                return
+            raise DataError(f"{where}: missing field '{key}' (format {fmt})")
+        if not isinstance(record[key], str):
+            raise DataError(f"{where}: field '{key}' must be a string, got {type(record[key]).__name__}")
+
+    if fmt == "text":
+        need_str("text")
+        if not record["text"].strip():
+            raise DataError(f"{where}: field 'text' is empty")
+    elif fmt == "alpaca":
+        need_str("instruction")
+        need_str("input", optional=True)
+        need_str("output")
+    elif fmt == "messages":
+        msgs = record.get("messages")
+        if msgs is None:
+            raise DataError(f"{where}: missing field 'messages' (format messages)")
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got {type(msgs).__name__}")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
+            if m.get("role") not in ROLES:
+                raise DataError(f"{where}: messages[{j}].role is {m.get('role')!r}; expected one of {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{j}].content must be a string, got {type(m.get('content')).__name__}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no assistant message; nothing to train on")
+    else:
+        raise DataError(f"unknown dataset format {fmt!r}")
+
+
+def load_and_validate(path: str | Path, fmt: str = "auto") -> tuple[list[dict], str]:
+    records, where = read_records(path)
+    if fmt == "auto":
+        fmt = detect_format(records[0], where[0])
+    for record, loc in zip(records, where):
+        validate_record(record, fmt, loc)
+    return records, fmt
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenization with loss masks.
+
+
+def alpaca_to_messages(record: dict) -> list[dict]:
+    prompt = record["instruction"]
+    if record.get("input"):
+        prompt = f"{prompt}\n\n{record['input']}"
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict], where: str = "") -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation and return the character spans of each assistant turn.
+
+    A span starts where the template's generation prompt ends and ends where the rendered turn ends.
+    Spans come from rendering prefixes of the conversation, so they are right for any template that
+    renders a prefix as a prefix, with or without `{% generation %}` markers.
+    """
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _render_gen_only(tokenizer)
+        through = _render(tokenizer, messages[: i + 1])
+        if not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
+            raise DataError(
+                f"{where}: the tokenizer's chat template does not render a conversation prefix as a prefix of the "
+                "whole conversation, so assistant tokens cannot be located; use a template without history rewriting"
+            )
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def _render_gen_only(tokenizer) -> str:
+    try:
+        return _render(tokenizer, [], add_generation_prompt=True)
+    except Exception:
+        return ""
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return ids
+
+
+def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
+    full, spans = assistant_spans(tokenizer, messages, where)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if not completion_only:
+        return list(ids), list(ids)
+    special = _special_ids(tokenizer)
+    labels = [IGNORE_INDEX] * len(ids)
+    needs_eos = False
+    for a, b in spans:
+        inside = [t for t, (s, e) in enumerate(offsets) if a <= s < b and e > s]
+        # Train through the turn's end-of-turn token, not the whitespace the template puts after it.
+        last_special = max((t for t in inside if ids[t] in special), default=None)
+        if last_special is not None:
+            inside = [t for t in inside if t <= last_special]
+        elif b == len(full):
+            needs_eos = True
+        for t in inside:
+            labels[t] = ids[t]
+    ids = list(ids)
+    if needs_eos and tokenizer.eos_token_id is not None:
+        # The template ends the last turn with no special token: append EOS so the model learns to stop.
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return ids, labels
+
+
+def tokenize_record(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
+    eos = tokenizer.eos_token_id
+    if fmt == "text":
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]
+        return ids, list(ids)
+    if fmt == "alpaca" and tokenizer.chat_template:
+        return tokenize_messages(tokenizer, alpaca_to_messages(record), completion_only, where)
+    if fmt == "alpaca":
+        template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
+        prompt = tokenizer(template.format(**{"input": "", **record}), add_special_tokens=True)["input_ids"]
+        # Tokenize the completion on its own so the prompt/completion boundary is a token boundary.
+        completion = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        labels = ([IGNORE_INDEX] * len(prompt) if completion_only else list(prompt)) + completion
+        return prompt + completion, labels
+    if fmt == "messages":
+        if not tokenizer.chat_template:
+            raise DataError(f"{where}: 'messages' records need a tokenizer with a chat template; this tokenizer has none")
+        return tokenize_messages(tokenizer, record["messages"], completion_only, where)
+    raise DataError(f"unknown dataset format {fmt!r}")
+
+
+@dataclass
+class DataStats:
+    path: str
+    format: str
+    records: int
+    truncated: int
+    dropped_long: int
+    dropped_no_labels: int
+    examples: int
+    tokens: int
+    trained_tokens: int
+    max_seq_length: int
+
+    def summary(self) -> str:
+        long_note = (
+            f"{self.dropped_long} longer than max_seq_length={self.max_seq_length} dropped"
+            if self.dropped_long
+            else f"{self.truncated} longer than max_seq_length={self.max_seq_length} truncated"
+        )
+        return (
+            f"data: {self.records} records ({self.format}) from {self.path}; {long_note}; "
+            f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
+            f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
+        )
+
+
+def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max_seq_length: int,
+                 drop_long: bool, completion_only: bool, path: str = "") -> tuple[list[dict], DataStats]:
+    examples = []
+    truncated = dropped_long = dropped_no_labels = 0
+    for record, loc in zip(records, where):
+        ids, labels = tokenize_record(tokenizer, record, fmt, completion_only, loc)
+        if len(ids) > max_seq_length:
+            if drop_long:
+                dropped_long += 1
+                continue
+            truncated += 1
+            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
+        # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            dropped_no_labels += 1
+            continue
+        examples.append({"input_ids": ids, "labels": labels})
+    stats = DataStats(
+        path=str(path), format=fmt, records=len(records), truncated=truncated, dropped_long=dropped_long,
+        dropped_no_labels=dropped_no_labels, examples=len(examples),
+        tokens=sum(len(e["input_ids"]) for e in examples),
+        trained_tokens=sum(sum(1 for x in e["labels"][1:] if x != IGNORE_INDEX) for e in examples),
+        max_seq_length=max_seq_length,
+    )
+    return examples, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenize once per node, cache, and let the other ranks wait on the cache (no collective, so no timeout).
+
+
+def _fingerprint(cfg, tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(DATA_VERSION.encode())
+    for key in ("dataset_format", "max_seq_length", "drop_long_sequences", "completion_only_loss"):
+        h.update(f"{key}={getattr(cfg, key)};".encode())
+    p = Path(cfg.dataset)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
+    return h.hexdigest()[:24]
+
+
+def cache_root(cfg) -> Path:
+    if cfg.dataset_cache_dir:
+        return Path(cfg.dataset_cache_dir)
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "tokenized"
+
+
+def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
+    """Return (datasets.Dataset with input_ids/labels, DataStats). Local rank 0 tokenizes; others wait."""
+    import datasets
+
+    root = cache_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    key = _fingerprint(cfg, tokenizer)
+    final, error_file = root / key, root / f"{key}.error"
+    if local_rank == 0:
+        if not (final / "stats.json").is_file():
+            error_file.unlink(missing_ok=True)
+            try:
+                records, where = read_records(cfg.dataset)
+                fmt = cfg.dataset_format
+                if fmt == "auto":
+                    fmt = detect_format(records[0], where[0])
+                for record, loc in zip(records, where):
+                    validate_record(record, fmt, loc)
+                examples, stats = tokenize_all(
+                    records, where, fmt, tokenizer, cfg.max_seq_length, cfg.drop_long_sequences,
+                    cfg.completion_only_loss, cfg.dataset,
+                )
+                if not examples:
+                    raise DataError(f"{cfg.dataset}: no examples left after filtering ({stats.summary()})")
+            except DataError as e:
+                error_file.write_text(str(e))
+                raise
+            tmp = root / f"{key}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            datasets.Dataset.from_list(examples).save_to_disk(str(tmp))
+            (tmp / "stats.json").write_text(json.dumps(asdict(stats)))
+            # The rename is the commit point: a crash before it leaves only a .tmp folder, never a half cache.
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)  # another node's rank 0 got there first
+    else:
+        _wait_for(final / "stats.json", error_file, log)
+    stats = DataStats(**json.loads((final / "stats.json").read_text()))
+    return datasets.load_from_disk(str(final)), stats
+
+
+def _process_start_time() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()
+
+
+def _wait_for(done: Path, error_file: Path, log) -> None:
+    started, last_note = _process_start_time(), time.time()
+    while not done.is_file():
+        # Only an error written during this run counts; an old one is left from an earlier run.
+        if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
+            raise DataError(error_file.read_text())
+        if time.time() - last_note > 60:
+            log(f"waiting for local rank 0 to tokenize the data set ({done.parent})")
+            last_note = time.time()
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class Collator:
+    """Right-pads a batch. Labels come from tokenization, never from `input_ids == pad`, so a pad that
+    equals EOS never masks a trained EOS."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        features = list(features)
+        length = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        ids = torch.full((len(features), length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(features), length), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[i, :n] = torch.as_tensor(f["input_ids"])
+            labels[i, :n] = torch.as_tensor(f["labels"])
+            mask[i, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -1,0 +1,106 @@
+"""Loading tokenizers and Llama-style models: dtype, quantization, LoRA. Shared by every training path."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(model_cfg):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+    tokenizer.padding_side = "right"
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Give the tokenizer a pad token without resizing the model.
+
+    Prefer an existing pad, then unk. Otherwise reuse EOS as the pad *id*: this is safe here because
+    the collator masks padding by position, never by `input_ids == pad_token_id`, so EOS stays trained.
+    """
+    if tokenizer.pad_token_id is not None:
+        return
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+        tokenizer.pad_token = tokenizer.unk_token
+    else:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def quantization_config(model_cfg, dtype: torch.dtype):
+    if not (model_cfg.load_in_8bit or model_cfg.load_in_4bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model_cfg.use_bnb_nested_quant,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def load_model(model_cfg, training_args=None):
+    """Load the model; with ZeRO-3 the TrainingArguments must already exist so weights load partitioned."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(model_cfg.torch_dtype)
+    quant = quantization_config(model_cfg, dtype)
+    kwargs = {}
+    if quant is not None:
+        # Each rank keeps its own quantized copy on its own device.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs["device_map"] = {"": local_rank if torch.cuda.is_available() else "cpu"}
+        kwargs["quantization_config"] = quant
+    model = AutoModelForCausalLM.from_pretrained(
+        model_cfg.model_name_or_path,
+        dtype=dtype,
+        attn_implementation=model_cfg.attn_implementation,
+        trust_remote_code=model_cfg.trust_remote_code,
+        use_safetensors=not model_cfg.allow_pickle,
+        **kwargs,
+    )
+    gradient_checkpointing = bool(training_args and training_args.gradient_checkpointing)
+    if quant is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    if model_cfg.use_peft:
+        model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0)
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+    # The KV cache is useless in training and breaks gradient checkpointing.
+    model.config.use_cache = False
+    return model
+
+
+def add_lora(model, model_cfg, seed: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    targets = model_cfg.lora_target_modules
+    config = LoraConfig(
+        r=model_cfg.lora_r,
+        lora_alpha=model_cfg.lora_alpha,
+        lora_dropout=model_cfg.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
+    # Seed here: LoRA's A matrices are drawn at creation, and every rank (and every resumed run) must draw the same.
+    set_seed(seed)
+    return get_peft_model(model, config)

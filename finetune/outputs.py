@@ -1,0 +1,65 @@
+"""What a run prints and writes: the batch arithmetic at start, and atomic final outputs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+# Written last when moving a finished save into place: its presence marks a complete model folder.
+_COMMIT_LAST = ("config.json", "adapter_config.json")
+# The Trainer pickles its arguments next to the model; we keep outputs pickle-free (finetune_config.yaml holds the config).
+_DROP = ("training_args.bin",)
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def rank0_print(*args, **kwargs) -> None:
+    if is_rank0():
+        print(*args, **kwargs, flush=True)
+
+
+def describe_run(cfg, stats, model) -> str:
+    """The batch arithmetic (per-device x accumulation x world = global) and the preset in force."""
+    args = cfg.training
+    micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    global_batch = micro * accum * world
+    mean_len = stats.tokens / max(stats.examples, 1)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    preset = cfg.launch.config
+    ds = f" ({cfg.deepspeed_config})" if cfg.deepspeed_config else ""
+    return "\n".join([
+        f"parallelism: {preset}{ds}, world size {world}, device {args.device}",
+        f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
+        f"tokens/step: up to {global_batch} x {cfg.data.max_seq_length} = {global_batch * cfg.data.max_seq_length}; "
+        f"about {global_batch * mean_len:.0f} at the data's mean length {mean_len:.1f}",
+        f"parameters: {trainable:,} trainable of {total:,}",
+    ])
+
+
+def save_final(trainer, output_dir: str | Path) -> None:
+    """Save model (or adapter) + tokenizer + trainer_state.json so that a crash never leaves a folder that
+    looks complete but is not: everything is written to a staging folder, then moved in file by file
+    (os.replace is atomic), with config.json / adapter_config.json last."""
+    out = Path(output_dir)
+    staging = out / ".staging-final"
+    if trainer.args.should_save:
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
+    trainer.save_model(str(staging))
+    if trainer.args.should_save:
+        trainer.state.save_to_json(str(staging / "trainer_state.json"))
+        for name in _DROP:
+            (staging / name).unlink(missing_ok=True)
+        files = sorted(p for p in staging.iterdir() if p.is_file())
+        files.sort(key=lambda p: p.name in _COMMIT_LAST)
+        for name in _COMMIT_LAST:  # an older save's marker must not vouch for half-replaced weights
+            (out / name).unlink(missing_ok=True)
+        for f in files:
+            os.replace(f, out / f.name)
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()

@@ -1,0 +1,83 @@
+"""Fine-tune a Llama-style causal LM with the Hugging Face Trainer.
+
+    python finetune/train.py --model_name_or_path MODEL --dataset data.jsonl --output_dir out
+    accelerate launch --multi_gpu --num_processes 2 finetune/train.py --config zero3 ...
+    accelerate launch --config_file accelerate_configs/zero3.yaml finetune/train.py --config zero3 ...
+    torchrun --nproc_per_node 2 finetune/train.py --config zero2 ...
+
+`--config` picks the parallelism (ddp, zero1, zero2, zero3 = ZeRO-3 with CPU offload, or a DeepSpeed
+JSON); it changes memory and speed, never the losses. `finetune train --help` lists every flag.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a file: import the `finetune` package, not this folder's modules as top-level names.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from finetune import config as C
+from finetune.data import Collator, DataError, prepare_dataset
+from finetune.model import load_model, load_tokenizer
+from finetune.outputs import describe_run, rank0_print, save_final
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Config: every problem is reported at once, before anything heavy happens.
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(C.help_text())
+        return
+    try:
+        cfg = C.parse(argv)
+    except C.ConfigError as e:
+        exit_with(str(e))
+    args = cfg.training  # TrainingArguments; built before the model so ZeRO-3 loads weights partitioned
+
+    # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
+    tokenizer = load_tokenizer(cfg.model)
+    try:
+        train_dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=args.local_process_index, log=rank0_print)
+    except DataError as e:
+        exit_with(f"data error: {e}")
+    rank0_print(stats.summary())
+
+    # Model (and LoRA).
+    model = load_model(cfg.model, args)
+    rank0_print(describe_run(cfg, stats, model))
+
+    # Trainer: stock HF Trainer; loss is normalized by the trained tokens of the whole global batch
+    # (average_tokens_across_devices), so the split of the batch over ranks and micro-batches does not matter.
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=Collator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+    )
+    if args.process_index == 0:
+        C.save_resolved(cfg, args.output_dir)
+
+    # Train.
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+
+    # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
+    save_final(trainer, args.output_dir)
+    rank0_print(f"saved to {args.output_dir}")
+
+
+def exit_with(message: str) -> None:
+    import os
+
+    # Every rank reaches the same error (no rank waits on a collective), so all exit; one prints.
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message if message.startswith("finetune") else f"finetune: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()
