@@ -37,6 +37,8 @@ def describe_run(cfg, stats, model) -> str:
         f"tokens/step: up to {global_batch} x {cfg.data.max_seq_length} = {global_batch * cfg.data.max_seq_length}; "
         f"about {global_batch * mean_len:.0f} at the data's mean length {mean_len:.1f}",
         f"parameters: {trainable:,} trainable of {total:,}",
+        "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
+        else "weights: a full copy on every rank",
     ])
 
 

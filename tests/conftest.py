@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny Llama models and tokenizers built locally (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from finetune import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_chatml(tmp_path_factory) -> Path:
+    """Tiny random Llama with a ChatML (SmolLM2-style) tokenizer: eos <|im_end|>, unk but no pad."""
+    return tiny.build(tmp_path_factory.mktemp("tiny_chatml"), style="chatml")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory) -> Path:
+    """Tiny random Llama with a Llama-3-style tokenizer: bos <|begin_of_text|>, eos <|eot_id|>, no pad, no unk."""
+    return tiny.build(tmp_path_factory.mktemp("tiny_llama3"), style="llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_plain(tmp_path_factory) -> Path:
+    """Tiny random Llama whose tokenizer has no chat template (alpaca uses the Alpaca prompt)."""
+    return tiny.build(tmp_path_factory.mktemp("tiny_plain"), style="plain")
+
+
+@pytest.fixture
+def cache_dir(tmp_path) -> Path:
+    return tmp_path / "tokenized-cache"
