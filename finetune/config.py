@@ -214,6 +214,10 @@ _FALSE = {"false", "0", "no", "n", "off"}
 def convert(value: Any, tp: Any) -> Any:
     """Convert a YAML value or a command-line string to `tp`; raises ValueError with a readable reason."""
     members, nullable = _type_parts(tp)
+    if str in members and any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
+        # `SchedulerType | str` (lr_scheduler_type, optim, save_strategy, ...): the str only lets Python callers pass
+        # the value; TrainingArguments accepts enum members only, so a typo is reported here with the other problems.
+        members = [m for m in members if m is not str]
     # The string "none" means None only where a string is not itself valid (report_to takes "none").
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and nullable and str not in members):
         if nullable:
@@ -360,12 +364,17 @@ def read_recipe(path: str) -> tuple[dict[str, _Setting], list[str]]:
         return {}, []
     if not isinstance(root, yaml.MappingNode):
         return {}, [f"{path}: a recipe is a mapping of key: value, got {root.tag.rsplit(':', 1)[-1]}"]
-    data = yaml.safe_load(p.read_text())
-    settings = {}
-    for key_node, _ in root.value:
-        key = key_node.value
-        settings[key] = _Setting(data[key], f"{path}:{key_node.start_mark.line + 1}")
-    return settings, []
+    # Values are built node by node: a key YAML reads as a non-string (`1:`, `on:`) is reported, not a KeyError.
+    loader = yaml.SafeLoader("")
+    settings, problems = {}, []
+    for key_node, value_node in root.value:
+        where = f"{path}:{key_node.start_mark.line + 1}"
+        if not isinstance(key_node, yaml.ScalarNode):
+            problems.append(f"{where}: a recipe key must be a plain name")
+            continue
+        settings[key_node.value] = _Setting(loader.construct_object(value_node, deep=True), where)
+    loader.dispose()
+    return settings, problems
 
 
 def _did_you_mean(key: str, valid: list[str]) -> str:
@@ -441,6 +450,7 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
     problems += validate(model, data, launch, values["training"], check_paths=check_paths)
+    problems += _check_accelerate_agrees(launch, "config" in sources)
     ds_path = resolve_preset(launch.config)
 
     training = None
@@ -450,6 +460,29 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     if problems:
         raise ConfigError(problems)
     return FinetuneConfig(model, data, launch, training, ds_path, sources)
+
+
+def _check_accelerate_agrees(launch: LaunchConfig, config_given: bool) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/zero3.yaml` names a DeepSpeed file too; the two must agree.
+
+    Without --config, the accelerate file's DeepSpeed JSON is used, so the preset in force is never a guess.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return []
+    launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not launcher_file or launcher_file.lower() == "none":
+        return ["accelerate launch was configured for DeepSpeed without a deepspeed_config_file; "
+                "use accelerate_configs/zero2.yaml or zero3.yaml, or pass --config"]
+    if not config_given:
+        launch.config = launcher_file
+        return []
+    ours = resolve_preset(launch.config)
+    if ours is None or Path(ours).resolve() != Path(launcher_file).resolve():
+        return [
+            f"--config {launch.config} disagrees with the accelerate config, which uses DeepSpeed file {launcher_file}; "
+            "pair them (accelerate_configs/zero2.yaml with --config zero2, zero3.yaml with --config zero3) or drop --config"
+        ]
+    return []
 
 
 def resolve_preset(name: str) -> Path | None:
@@ -486,7 +519,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append("load_in_8bit and load_in_4bit: choose one")
     if (model.load_in_8bit or model.load_in_4bit) and not model.use_peft:
         problems.append("load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)")
-    if (model.load_in_8bit or model.load_in_4bit) and launch.config.startswith("zero3"):
+    if (model.load_in_8bit or model.load_in_4bit) and (launch.config.startswith("zero3") or _zero_stage(launch.config) == 3):
         problems.append(
             f"--config {launch.config}: a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
         )
@@ -505,6 +538,17 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         elif not Path(data.dataset).exists():
             problems.append(f"dataset: {data.dataset}: no such file or folder")
     return problems
+
+
+def _zero_stage(config: str) -> int | None:
+    """The ZeRO stage of a preset or DeepSpeed JSON (0 for ddp); None if the file cannot be read."""
+    path = resolve_preset(config)
+    if path is None:
+        return 0
+    try:
+        return int(json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def check_model_folder(path: str, allow_pickle: bool) -> list[str]:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up .venv with finetune and its test tools. Safe to re-run (it only installs what is missing).
+#
+# torch: an interpreter that already has torch (say your CUDA build) is reused through
+# --system-site-packages and never replaced. Otherwise: with an NVIDIA GPU, PyPI's default (CUDA)
+# build; without one, the CPU build (TORCH_SPEC, default torch==2.13.0; on a machine whose pip does not
+# already serve a CPU wheel, point TORCH_INDEX_URL at PyTorch's CPU wheel index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [ ! -x .venv/bin/python ]; then
+  if "$PY" -c "import torch" 2>/dev/null; then
+    echo "setup: reusing the torch of $PY ($("$PY" -c 'import torch; print(torch.__version__)'))"
+    "$PY" -m venv --system-site-packages .venv
+  else
+    "$PY" -m venv .venv
+  fi
+fi
+PIP=(.venv/bin/python -m pip install -q)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${PIP[@]}" "torch>=2.4"
+  else
+    "${PIP[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+fi
+# torch is now satisfied, so this installs nothing of torch's.
+"${PIP[@]}" -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+.venv/bin/python -c "import torch, transformers, accelerate, deepspeed, datasets, peft; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | grep "^setup:"
