@@ -586,6 +586,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def build_training_arguments(values: dict[str, Any], ds_path: Path | None):
     """Build TrainingArguments; with DeepSpeed this must happen before the model loads (ZeRO-3 zero.Init)."""
     import torch
@@ -596,7 +604,12 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None):
         kwargs["use_cpu"] = True
     if ds_path is not None:
         kwargs["deepspeed"] = str(ds_path)
-        if world_size() > 1 or "LOCAL_RANK" in os.environ:
+        if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
+            # `python finetune/train.py --config zero2`: DeepSpeed needs a process group even for one process,
+            # and without a launcher it would look for MPI. Describe a world of one on loopback instead.
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
             # DeepSpeed's config check (train_batch_size = micro x accum x world) runs when TrainingArguments
             # is built; if the process group does not exist yet it uses world size 1 and asserts. Start it first.
             import deepspeed

@@ -30,6 +30,7 @@ RUNS = {
     "zero2": ("accelerate", "accelerate_configs/zero2.yaml", "zero2", 2, 4, 1),
     "zero3": ("accelerate", None, "ds_configs/zero3_no_offload.json", 2, 4, 1),
     "zero3_offload": ("accelerate", "accelerate_configs/zero3.yaml", "zero3", 2, 4, 1),
+    "single_zero3": ("python", None, "zero3", 1, 8, 1),  # DeepSpeed without a launcher
     "accum_single": ("python", None, "ddp", 1, 2, 4),
     "accum_ddp": ("torchrun", None, "ddp", 2, 2, 2),
 }
@@ -108,7 +109,7 @@ def assert_same_run(name: str, reference: str, setup) -> None:
         assert diff <= 1e-4, f"{name} {key}: max |diff| {diff}"
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_yaml", "zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_yaml", "zero1", "zero2", "zero3", "zero3_offload", "single_zero3"])
 def test_parallelism_does_not_change_the_run(name, setup):
     assert_same_run(name, "single", setup)
     if name.startswith("zero3"):
