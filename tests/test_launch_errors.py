@@ -1,0 +1,50 @@
+"""User mistakes under a real 2-process launch: one clear message, non-zero exit, no rank left hanging."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from finetune import tiny
+from launch import launcher, run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny.build(tmp_path_factory.mktemp("model"), style="chatml")
+
+
+def test_bad_record_stops_every_rank(model, tmp_path):
+    data = tmp_path / "train.jsonl"
+    good = tiny.synthetic_records(6, seed=1)
+    lines = [__import__("json").dumps(r) for r in good]
+    lines.insert(3, '{"messages": [{"role": "user", "content": "hi"}')  # line 4: cut-off JSON
+    data.write_text("\n".join(lines) + "\n")
+    start = time.time()
+    result = run(launcher("accelerate", 2) + [
+        "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
+        "--dataset_cache_dir", str(tmp_path / "cache"), "--max_steps", "2",
+    ], timeout=180)
+    assert result.returncode != 0
+    assert f"data error: {data}:4: invalid JSON" in result.output
+    assert time.time() - start < 120  # the waiting rank saw rank 0's error instead of waiting forever
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_accelerate_config_and_preset_must_agree(model, tmp_path):
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.synthetic_records(16, seed=2))
+    common = ["--model_name_or_path", str(model), "--dataset", str(data), "--dataset_cache_dir", str(tmp_path / "c"),
+              "--max_steps", "1", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]
+    bad = run(launcher("accelerate", 2, "accelerate_configs/zero3.yaml") + common
+              + ["--config", "zero2", "--output_dir", str(tmp_path / "bad")], timeout=180)
+    assert bad.returncode != 0
+    assert "--config zero2 disagrees with the accelerate config" in bad.output
+
+    # Without --config the accelerate file's DeepSpeed JSON is the preset in force, and it says so.
+    good = run(launcher("accelerate", 2, "accelerate_configs/zero2.yaml") + common
+               + ["--output_dir", str(tmp_path / "good")], timeout=300).check()
+    assert "parallelism: ds_configs/zero2.json" in good.output
+    assert "x 2 processes = global batch 4" in good.output
