@@ -51,6 +51,8 @@ def save_final(trainer, output_dir: str | Path) -> None:
     if trainer.args.should_save:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
+    # Training turns the KV cache off; the saved model is for inference, where the cache is the default.
+    trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
     # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
     trainer.save_model(str(staging))
     if trainer.args.should_save:
