@@ -146,6 +146,10 @@ class FinetuneConfig:
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
+        # Absolute paths, so the saved recipe works from any directory.
+        for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config"):
+            if out.get(key) and Path(out[key]).exists():
+                out[key] = str(Path(out[key]).resolve())
         from transformers import TrainingArguments
 
         hf_default = _training_field_defaults(TrainingArguments)
@@ -154,7 +158,7 @@ class FinetuneConfig:
             if name in skip or name not in hf_default or not _is_plain(value):
                 continue  # derived or object-valued fields (e.g. accelerator_config) are not recipe keys
             if value != _plain(hf_default[name]) or name in TRAINING_DEFAULTS or name in self.sources:
-                out[name] = value
+                out[name] = str(Path(value).resolve()) if name in ("output_dir", "logging_dir") and value else value
         return out
 
 
@@ -346,7 +350,8 @@ def split_cli(argv: list[str], list_keys: set[str], bool_keys: set[str]) -> tupl
             continue
         if len(values) > 1 and key not in list_keys:
             problems.append(f"--{key} takes one value, got {len(values)}: {' '.join(values)}")
-        settings[key] = _Setting(values if key in list_keys else values[0], f"--{key}")
+        # `--key=a,b` is one string that convert() splits; `--key a b` is already a list.
+        settings[key] = _Setting(values if key in list_keys and not eq else values[0], f"--{key}")
     return settings, problems
 
 
@@ -449,8 +454,9 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
-    problems += validate(model, data, launch, values["training"], check_paths=check_paths)
+    # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
+    problems += validate(model, data, launch, values["training"], check_paths=check_paths)
     ds_path = resolve_preset(launch.config)
 
     training = None

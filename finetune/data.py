@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 IGNORE_INDEX = -100
 # Bump when tokenization changes, so stale caches are not reused.
-DATA_VERSION = "1"
+DATA_VERSION = "2"
 ROLES = ("system", "user", "assistant", "tool")
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = (
@@ -42,21 +42,33 @@ def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
     if p.is_dir():
         return _read_saved(p)
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        records, where = _read_json(p)
-    elif suffix == ".csv":
-        records, where = _read_csv(p)
-    elif suffix == ".parquet":
-        records, where = _read_parquet(p)
-    else:
-        raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
+    try:
+        if suffix in (".jsonl", ".json"):
+            records, where = _read_json(p)
+        elif suffix == ".csv":
+            records, where = _read_csv(p)
+        elif suffix == ".parquet":
+            records, where = _read_parquet(p)
+        else:
+            raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
+    except UnicodeDecodeError:
+        raise DataError(f"{p}:{_first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
     if not records:
         raise DataError(f"{p}: the file holds no records")
     return records, where
 
 
+def _first_bad_utf8_line(p: Path) -> int:
+    raw = p.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return raw[: e.start].count(b"\n") + 1
+    return 1
+
+
 def _read_json(p: Path) -> tuple[list[dict], list[str]]:
-    text = p.read_text(encoding="utf-8")
+    text = p.read_text(encoding="utf-8-sig")  # -sig: also accept a byte order mark, as some editors write
     if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             data = json.loads(text)
@@ -85,7 +97,7 @@ def _read_json(p: Path) -> tuple[list[dict], list[str]]:
 
 
 def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
-    with p.open(newline="", encoding="utf-8") as f:
+    with p.open(newline="", encoding="utf-8-sig") as f:  # Excel writes a byte order mark
         rows = list(csv.DictReader(f))
     records = []
     for row in rows:
@@ -102,7 +114,10 @@ def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
 def _read_parquet(p: Path) -> tuple[list[dict], list[str]]:
     import pyarrow.parquet as pq
 
-    records = pq.read_table(p).to_pylist()
+    try:
+        records = pq.read_table(p).to_pylist()
+    except Exception as e:  # pyarrow.ArrowInvalid and friends: not a Parquet file
+        raise DataError(f"{p}: cannot read as Parquet: {e}") from None
     return records, [f"{p} row {i}" for i in range(len(records))]
 
 
@@ -196,8 +211,11 @@ def alpaca_to_messages(record: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "") -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
+        raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
 
 
 def assistant_spans(tokenizer, messages: list[dict], where: str = "") -> tuple[str, list[tuple[int, int]]]:
@@ -207,14 +225,14 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "") -> tuple[s
     Spans come from rendering prefixes of the conversation, so they are right for any template that
     renders a prefix as a prefix, with or without `{% generation %}` markers.
     """
-    full = _render(tokenizer, messages)
+    full = _render(tokenizer, messages, where=where)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _render_gen_only(tokenizer)
-        through = _render(tokenizer, messages[: i + 1])
-        if not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True, where=where) if i else _before_first(tokenizer, m, where)
+        through = _render(tokenizer, messages[: i + 1], where=where)
+        if before is None or not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
             raise DataError(
                 f"{where}: the tokenizer's chat template does not render a conversation prefix as a prefix of the "
                 "whole conversation, so assistant tokens cannot be located; use a template without history rewriting"
@@ -223,11 +241,15 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "") -> tuple[s
     return full, spans
 
 
-def _render_gen_only(tokenizer) -> str:
-    try:
-        return _render(tokenizer, [], add_generation_prompt=True)
-    except Exception:
-        return ""
+def _before_first(tokenizer, first: dict, where: str) -> str | None:
+    """The text before the content of a conversation's first message (an assistant turn).
+
+    An empty conversation cannot be rendered (and would miss a default system prompt the template adds),
+    so render the first turn with a marker as its content and cut at the marker.
+    """
+    marker = "FINETUNEMARKER7f3a"
+    text = _render(tokenizer, [{**first, "content": marker}], where=where)
+    return text[: text.index(marker)] if marker in text else None
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -242,8 +264,6 @@ def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, wh
     full, spans = assistant_spans(tokenizer, messages, where)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    if not completion_only:
-        return list(ids), list(ids)
     special = _special_ids(tokenizer)
     labels = [IGNORE_INDEX] * len(ids)
     needs_eos = False
@@ -262,6 +282,8 @@ def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, wh
         # The template ends the last turn with no special token: append EOS so the model learns to stop.
         ids.append(tokenizer.eos_token_id)
         labels.append(tokenizer.eos_token_id)
+    if not completion_only:
+        labels = list(ids)  # every token, the appended EOS included
     return ids, labels
 
 
@@ -394,7 +416,10 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
                 if not examples:
                     raise DataError(f"{cfg.dataset}: no examples left after filtering ({stats.summary()})")
             except DataError as e:
-                error_file.write_text(str(e))
+                # Write then rename, so a waiting rank never reads a half-written (empty) message.
+                tmp_error = root / f"{key}.error.tmp{os.getpid()}"
+                tmp_error.write_text(str(e))
+                os.replace(tmp_error, error_file)
                 raise
             tmp = root / f"{key}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -424,8 +449,11 @@ def _wait_for(done: Path, error_file: Path, log) -> None:
     started, last_note = _process_start_time(), time.time()
     while not done.is_file():
         # Only an error written during this run counts; an old one is left from an earlier run.
-        if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
-            raise DataError(error_file.read_text())
+        try:
+            if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
+                raise DataError(error_file.read_text())
+        except FileNotFoundError:
+            pass  # local rank 0 removed an old error file between the checks
         if time.time() - last_note > 60:
             log(f"waiting for local rank 0 to tokenize the data set ({done.parent})")
             last_note = time.time()

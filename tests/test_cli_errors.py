@@ -1,0 +1,114 @@
+"""User mistakes on the real command line: exit status 2 and a message that says what to fix, never a traceback.
+
+Each test starts a fresh process (`finetune train ...` or `python finetune/train.py ...`), so the count is
+kept small; config mistakes are tested in depth, in-process, by test_config.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 120
+LAUNCH_ENV = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+)
+
+
+def _finetune_script() -> str:
+    script = Path(sys.executable).parent / "finetune"
+    if script.is_file():
+        return str(script)
+    found = shutil.which("finetune")
+    if not found:
+        pytest.fail("the `finetune` console script is not installed (pip install -e .)")
+    return found
+
+
+def run(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", FINETUNE_CACHE=str(tmp_path / "finetune-cache"))
+    args = [str(a) for a in args]
+    if how == "cli":
+        cmd, cwd = [_finetune_script(), "train", *args], tmp_path
+    else:
+        cmd, cwd = [sys.executable, "finetune/train.py", *args], REPO
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *messages: str) -> None:
+    report = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 2, report
+    for message in messages:
+        assert message in proc.stderr, f"missing {message!r}\n{report}"
+    assert "Traceback" not in proc.stderr, report
+
+
+def test_help_lists_flags(tmp_path):
+    proc = run("cli", ["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for flag in ("--model_name_or_path", "--per_device_train_batch_size", "--config", "--recipe", "--dataset"):
+        assert flag in proc.stdout, flag
+
+
+def test_unknown_key_cli(tmp_path):
+    proc = run("cli", ["--learning_rat", "1e-3", "--model_name_or_path", tmp_path, "--dataset", tmp_path], tmp_path)
+    assert_user_error(
+        proc,
+        "finetune: ",
+        "configuration problem(s)",
+        "--learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'?",
+    )
+
+
+def test_unknown_preset_and_missing_model_script(tmp_path):
+    # Both problems in one run: configuration problems are reported together.
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    missing = tmp_path / "no-such-model"
+    proc = run("script", ["--config", "zero4", "--model_name_or_path", missing, "--dataset", data,
+                          "--output_dir", tmp_path / "out"], tmp_path)
+    assert_user_error(
+        proc,
+        "finetune: 2 configuration problem(s):",
+        "--config: unknown preset 'zero4'; did you mean 'zero3'?",
+        f"model_name_or_path: {missing}: no such folder",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def _data_run(how: str, tiny_model: Path, data: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run(how, [
+        "--model_name_or_path", tiny_model, "--dataset", data, "--dataset_cache_dir", tmp_path / "cache",
+        "--output_dir", tmp_path / "out", "--max_steps", "1", *extra,
+    ], tmp_path)
+
+
+def test_malformed_json_line(tiny_chatml, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": "three four"}\n{"text": "five" six}\n')
+    proc = _data_run("cli", tiny_chatml, data, tmp_path)
+    assert_user_error(proc, f"finetune: data error: {data}:3: invalid JSON")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_data_file(tiny_chatml, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    proc = _data_run("script", tiny_chatml, data, tmp_path)
+    assert_user_error(proc, f"finetune: data error: {data}: the file holds no records")
+
+
+def test_missing_field(tiny_chatml, tmp_path):
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text('{"instruction": "copy: cat", "output": "cat"}\n{"instruction": "copy: dog"}\n')
+    proc = _data_run("cli", tiny_chatml, data, tmp_path, "--dataset_format", "alpaca")
+    assert_user_error(proc, f"finetune: data error: {data}:2: missing field 'output' (format alpaca)")
