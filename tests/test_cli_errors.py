@@ -112,3 +112,10 @@ def test_missing_field(tiny_chatml, tmp_path):
     data.write_text('{"instruction": "copy: cat", "output": "cat"}\n{"instruction": "copy: dog"}\n')
     proc = _data_run("cli", tiny_chatml, data, tmp_path, "--dataset_format", "alpaca")
     assert_user_error(proc, f"finetune: data error: {data}:2: missing field 'output' (format alpaca)")
+
+
+def test_wrong_type(tiny_chatml, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 42}]}\n')
+    proc = _data_run("script", tiny_chatml, data, tmp_path)
+    assert_user_error(proc, f"finetune: data error: {data}:1: messages[1].content must be a string, got int")
