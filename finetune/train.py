@@ -11,6 +11,7 @@ JSON); it changes memory and speed, never the losses. `finetune train --help` li
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -71,8 +72,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_with(message: str) -> None:
-    import os
-
     # Every rank reaches the same error (no rank waits on a collective), so all exit; one prints.
     if int(os.environ.get("RANK", "0")) == 0:
         print(message if message.startswith("finetune") else f"finetune: {message}", file=sys.stderr)

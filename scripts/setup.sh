@@ -18,15 +18,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
-PIP=(.venv/bin/python -m pip install -q)
+# pip's exit status is kept; only the noise about this machine's missing local wheel folders is dropped.
+pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "${PIP[@]}" "torch>=2.4"
+    pip_install "torch>=2.4"
   else
-    "${PIP[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
+    pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
   fi
 fi
 # torch is now satisfied, so this installs nothing of torch's.
-"${PIP[@]}" -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+pip_install -e ".[test]"
 .venv/bin/python -c "import torch, transformers, accelerate, deepspeed, datasets, peft; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | grep "^setup:"
