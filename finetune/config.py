@@ -395,11 +395,26 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
-def help_text() -> str:
+def help_text(prog: str = "finetune train") -> str:
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((LaunchConfig, ModelConfig, DataConfig, TrainingArguments), prog="finetune train")
+    parser = HfArgumentParser((LaunchConfig, ModelConfig, DataConfig, TrainingArguments), prog=prog)
     return parser.format_help()
+
+
+def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train") -> FinetuneConfig:
+    """parse() for a training entry point: --help prints the flags; a ConfigError exits 2 with every problem."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text(prog))
+        raise SystemExit(0)
+    try:
+        return parse(argv)
+    except ConfigError as e:
+        # Every rank finds the same problems (no rank waits on a collective), so all exit; rank 0 prints.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(e), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -21,16 +22,17 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def describe_run(cfg, stats, model) -> str:
+def describe_run(cfg, stats, model, world: int | None = None) -> str:
     """The batch arithmetic (per-device x accumulation x world = global) and the preset in force."""
     args = cfg.training
-    micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    world = args.world_size if world is None else world
     global_batch = micro * accum * world
     mean_len = stats.tokens / max(stats.examples, 1)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     preset = cfg.launch.config
-    ds = f" ({cfg.deepspeed_config})" if cfg.deepspeed_config else ""
+    ds = f" ({cfg.deepspeed_config})" if cfg.deepspeed_config and str(cfg.deepspeed_config) != preset else ""
     return "\n".join([
         f"parallelism: {preset}{ds}, world size {world}, device {args.device}",
         f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
@@ -42,12 +44,35 @@ def describe_run(cfg, stats, model) -> str:
     ])
 
 
-def save_final(trainer, output_dir: str | Path) -> None:
-    """Save model (or adapter) + tokenizer + trainer_state.json so that a crash never leaves a folder that
-    looks complete but is not: everything is written to a staging folder, then moved in file by file
-    (os.replace is atomic), with config.json / adapter_config.json last."""
+def staging_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / ".staging-final"
+
+
+def commit_staged(staging: Path, output_dir: str | Path) -> None:
+    """Move a finished save from `staging` into `output_dir` so that a crash never leaves a folder that looks
+    complete but is not: os.replace is atomic per file, and config.json / adapter_config.json go last."""
     out = Path(output_dir)
-    staging = out / ".staging-final"
+    for name in _DROP:
+        (staging / name).unlink(missing_ok=True)
+    files = sorted(p for p in staging.iterdir() if p.is_file())
+    files.sort(key=lambda p: p.name in _COMMIT_LAST)
+    for name in _COMMIT_LAST:  # an older save's marker must not vouch for half-replaced weights
+        (out / name).unlink(missing_ok=True)
+    for f in files:
+        os.replace(f, out / f.name)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_json_atomic(path: str | Path, data) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def save_final(trainer, output_dir: str | Path) -> None:
+    """Trainer path: model (or adapter) + tokenizer + trainer_state.json, staged then committed."""
+    staging = staging_dir(output_dir)
     if trainer.args.should_save:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
@@ -57,13 +82,5 @@ def save_final(trainer, output_dir: str | Path) -> None:
     trainer.save_model(str(staging))
     if trainer.args.should_save:
         trainer.state.save_to_json(str(staging / "trainer_state.json"))
-        for name in _DROP:
-            (staging / name).unlink(missing_ok=True)
-        files = sorted(p for p in staging.iterdir() if p.is_file())
-        files.sort(key=lambda p: p.name in _COMMIT_LAST)
-        for name in _COMMIT_LAST:  # an older save's marker must not vouch for half-replaced weights
-            (out / name).unlink(missing_ok=True)
-        for f in files:
-            os.replace(f, out / f.name)
-        shutil.rmtree(staging, ignore_errors=True)
+        commit_staged(staging, output_dir)
     trainer.accelerator.wait_for_everyone()

@@ -23,19 +23,14 @@ from finetune import config as C
 from finetune.data import Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import describe_run, rank0_print, save_final
+from finetune.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Config: every problem is reported at once, before anything heavy happens.
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(C.help_text())
-        return
-    try:
-        cfg = C.parse(argv)
-    except C.ConfigError as e:
-        exit_with(str(e))
-    args = cfg.training  # TrainingArguments; built before the model so ZeRO-3 loads weights partitioned
+    # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
+    # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
+    cfg = C.load_or_exit(argv)
+    args = cfg.training
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
     tokenizer = load_tokenizer(cfg.model)
@@ -49,10 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(cfg.model, args)
     rank0_print(describe_run(cfg, stats, model))
 
-    # Trainer: stock HF Trainer; loss is normalized by the trained tokens of the whole global batch
-    # (average_tokens_across_devices), so the split of the batch over ranks and micro-batches does not matter.
-    from transformers import Trainer
-
+    # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
+    # the whole global batch (average_tokens_across_devices), so how the batch is split does not matter.
     trainer = Trainer(
         model=model,
         args=args,
@@ -72,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_with(message: str) -> None:
-    # Every rank reaches the same error (no rank waits on a collective), so all exit; one prints.
+    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit.
     if int(os.environ.get("RANK", "0")) == 0:
-        print(message if message.startswith("finetune") else f"finetune: {message}", file=sys.stderr)
+        print(f"finetune: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "finetune" / "train.py")
+LOOP = str(REPO / "finetune" / "loop.py")
 
 
 def free_port() -> int:
@@ -35,20 +36,20 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-def launcher(kind: str, nproc: int = 2, config_file: str | None = None) -> list[str]:
+def launcher(kind: str, nproc: int = 2, config_file: str | None = None, script: str = TRAIN) -> list[str]:
     """The launch line a user would type, for each supported launcher."""
     port = str(free_port())
     if kind == "python":
-        return [sys.executable, TRAIN]
+        return [sys.executable, script]
     if kind == "accelerate":
         cmd = [str(BIN / "accelerate"), "launch", "--main_process_ip", "127.0.0.1", "--main_process_port", port]
         if config_file:
-            return cmd + ["--config_file", str(REPO / config_file), "--num_processes", str(nproc), TRAIN]
+            return cmd + ["--config_file", str(REPO / config_file), "--num_processes", str(nproc), script]
         return cmd + ["--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
-                      "--mixed_precision", "no", "--dynamo_backend", "no", TRAIN]
+                      "--mixed_precision", "no", "--dynamo_backend", "no", script]
     if kind == "torchrun":
         return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-                "--master_port", port, TRAIN]
+                "--master_port", port, script]
     raise ValueError(kind)
 
 

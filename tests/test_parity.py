@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune import tiny
-from launch import launcher, losses, run
+from launch import LOOP, TRAIN, launcher, losses, run
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,10 @@ RUNS = {
     "single_zero3": ("python", None, "zero3", 1, 8, 1),  # DeepSpeed without a launcher
     "accum_single": ("python", None, "ddp", 1, 2, 4),
     "accum_ddp": ("torchrun", None, "ddp", 2, 2, 2),
+    # The prepare() loop (finetune/loop.py): same flags, same data order, same losses.
+    "loop_ddp": ("accelerate", None, "ddp", 2, 2, 2),
+    "loop_zero2": ("accelerate", "accelerate_configs/zero2.yaml", "zero2", 2, 4, 1),
+    "loop_zero3_offload": ("accelerate", None, "zero3", 2, 2, 2),
 }
 
 
@@ -54,7 +58,7 @@ def train(name: str, setup) -> tuple[Path, str]:
     root, model, data = setup
     kind, config_file, preset, nproc, micro, accum = RUNS[name]
     out = root / name
-    cmd = launcher(kind, nproc, config_file) + [
+    cmd = launcher(kind, nproc, config_file, LOOP if name.startswith("loop_") else TRAIN) + [
         "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data),
         "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
         "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro),
@@ -68,6 +72,8 @@ def train(name: str, setup) -> tuple[Path, str]:
     m = re.search(r"batch: (\d+) per device x (\d+) accumulation x (\d+) processes = global batch (\d+)", result.output)
     assert m, result.output[-3000:]
     assert tuple(map(int, m.groups())) == (micro, accum, nproc, 8), m.group(0)
+    if name.startswith("loop_"):  # the preset really switched the engine (a DDP run would give the same losses)
+        assert ("engine: DEEPSPEED" in result.output) == ("zero" in name), result.output[-3000:]
     _results[name] = (out, elapsed, result.output)
     _write_table()
     return out, result.output
@@ -114,6 +120,11 @@ def test_parallelism_does_not_change_the_run(name, setup):
     assert_same_run(name, "single", setup)
     if name.startswith("zero3"):
         assert "weights: partitioned across ranks at load (ZeRO-3)" in _results[name][2]
+
+
+@pytest.mark.parametrize("name", ["loop_ddp", "loop_zero2", "loop_zero3_offload"])
+def test_prepare_loop_agrees_with_trainer(name, setup):
+    assert_same_run(name, "single", setup)
 
 
 @pytest.mark.parametrize("name", ["accum_single", "accum_ddp"])
