@@ -7,6 +7,9 @@ import sys
 COMMANDS = {
     "train": ("finetune.train", "fine-tune a model with the HF Trainer (same as finetune/train.py)"),
     "tiny": ("finetune.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
+    "generate": ("finetune.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
+    "export": ("finetune.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder"),
+    "plan": ("finetune.plan", "predict per-device memory (no weights loaded) and pick the preset that fits"),
 }
 
 

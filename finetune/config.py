@@ -29,7 +29,9 @@ PRESETS: dict[str, str | None] = {
     "zero2": "zero2.json",
     "zero3": "zero3_offload.json",
     "zero3_no_offload": "zero3_no_offload.json",
+    "zero3_nvme": "zero3_nvme.json",  # ZeRO-Infinity: parameters and optimizer states swapped to --nvme_path
 }
+NVME_PLACEHOLDER = "NVME_PATH"
 
 DATASET_FORMATS = ("auto", "text", "alpaca", "messages")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -112,6 +114,10 @@ class LaunchConfig:
         metadata={"help": f"Parallelism preset ({', '.join(PRESETS)}) or a path to a DeepSpeed JSON file."},
     )
     recipe: str | None = field(default=None, metadata={"help": "YAML file with any of these keys; the command line wins."})
+    nvme_path: str | None = field(
+        default=None,
+        metadata={"help": "Folder on a fast local disk for --config zero3_nvme (ZeRO-Infinity swaps parameters and optimizer states there)."},
+    )
 
 
 # Our defaults for TrainingArguments fields, applied under the recipe and the command line.
@@ -147,7 +153,7 @@ class FinetuneConfig:
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
         # Absolute paths, so the saved recipe works from any directory.
-        for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config"):
+        for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config", "nvme_path"):
             if out.get(key) and Path(out[key]).exists():
                 out[key] = str(Path(out[key]).resolve())
         from transformers import TrainingArguments
@@ -476,7 +482,7 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
 
     training = None
     if not problems:
-        training, more = build_training_arguments(values["training"], ds_path)
+        training, more = build_training_arguments(values["training"], ds_path, launch.nvme_path)
         problems += more
     if problems:
         raise ConfigError(problems)
@@ -523,6 +529,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         )
     elif launch.config not in PRESETS:
         problems += _check_ds_json(Path(launch.config))
+    problems += _check_nvme(launch)
     if model.torch_dtype not in DTYPES:
         problems.append(f"torch_dtype: '{model.torch_dtype}' is not one of {', '.join(DTYPES)}")
     if data.dataset_format not in DATASET_FORMATS:
@@ -572,6 +579,31 @@ def _zero_stage(config: str) -> int | None:
         return None
 
 
+def _uses_nvme(ds_path: Path | None) -> bool:
+    return ds_path is not None and ds_path.is_file() and NVME_PLACEHOLDER in ds_path.read_text()
+
+
+def _check_nvme(launch: LaunchConfig) -> list[str]:
+    ds_path = resolve_preset(launch.config) if launch.config in PRESETS or launch.config.endswith(".json") else None
+    if not _uses_nvme(ds_path):
+        return []
+    problems = []
+    if not launch.nvme_path:
+        problems.append(f"--config {launch.config}: needs --nvme_path FOLDER (a fast local disk for the swap files)")
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        aio_ok = AsyncIOBuilder().is_compatible(verbose=False)
+    except Exception:
+        aio_ok = False
+    if not aio_ok:
+        problems.append(
+            f"--config {launch.config}: DeepSpeed's async I/O cannot be built here: install libaio "
+            "(Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), or use --config zero3"
+        )
+    return problems
+
+
 def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
     p = Path(path)
     if not p.is_dir():
@@ -615,7 +647,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_training_arguments(values: dict[str, Any], ds_path: Path | None):
+def deepspeed_config(ds_path: Path, nvme_path: str | None = None) -> str | dict:
+    """The DeepSpeed config to use: the file itself, or (for NVMe offload) its dict with the swap folder filled in."""
+    if not _uses_nvme(ds_path):
+        return str(ds_path)
+    folder = Path(nvme_path).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return json.loads(ds_path.read_text().replace(NVME_PLACEHOLDER, str(folder)))
+
+
+def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_path: str | None = None):
     """Build TrainingArguments; with DeepSpeed this must happen before the model loads (ZeRO-3 zero.Init)."""
     import torch
     from transformers import TrainingArguments
@@ -624,7 +665,7 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None):
     if not torch.cuda.is_available():
         kwargs["use_cpu"] = True
     if ds_path is not None:
-        kwargs["deepspeed"] = str(ds_path)
+        kwargs["deepspeed"] = deepspeed_config(ds_path, nvme_path)
         if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
             # `python finetune/train.py --config zero2`: DeepSpeed needs a process group even for one process,
             # and without a launcher it would look for MPI. Describe a world of one on loopback instead.

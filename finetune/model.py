@@ -40,32 +40,73 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def is_quantized(model_cfg) -> bool:
+    return bool(getattr(model_cfg, "load_in_8bit", False) or getattr(model_cfg, "load_in_4bit", False))
+
+
 def quantization_config(model_cfg, dtype: torch.dtype):
-    if not (model_cfg.load_in_8bit or model_cfg.load_in_4bit):
+    """The BitsAndBytesConfig for --load_in_8bit / --load_in_4bit, or None.
+
+    4-bit compute dtype: `bnb_4bit_compute_dtype` (float32, bfloat16, float16; "auto" or unset = the model dtype).
+    """
+    if not is_quantized(model_cfg):
         return None
     from transformers import BitsAndBytesConfig
 
+    if model_cfg.load_in_8bit and model_cfg.load_in_4bit:
+        raise ValueError("load_in_8bit and load_in_4bit: choose one")
     if model_cfg.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
+    if model_cfg.bnb_4bit_quant_type not in QUANT_TYPES:
+        raise ValueError(f"bnb_4bit_quant_type: '{model_cfg.bnb_4bit_quant_type}' is not one of {', '.join(QUANT_TYPES)}")
+    compute = getattr(model_cfg, "bnb_4bit_compute_dtype", None)
+    if compute not in (None, "", "auto") and compute not in DTYPE_NAMES:
+        raise ValueError(f"bnb_4bit_compute_dtype: '{compute}' is not one of auto, {', '.join(DTYPE_NAMES)}")
+    compute_dtype = dtype if compute in (None, "", "auto") else DTYPE_NAMES[compute]
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=model_cfg.use_bnb_nested_quant,
-        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_compute_dtype=compute_dtype,
     )
+
+
+def quantized_device_map() -> dict:
+    """Under DDP each rank keeps its own quantized copy on its own device (GPU LOCAL_RANK, or the CPU)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return {"": local_rank if torch.cuda.is_available() else "cpu"}
+
+
+def check_quantized_setup(model_cfg) -> None:
+    """Combinations that cannot work stop here with what to use instead (config.validate catches them earlier for
+    the command line; this guards Python callers)."""
+    if not is_quantized(model_cfg):
+        return
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        # transformers: "DeepSpeed Zero-3 is not compatible with passing a `device_map`."; without a device_map every
+        # rank still loads the whole quantized base (nothing is partitioned at load), so ZeRO-3 buys nothing.
+        raise ValueError(
+            "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2 "
+            "(each rank then holds its own quantized copy)"
+        )
 
 
 def load_model(model_cfg, training_args=None):
     """Load the model; with ZeRO-3 the TrainingArguments must already exist so weights load partitioned."""
     from transformers import AutoModelForCausalLM
 
+    check_quantized_setup(model_cfg)
     dtype = resolve_dtype(model_cfg.torch_dtype)
     quant = quantization_config(model_cfg, dtype)
     kwargs = {}
     if quant is not None:
         # Each rank keeps its own quantized copy on its own device.
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        kwargs["device_map"] = {"": local_rank if torch.cuda.is_available() else "cpu"}
+        kwargs["device_map"] = quantized_device_map()
         kwargs["quantization_config"] = quant
     model = AutoModelForCausalLM.from_pretrained(
         model_cfg.model_name_or_path,
@@ -80,6 +121,8 @@ def load_model(model_cfg, training_args=None):
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        guard_4bit_training(model)
+        print(describe_quantization(model, model_cfg, quant), flush=True)
     if model_cfg.use_peft:
         model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0)
         if gradient_checkpointing:
@@ -87,6 +130,95 @@ def load_model(model_cfg, training_args=None):
     # The KV cache is useless in training and breaks gradient checkpointing.
     model.config.use_cache = False
     return model
+
+
+def describe_quantization(model, model_cfg, quant) -> str:
+    """One line per rank: which quantized copy this process holds, and where."""
+    import bitsandbytes as bnb
+
+    layers = sum(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in model.modules())
+    if model_cfg.load_in_8bit:
+        kind = "8-bit (LLM.int8)"
+    else:
+        kind = (f"4-bit {quant.bnb_4bit_quant_type}{' + double quant' if quant.bnb_4bit_use_double_quant else ''}, "
+                f"compute {str(quant.bnb_4bit_compute_dtype).replace('torch.', '')}")
+    device = next(iter(getattr(model, "hf_device_map", {"": "cpu"}).values()))
+    rank = os.environ.get("RANK", "0")
+    return f"rank {rank}: base loaded in {kind} by bitsandbytes on {device}: {layers} quantized linear layers"
+
+
+def _is_cpu_packed(module) -> bool:
+    state = getattr(module.weight, "quant_state", None)
+    return bool(state is not None and getattr(state, "packing_format_for_cpu", False))
+
+
+def _unpack_4bit(module) -> None:
+    """Back to the standard 4-bit layout: exactly, from the copy kept when bitsandbytes packed the weight; otherwise
+    with bitsandbytes' inverse, whose scales stay in bf16 (and, for non-nested weights, in the packed order:
+    fixed here)."""
+    stash = getattr(module, "_finetune_4bit_original", None)
+    if stash is not None:
+        data, state = stash
+        module._finetune_4bit_original = None
+    else:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        nested = getattr(module.weight.quant_state, "original_nested", False)
+        data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, module.weight.quant_state)
+        if not nested and state.absmax.dim() == 2:
+            state.absmax = state.absmax.T.reshape(-1).to(torch.float32)
+    module.weight.data = data
+    module.weight.quant_state = state
+    if getattr(module, "quant_state", None) is not None:
+        module.quant_state = state
+
+
+def _guard_pre_forward(module, args):
+    x = args[0] if args else None
+    needs_grad = module.training or (torch.is_grad_enabled() and getattr(x, "requires_grad", False))
+    if _is_cpu_packed(module):
+        # The packed CPU layout is served by bitsandbytes' gemv_4bit, which has no autograd kernel: gradients stop at
+        # this layer (LoRA stops learning, with only a UserWarning). Restore the standard layout first.
+        if needs_grad:
+            _unpack_4bit(module)
+    elif (
+        not needs_grad
+        and getattr(module, "support_avx512bf16_for_cpu", False)
+        and getattr(x, "device", None) is not None
+        and x.device.type == "cpu"
+    ):
+        # bitsandbytes is about to pack this weight (it mutates the quant state in place): keep the original.
+        import copy
+
+        module._finetune_4bit_original = (module.weight.data, copy.copy(module.weight.quant_state))
+
+
+def guard_4bit_training(model) -> int:
+    """Guard the bitsandbytes 4-bit CPU trap (STACK-NOTES): on CPUs with AVX512-BF16, the first no-grad forward in
+    eval mode (one `generate` is enough) repacks every Linear4bit weight into an inference-only layout, and from
+    then on gradients no longer flow through the base layers, so LoRA stops learning.
+
+    For a model that will be trained: turn the repacking off (bitsandbytes' own per-module switch), and, should a
+    weight get packed all the same (the switch turned back on, weights packed before this call), restore the
+    standard layout before any forward that needs gradients (exactly, from a copy kept at packing time).
+    Idempotent; returns the number of 4-bit layers guarded.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        count += 1
+        if _is_cpu_packed(module):
+            _unpack_4bit(module)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+        if getattr(module, "_finetune_4bit_guard", None) is None:
+            module._finetune_4bit_guard = module.register_forward_pre_hook(_guard_pre_forward)
+    return count
 
 
 def add_lora(model, model_cfg, seed: int):

@@ -1,0 +1,509 @@
+"""Predicted (`finetune plan`) against measured memory, on this machine's CPU.
+
+    .venv/bin/python bench/memory.py                 # the grid; prints the table, writes bench/RESULTS.md
+    .venv/bin/python bench/memory.py --quick         # a smaller grid (2 processes only)
+    accelerate launch ... bench/memory.py worker OUT.json -- TRAINING FLAGS   # one measured run (per rank)
+
+The worker builds the run the way finetune/train.py does (finetune.config.parse -> model.load_model ->
+transformers Trainer) on fixed-length random-token records (so every micro-batch has exactly
+per_device_train_batch_size x max_seq_length tokens), trains a few steps and, at the second step:
+
+- counts the bytes of parameters, gradients and optimizer states this rank holds, from the tensors
+  themselves (unique storages, so views into DeepSpeed's flat buffers count once), at the moment the
+  optimizer step starts (DDP: the torch optimizer's step; DeepSpeed: the engine's step, when every
+  gradient has been reduced), and again inside each inner optimizer call (DeepSpeed steps one param
+  group at a time and flattens that group's gradient first);
+- counts the bytes autograd saved for backward during that step's forward (saved-tensor hooks);
+- records RSS over the run and the peak (ru_maxrss).
+
+Run it with MALLOC_MMAP_THRESHOLD_ pinned (the grid does), or RSS is not repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Pinned for every measured run. glibc otherwise serves blocks below its (dynamic) mmap threshold from the heap
+# and keeps them after free: RSS drifts from run to run and grows step after step. 1 MiB (STACK-NOTES) still left
+# the bench model's 256-512 KB tensors (k/v, norms) on the heap and RSS crept ~20 MB a step; 128 KiB is flat.
+MMAP_THRESHOLD = "131072"
+MEASURE_STEP = 2  # steps 1..N; counted at this one (optimizer states exist after step 1)
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one rank of a measured run.
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _PhaseSampler:
+    """A thread that samples RSS every millisecond and keeps the peak per phase (load, forward, backward, ...)."""
+
+    def __init__(self, interval: float = 0.001):
+        import threading
+
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.is_set():
+            rss = int(os.pread(fd, 64, 0).split()[1]) * page
+            if rss > self.peaks.get(self.phase, 0):
+                self.peaks[self.phase] = rss
+            time.sleep(interval)
+        os.close(fd)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ZeRO optimizer attributes, by what they hold. Anything else found on the optimizer is reported as "other".
+# The fp32 master partitions count as optimizer state (the ZeRO paper's K = 12 = 4 master + 8 Adam).
+_DS_PARAM_ATTRS = (
+    "bit16_groups_flat", "fp16_partitioned_groups_flat", "lp_param_buffer", "param_groups_fp16_flat_cpu_memory",
+    "param_buffer_of_bit16_for_cpu_offload_groups",
+)
+_DS_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+_DS_GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer", "all_grad_tensors")
+_DS_BUFFER_ATTRS = ("ipg_buckets", "ipg_buffer", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload")
+
+
+class _Counter:
+    """Unique storages -> (category, bytes). The first category that claims a storage keeps it."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.seen: dict[int, tuple[str, int, str]] = {}
+
+    def add(self, obj, category: str, where: str, depth: int = 0, grads_to: str | None = "grads") -> None:
+        torch = self.torch
+        if depth > 6 or obj is None:
+            return
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "meta":
+                return
+            storage = obj.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr and nbytes and ptr not in self.seen:
+                self.seen[ptr] = (category, nbytes, where)
+            if grads_to and obj.grad is not None:
+                self.add(obj.grad, grads_to, where + ".grad", depth + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            for i, x in enumerate(obj):
+                self.add(x, category, f"{where}[{i}]", depth + 1, grads_to)
+        elif isinstance(obj, dict):
+            for k, x in obj.items():
+                self.add(x, category, f"{where}[{k}]", depth + 1, grads_to)
+        elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):
+            for k, x in vars(obj).items():
+                self.add(x, category, f"{where}.{k}", depth + 1, grads_to)
+
+    def totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for category, nbytes, _ in self.seen.values():
+            out[category] = out.get(category, 0) + nbytes
+        return out
+
+    def listing(self) -> list[tuple[str, int, str]]:
+        return sorted(self.seen.values(), key=lambda x: (x[0], -x[1]))
+
+
+def count_model_state(model, optimizer, zero_optimizer) -> tuple[dict[str, int], list]:
+    """Bytes of parameters, gradients, optimizer states (and DeepSpeed buffers) this rank holds now."""
+    c = _Counter()
+    for name, p in model.named_parameters():
+        c.add(p.data, "params", "param:" + name, grads_to=None)
+        if hasattr(p, "ds_tensor"):
+            c.add(p.ds_tensor, "params", "ds_tensor:" + name, grads_to=None)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            c.add(p.grad, "grads", "grad:" + name)
+    if zero_optimizer is not None:
+        for attr in _DS_PARAM_ATTRS:
+            c.add(getattr(zero_optimizer, attr, None), "params", "zero." + attr)
+    # What the optimizer steps: the model's parameters (DDP, claimed above) or DeepSpeed's fp32 master partitions.
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            c.add(p, "optimizer", f"optimizer.params[{gi}][{pi}]")
+    c.add(list(optimizer.state.values()), "optimizer", "optimizer.state", grads_to=None)
+    if zero_optimizer is not None:
+        for attr in _DS_MASTER_ATTRS:
+            c.add(getattr(zero_optimizer, attr, None), "optimizer", "zero." + attr)
+        for attr in _DS_GRAD_ATTRS:
+            c.add(getattr(zero_optimizer, attr, None), "grads", "zero." + attr)
+        for attr in _DS_BUFFER_ATTRS:
+            c.add(getattr(zero_optimizer, attr, None), "buffers", "zero." + attr)
+        c.add(zero_optimizer, "other", "zero")
+    return c.totals(), c.listing()
+
+
+def worker(argv: list[str]) -> None:
+    """`bench/memory.py worker OUT.json [--steps N] -- TRAINING FLAGS`; writes OUT.json.RANK."""
+    t0 = time.time()
+    out_path, argv = argv[0], argv[1:]
+    steps = 3
+    if argv[:1] == ["--steps"]:
+        steps, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    timeline = [("start", _rss(), _maxrss())]
+    sampler = _PhaseSampler()
+
+    import torch
+    import torch.optim.optimizer as torch_optimizer
+    from transformers import Trainer, TrainerCallback
+
+    from finetune import config as C
+    from finetune.data import Collator
+    from finetune.model import load_model
+
+    cfg = C.parse(argv + ["--max_steps", str(steps), "--disable_tqdm", "true", "--save_strategy", "no"], check_paths=False)
+    args = cfg.training
+    timeline.append(("imported", _rss(), _maxrss()))
+    sampler.phase = "load"
+    model = load_model(cfg.model, args)
+    timeline.append(("loaded", _rss(), _maxrss()))
+    sampler.phase = "setup"
+    vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
+    n_records = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(n_records):
+        ids = torch.randint(0, vocab, (seq,), generator=gen).tolist()
+        records.append({"input_ids": ids, "labels": ids})
+    trainer = Trainer(model=model, args=args, train_dataset=records, data_collator=Collator(0))
+    timeline.append(("trainer", _rss(), _maxrss()))
+
+    result: dict = {"rank": args.process_index, "world_size": args.world_size, "calls": []}
+
+    def measuring() -> bool:
+        return trainer.state.global_step == MEASURE_STEP - 1
+
+    def inner_optimizer():
+        opt = trainer.optimizer
+        while hasattr(opt, "optimizer") and not isinstance(opt, torch.optim.Optimizer):
+            opt = opt.optimizer
+        zero = getattr(trainer.model_wrapped, "optimizer", None)
+        if zero is not None and type(zero).__module__.startswith("deepspeed"):
+            return zero.optimizer, zero
+        return opt, None
+
+    def record(where: str, optimizer=None) -> None:
+        inner, zero = inner_optimizer()
+        totals, listing = count_model_state(trainer.model, optimizer or inner, zero)
+        entry = {"where": where, "totals": totals, "rss": _rss()}
+        if os.environ.get("FINETUNE_BENCH_LISTING"):
+            entry["listing"] = listing
+        result["calls"].append(entry)
+
+    def pre_step_hook(optimizer, *_):
+        sampler.phase = "optimizer step"
+        if measuring():
+            record("inner optimizer step", optimizer)
+
+    torch_optimizer.register_optimizer_step_pre_hook(pre_step_hook)
+
+    class Measure(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            engine = trainer.model_wrapped
+            if hasattr(engine, "zero_optimization_stage"):  # DeepSpeed: count when the engine step begins
+                original = engine.step
+
+                def step(*sa, **sk):
+                    sampler.phase = "optimizer step"
+                    if measuring():
+                        record("engine step")
+                    return original(*sa, **sk)
+
+                engine.step = step
+
+        def on_step_begin(self, *a, **k):
+            sampler.phase = "forward"
+            if measuring():
+                result["saved_for_backward"] = _saved.begin(trainer.model)
+
+        def on_step_end(self, *a, **k):
+            sampler.phase = "between steps"
+            timeline.append((f"step {trainer.state.global_step}", _rss(), _maxrss()))
+
+    class _Saved:
+        """Bytes autograd saves for backward in the measured step's forward (unique storages, no parameters)."""
+
+        def begin(self, model):
+            self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            self.seen: dict[int, int] = {}
+            self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+            self.ctx.__enter__()
+            return None
+
+        def pack(self, t):
+            if not isinstance(t, torch.nn.Parameter):
+                s = t.untyped_storage()
+                ptr = s.data_ptr()
+                if ptr and ptr not in self.params:
+                    self.seen[ptr] = s.nbytes()
+            return t
+
+        def end(self):
+            self.ctx.__exit__(None, None, None)
+            return sum(self.seen.values())
+
+    _saved = _Saved()
+    original_compute_loss = trainer.compute_loss
+
+    def compute_loss(*a, **k):
+        sampler.phase = "forward"
+        out = original_compute_loss(*a, **k)
+        sampler.phase = "backward"
+        if measuring() and getattr(_saved, "ctx", None) is not None and "saved_for_backward" in result:
+            result["saved_for_backward"] = _saved.end()
+            _saved.ctx = None
+        return out
+
+    trainer.compute_loss = compute_loss
+    trainer.add_callback(Measure())
+    trainer.train()
+    timeline.append(("end", _rss(), _maxrss()))
+    sampler.stop()
+    result.update(timeline=timeline, maxrss=_maxrss(), phase_peaks=sampler.peaks, seconds=time.time() - t0)
+    if torch.cuda.is_available():  # on a GPU machine: the number the planner's device total is meant to bound
+        result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching measured runs (tests/launch.py's helpers: loopback, a time bound, whole-group kill).
+
+
+def _launch_helpers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_tests_launch", REPO / "tests" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+# The bench model: ~56M parameters with a real vocabulary (logits and the loss' buffers matter), built locally.
+BENCH_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4)
+
+
+def build_model(folder: str | Path, **dims) -> Path:
+    """A random Llama (config.json + model.safetensors) with the given dimensions; no tokenizer is needed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**BENCH_MODEL, **dims}, tie_word_embeddings=False, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def measure(model: str | Path, preset: str, nproc: int, out_dir: str | Path, flags: list[str] = (),
+            steps: int = 3, timeout: float = 900) -> list[dict]:
+    """Launch one measured run (nproc ranks) and return each rank's result."""
+    launch = _launch_helpers()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result_file = out_dir / "result.json"
+    script = str(Path(__file__).resolve())
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [str(launch.BIN / "accelerate"), "launch", "--main_process_ip", "127.0.0.1", "--main_process_port",
+               str(launch.free_port()), "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", script]
+    cmd += ["worker", str(result_file), "--steps", str(steps), "--", "--config", preset,
+            "--model_name_or_path", str(model), "--output_dir", str(out_dir / "out"), *flags]
+    run = launch.run(cmd, timeout=timeout, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD).check()
+    ranks = []
+    for r in range(nproc):
+        path = Path(f"{result_file}.{r}")
+        assert path.is_file(), f"rank {r} wrote no result\n{run.output[-4000:]}"
+        ranks.append(json.loads(path.read_text()))
+    assert all(rank["world_size"] == nproc for rank in ranks), (nproc, [rank["world_size"] for rank in ranks])
+    return ranks
+
+
+def step_counts(rank_result: dict) -> dict[str, int]:
+    """The counted model states when the step starts (DeepSpeed: engine step; DDP: the optimizer's step)."""
+    calls = rank_result["calls"]
+    entry = next((c for c in calls if c["where"] == "engine step"), calls[0])
+    return {k: entry["totals"].get(k, 0) for k in ("params", "grads", "optimizer")}
+
+
+def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
+            lora_r: int = 16, lora_dropout: float = 0.05):
+    """The planner's Job for a measured run (full-length records: no padding mask)."""
+    from finetune import plan
+
+    return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
+                    devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
+                    lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid.
+
+PRESETS = ("ddp", "zero2", "zero3_no_offload", "zero3")
+MICRO, SEQ = 2, 256
+
+
+def grid(nprocs=(1, 2, 4), methods=("full", "lora"), presets=PRESETS, work: Path | None = None) -> Path:
+    """Run every cell, keeping each rank's result under WORK/METHOD-CONFIG-PROCS/; returns WORK."""
+    import tempfile
+
+    work = Path(work or tempfile.mkdtemp(prefix="finetune-bench-memory-"))
+    model = build_model(work / "model")
+    for method in methods:
+        for preset in presets:
+            for n in nprocs:
+                flags = ["--per_device_train_batch_size", str(MICRO), "--max_seq_length", str(SEQ), "--seed", "0"]
+                if method.startswith("lora"):
+                    flags += ["--use_peft"]
+                if method.endswith("-ckpt"):
+                    flags += ["--gradient_checkpointing"]
+                start = time.time()
+                cell = work / f"{method}-{preset}-{n}"
+                try:
+                    measure(model, preset, n, cell, flags)
+                except AssertionError as e:
+                    print(f"{method} {preset} x{n}: FAILED\n{str(e)[-2000:]}", file=sys.stderr)
+                    (cell / "error.txt").write_text(str(e)[-2000:])
+                    continue
+                (cell / "seconds.txt").write_text(f"{time.time() - start:.1f}")
+                print(f"{method:<5} {preset:<17} x{n}: measured in {time.time() - start:.0f}s", flush=True)
+    return work
+
+
+def compare(work: Path) -> list[dict]:
+    """Predicted (this checkout's planner) against measured, for every cell found under WORK."""
+    from finetune import plan
+
+    model = work / "model"
+    rows = []
+    for method in ("full", "lora", "full-ckpt", "lora-ckpt"):
+        for preset in PRESETS:
+            for n in (1, 2, 4):
+                cell = work / f"{method}-{preset}-{n}"
+                if (cell / "error.txt").is_file():
+                    rows.append({"method": method, "config": preset, "procs": n, "error": (cell / "error.txt").read_text()})
+                    continue
+                if not (cell / "result.json.0").is_file():
+                    continue
+                job = job_for(model, preset, n, micro=MICRO, seq=SEQ, use_peft=method.startswith("lora"))
+                job.grad_ckpt = method.endswith("-ckpt")
+                pred = plan.predict(job)
+                for r in range(n):
+                    rank = json.loads((cell / f"result.json.{r}").read_text())
+                    want, got = plan.rank_state_bytes(job, r), step_counts(rank)
+                    rows.append({
+                        "method": method, "config": preset, "procs": n, "rank": r,
+                        "states_pred": sum(want.values()), "states_meas": sum(got.values()),
+                        "states_exact": want == got, "states_detail": {"pred": want, "meas": got},
+                        "saved_pred": pred.act.saved, "saved_meas": rank.get("saved_for_backward"),
+                        "rss_pred": pred.device_total, "rss_meas": rank["maxrss"], "peak_moment": pred.peak_moment,
+                        "pred_breakdown": pred.device, "phase_peaks": rank["phase_peaks"],
+                        "between_steps": rank["phase_peaks"].get("between steps"),
+                    })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| method | config | procs | rank | model states predicted | counted | | saved activations predicted | counted "
+        "| peak RSS predicted | measured | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['config']} | {r['procs']} | | run failed: {r['error'][:80]} | | | | | | | |")
+            continue
+        err = (r["rss_pred"] / r["rss_meas"] - 1) * 100
+        lines.append(
+            f"| {r['method']} | {r['config']} | {r['procs']} | {r['rank']} | {r['states_pred']:,} | {r['states_meas']:,} | "
+            f"{'exact' if r['states_exact'] else 'DIFF'} | {r['saved_pred']:,} | {r['saved_meas']:,} | "
+            f"{r['rss_pred'] / 1e6:,.0f} MB | {r['rss_meas'] / 1e6:,.0f} MB | {err:+.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict], path: Path = REPO / "bench" / "RESULTS.md") -> None:
+    """Replace the table between the markers in bench/RESULTS.md's "## Memory planner" section."""
+    begin, end = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
+    text = path.read_text() if path.is_file() else "## Memory planner\n\n" + begin + "\n" + end + "\n"
+    if begin not in text:
+        text += "\n## Memory planner\n\n" + begin + "\n" + end + "\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + begin + "\n" + table(rows) + "\n" + end + tail)
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Predicted vs measured memory on CPU (writes bench/RESULTS.md).")
+    ap.add_argument("--quick", action="store_true", help="2 processes only")
+    ap.add_argument("--procs", type=int, nargs="*", default=None)
+    ap.add_argument("--methods", nargs="*", default=["full", "lora"])
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--work", default=None, help="folder for the model and run outputs (default: a temp folder)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--no-ckpt-cells", dest="ckpt_cells", action="store_false",
+                    help="skip the extra gradient-checkpointing cells")
+    ap.add_argument("--no-write", action="store_true", help="do not update bench/RESULTS.md")
+    ap.add_argument("--compare-only", metavar="WORK", default=None,
+                    help="no runs: compare the results already under WORK with this checkout's planner")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.compare_only:
+        work = Path(args.compare_only)
+    else:
+        procs = args.procs or ([2] if args.quick else [1, 2, 4])
+        work = grid(tuple(procs), tuple(args.methods), tuple(args.presets), Path(args.work) if args.work else None)
+        if args.ckpt_cells and not args.quick:
+            # a few cells with gradient checkpointing (the recompute peak), 2 processes
+            grid((2,), ("full-ckpt", "lora-ckpt"), ("ddp", "zero2", "zero3"), work)
+    rows = compare(work)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if not args.no_write:
+        write_results(rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        worker(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -1,0 +1,810 @@
+"""Generate completions from a base model (optionally with a LoRA adapter), sharded over devices with a device_map.
+
+    finetune generate --model_name_or_path MODEL --prompt "Hello" [--prompt ...] [--chat]
+    finetune generate --model_name_or_path MODEL --adapter ADAPTER --prompts prompts.jsonl --output out.jsonl
+    finetune generate ... --device_map auto --max_memory cpu=2GiB,disk=20GiB --offload_folder /tmp/offload
+    finetune generate ... --device_map my_map.json          # {"model.embed_tokens": "cpu", "model.layers.0": 0, ...}
+    python -m finetune.generate ...                          # the same
+
+Prompts: `--prompt TEXT` (repeatable; `--chat` sends each through the chat template as one user message) or
+`--prompts FILE.jsonl`, one record a line: {"prompt": TEXT} or {"text": TEXT} (plain text, `--chat` applies),
+{"messages": [{"role": ..., "content": ...}, ...]} (always through the chat template), or a bare JSON string.
+An "id" field is copied to the output. Output: one JSON line per prompt, in input order, with `prompt` and
+`completion` (plus `finish_reason`: eos or length, and `completion_tokens`), to `--output FILE` or stdout.
+Greedy decoding unless `--do_sample`; generation stops at EOS or after `--max_new_tokens`.
+
+Where each block of the model landed (device map) and the peak memory are printed to stderr. Greedy output
+does not depend on the placement: a sharded or disk-offloaded model produces the same tokens as the model in
+one piece (tests/test_generate.py checks it token for token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+PRESET_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+class GenerationError(Exception):
+    """A user mistake (bad device map, impossible memory limits, wrong adapter, bad prompt file): one clear message."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices and memory limits
+
+
+def available_devices() -> list[int | str]:
+    """Devices a device map may name on this machine: GPU indices, mps, cpu, disk."""
+    import torch
+
+    devices: list[int | str] = list(range(torch.cuda.device_count()))
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices + ["cpu", "disk"]
+
+
+def _describe_devices(devices: list[int | str]) -> str:
+    gpus = [d for d in devices if isinstance(d, int)]
+    text = ", ".join(str(d) for d in devices)
+    return text + ("" if gpus else " (no GPU on this machine)")
+
+
+def normalize_device(value: Any, where: str) -> int | str:
+    """`0`, `"0"`, `"cuda:0"` -> 0; `"cpu"`, `"disk"`, `"mps"` as they are. Unknown names raise GenerationError."""
+    devices = available_devices()
+    device: int | str
+    if isinstance(value, bool) or value is None:
+        raise GenerationError(f"{where}: {value!r} is not a device (available: {_describe_devices(devices)})")
+    if isinstance(value, int):
+        device = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if re.fullmatch(r"\d+", text):
+            device = int(text)
+        elif re.fullmatch(r"cuda:\d+", text):
+            device = int(text.split(":")[1])
+        elif text == "cuda":
+            device = 0
+        else:
+            device = text
+    else:
+        raise GenerationError(f"{where}: {value!r} is not a device (available: {_describe_devices(devices)})")
+    if device not in devices:
+        raise GenerationError(
+            f"{where}: device {value!r} does not exist on this machine (available: {_describe_devices(devices)})"
+        )
+    return device
+
+
+def parse_size(text: str, where: str) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    text = text.strip()
+    try:
+        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
+    except (ValueError, TypeError):
+        size = -1
+    if size < 0:
+        raise GenerationError(f"{where}: '{text}' is not a size (use bytes or a unit: 500MB, 2GiB, 20GB)")
+    return size
+
+
+def parse_max_memory(text: str | None) -> dict[int | str, int] | None:
+    """`cpu=2GiB,disk=20GiB,0=20GiB` -> {"cpu": ..., "disk": ..., 0: ...} in bytes."""
+    if not text:
+        return None
+    out: dict[int | str, int] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise GenerationError(f"--max_memory: '{part}' should look like DEVICE=SIZE (e.g. cpu=2GiB,disk=20GiB,0=20GiB)")
+        device = normalize_device(key, f"--max_memory {part}")
+        out[device] = parse_size(value, f"--max_memory {part}")
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Device maps
+
+
+def empty_model(model_path: str, dtype, trust_remote_code: bool = False):
+    """The model's modules with parameters on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def module_sizes(model) -> dict[str, int]:
+    """Bytes of parameters and buffers under every module name ("" = the whole model)."""
+    sizes: dict[str, int] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        nbytes = tensor.numel() * tensor.element_size()
+        parts = name.split(".")
+        for i in range(len(parts)):
+            key = ".".join(parts[:i])
+            sizes[key] = sizes.get(key, 0) + nbytes
+    return sizes
+
+
+def _placement_of(name: str, device_map: dict[str, Any]) -> Any:
+    """The device map entry that covers `name` (the longest matching prefix), or None."""
+    best, best_len = None, -1
+    for key, device in device_map.items():
+        if key == "" or name == key or name.startswith(key + "."):
+            if len(key) > best_len:
+                best, best_len = device, len(key)
+    return best
+
+
+def read_device_map_file(path: str, model) -> dict[str, int | str]:
+    """A JSON object {module name: device}; every module name must exist and every weight must be placed."""
+    p = Path(path)
+    if not p.is_file():
+        raise GenerationError(f"--device_map {path}: no such file (or use one of: {', '.join(PRESET_MAPS)})")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise GenerationError(f"--device_map {path}:{e.lineno}: not valid JSON: {e.msg}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise GenerationError(f"--device_map {path}: expected a JSON object of module name -> device")
+    names = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
+    device_map: dict[str, int | str] = {}
+    for key, value in raw.items():
+        if key not in names:
+            import difflib
+
+            close = difflib.get_close_matches(key, sorted(n for n in names if n), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise GenerationError(f"--device_map {path}: the model has no module '{key}'{hint}")
+        device_map[key] = normalize_device(value, f"--device_map {path}: '{key}'")
+    unplaced = [n for n, _ in model.named_parameters() if _placement_of(n, device_map) is None]
+    if unplaced:
+        shown = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
+        raise GenerationError(f"--device_map {path}: these weights are not placed on any device: {shown}")
+    return device_map
+
+
+def plan_device_map(model, spec: str, max_memory: dict[int | str, int] | None) -> dict[str, int | str]:
+    """Resolve a preset (auto, balanced, balanced_low_0, sequential) or a JSON file to an explicit map, and check it
+    against the memory limits; the result is what from_pretrained receives, so what is printed is what is used."""
+    if spec not in PRESET_MAPS:
+        device_map = read_device_map_file(spec, model)
+    else:
+        import psutil
+        from transformers.integrations.accelerate import _get_device_map
+
+        limits: dict[int | str, int] | None = None
+        if max_memory is not None:
+            limits = dict(max_memory)
+            limits.setdefault("cpu", psutil.virtual_memory().available)
+        device_map = dict(_get_device_map(model, spec, limits, None))
+    check_memory(model, device_map, max_memory)
+    return device_map
+
+
+def bytes_per_device(model, device_map: dict[str, Any]) -> dict[Any, int]:
+    out: dict[Any, int] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        device = _placement_of(name, device_map)
+        out[device] = out.get(device, 0) + tensor.numel() * tensor.element_size()
+    return out
+
+
+def check_memory(model, device_map: dict[str, Any], max_memory: dict[int | str, int] | None) -> None:
+    """Memory limits that cannot hold the model are an error, not a silent spill to disk.
+
+    With --max_memory, the CPU may always be used (up to its limit, default: the free RAM); GPUs and the disk only
+    when named (e.g. disk=20GiB allows offloading to disk). No device may get more than its limit.
+    """
+    if max_memory is None:
+        return
+    import psutil
+
+    allowed = dict(max_memory)
+    allowed.setdefault("cpu", psutil.virtual_memory().available)
+    used = bytes_per_device(model, device_map)
+    total = module_sizes(model).get("", 0)
+    limits = ",".join(f"{d}={_fmt_bytes(v).replace(' ', '')}" for d, v in max_memory.items())
+    for device, nbytes in used.items():
+        if device not in allowed:
+            if device == "disk":
+                raise GenerationError(
+                    f"--max_memory {limits} cannot hold the model ({_fmt_bytes(total)} of weights): "
+                    f"{_fmt_bytes(nbytes)} would have to go to disk, which --max_memory does not allow. "
+                    "Raise the limits, or add disk=SIZE to offload to disk"
+                )
+            raise GenerationError(f"--max_memory {limits}: the device map puts weights on {device}, which --max_memory does not list")
+        if nbytes > allowed[device]:
+            raise GenerationError(
+                f"--max_memory {limits} cannot hold the model ({_fmt_bytes(total)} of weights): "
+                f"{_fmt_bytes(nbytes)} would go to {device}, over its limit of {_fmt_bytes(allowed[device])}"
+            )
+
+
+def expand_blocks(device_map: dict[str, Any], model) -> dict[str, Any]:
+    """The map with every entry that covers a list of blocks (e.g. `model.layers`) written out block by block."""
+    import torch.nn as nn
+
+    modules = dict(model.named_modules())
+    out: dict[str, Any] = {}
+    for key, device in device_map.items():
+        module = modules.get(key)
+        if isinstance(module, nn.ModuleList):
+            out.update({f"{key}.{i}": device for i in range(len(module))})
+        else:
+            out[key] = device
+    return out
+
+
+def describe_device_map(device_map: dict[str, Any], model=None) -> str:
+    """Where each block landed: one line per entry (lists of blocks written out), in module order, then the bytes
+    of weights per device."""
+    lines = ["device map (module -> device):"]
+    entries = dict(device_map)
+    order: dict[str, int] = {}
+    if model is not None:
+        entries = expand_blocks(entries, model)
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    width = max((len(k) for k in entries), default=0)
+    for key in sorted(entries, key=lambda k: order.get(k, len(order))):
+        lines.append(f"  {key or '(whole model)':<{width}} -> {entries[key]}")
+    if model is not None:
+        per_device = bytes_per_device(model, device_map)
+        lines.append("weights per device: " + ", ".join(f"{d}: {_fmt_bytes(b)}" for d, b in per_device.items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class LoadOptions:
+    model_name_or_path: str
+    adapter: str | None = None
+    device_map: str | None = None
+    max_memory: dict[int | str, int] | None = None
+    offload_folder: str | None = None
+    torch_dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    use_bnb_nested_quant: bool = False
+    bnb_4bit_compute_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_adapter(adapter: str, base_path: str, meta_model) -> dict:
+    """An adapter trained for another base model is an error before anything loads: every LoRA matrix must fit
+    the base module it targets (shape), and a recorded local base folder must describe the same architecture."""
+    from safetensors import safe_open
+
+    folder = Path(adapter)
+    cfg_file = folder / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise GenerationError(f"--adapter {adapter}: no adapter_config.json (is it a PEFT adapter folder?)")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise GenerationError(f"--adapter {adapter}: peft_type {cfg.get('peft_type')} is not supported (LoRA only)")
+    recorded = cfg.get("base_model_name_or_path")
+    if recorded and Path(recorded).is_dir() and (Path(recorded) / "config.json").is_file():
+        ours = json.loads((Path(base_path) / "config.json").read_text())
+        theirs = json.loads((Path(recorded) / "config.json").read_text())
+        keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size")
+        diff = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in keys if theirs.get(k) != ours.get(k)]
+        if diff:
+            raise GenerationError(
+                f"--adapter {adapter} was trained on base model {recorded}, which differs from {base_path}: "
+                + "; ".join(diff)
+            )
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise GenerationError(f"--adapter {adapter}: no adapter_model.safetensors")
+    modules = dict(meta_model.named_modules())
+    problems = []
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            m = re.match(r"^(?:base_model\.model\.)?(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$", key)
+            if not m:
+                continue
+            target, kind = m.group(1), m.group(2)
+            module = modules.get(target)
+            shape = tuple(f.get_slice(key).get_shape())
+            if module is None or not hasattr(module, "in_features"):
+                problems.append(f"{target}: no such linear layer in the base model")
+            elif kind == "lora_A" and shape[1] != module.in_features:
+                problems.append(f"{target}: adapter expects {shape[1]} input features, the base layer has {module.in_features}")
+            elif kind == "lora_B" and shape[0] != module.out_features:
+                problems.append(f"{target}: adapter expects {shape[0]} output features, the base layer has {module.out_features}")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        origin = f" (it was trained on {recorded})" if recorded else ""
+        raise GenerationError(f"--adapter {adapter} does not fit base model {base_path}{origin}: {shown}")
+    return cfg
+
+
+def load_for_inference(opts: LoadOptions, log=None):
+    """Load tokenizer + model (+ adapter) placed by `opts.device_map`; returns (model, tokenizer, device_map used).
+
+    Every user mistake raises GenerationError before the weights are read.
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.config import check_model_folder
+    from finetune.model import ensure_pad_token, quantization_config, resolve_dtype
+
+    log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
+    problems = check_model_folder(opts.model_name_or_path, allow_pickle=False)
+    if problems:
+        raise GenerationError(problems[0])
+    try:
+        dtype = resolve_dtype(opts.torch_dtype)
+    except KeyError:
+        raise GenerationError(f"--torch_dtype: '{opts.torch_dtype}' is not one of auto, float32, bfloat16, float16") from None
+    quant_flags = SimpleNamespace(
+        load_in_8bit=opts.load_in_8bit, load_in_4bit=opts.load_in_4bit, bnb_4bit_quant_type=opts.bnb_4bit_quant_type,
+        use_bnb_nested_quant=opts.use_bnb_nested_quant, bnb_4bit_compute_dtype=opts.bnb_4bit_compute_dtype,
+    )
+    try:
+        quant = quantization_config(quant_flags, dtype)
+    except (ValueError, KeyError) as e:
+        raise GenerationError(str(e)) from None
+
+    meta = empty_model(opts.model_name_or_path, dtype, opts.trust_remote_code)
+    if opts.adapter:
+        check_adapter(opts.adapter, opts.model_name_or_path, meta)
+
+    kwargs: dict[str, Any] = dict(opts.extra)
+    device_map: dict[str, Any] | str
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        if opts.device_map not in (None, *PRESET_MAPS):
+            device_map = read_device_map_file(opts.device_map, meta)
+            if "disk" in device_map.values():
+                raise GenerationError(
+                    "bitsandbytes-quantized layers cannot be offloaded to disk; drop --load_in_8bit/--load_in_4bit "
+                    "(disk offload works for unquantized weights) or keep every layer on cpu/GPUs"
+                )
+        elif opts.device_map is None and opts.max_memory is None:
+            from finetune.model import quantized_device_map
+
+            device_map = quantized_device_map()
+        else:
+            # Quantized layer sizes are only known to transformers' quantizer: it plans the preset itself.
+            device_map = opts.device_map or "auto"
+            kwargs["max_memory"] = opts.max_memory
+    elif opts.device_map is not None or opts.max_memory is not None:
+        device_map = plan_device_map(meta, opts.device_map or "auto", opts.max_memory)
+    else:
+        device_map = {"": 0 if torch.cuda.is_available() else "cpu"}  # default: the whole model on one device
+    kwargs["device_map"] = device_map
+    offload_tmp = None
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        if not opts.offload_folder:
+            offload_tmp = tempfile.TemporaryDirectory(prefix="finetune-offload-")
+            opts.offload_folder = offload_tmp.name
+        Path(opts.offload_folder).mkdir(parents=True, exist_ok=True)
+        kwargs["offload_folder"] = opts.offload_folder
+        log(f"disk offload folder: {opts.offload_folder}")
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        opts.adapter if opts.adapter and (Path(opts.adapter) / "tokenizer_config.json").is_file() else opts.model_name_or_path,
+        trust_remote_code=opts.trust_remote_code,
+    )
+    ensure_pad_token(tokenizer)
+    tokenizer.padding_side = "left"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            opts.model_name_or_path, dtype=dtype, attn_implementation=opts.attn_implementation,
+            trust_remote_code=opts.trust_remote_code, use_safetensors=True, **kwargs,
+        )
+    except ValueError as e:
+        if quant is not None and "dispatched on the CPU or the disk" in str(e):
+            raise GenerationError(
+                "the memory limits leave no room for the quantized model on one device; bitsandbytes layers "
+                f"cannot be offloaded to disk (transformers: {str(e).splitlines()[0]})"
+            ) from None
+        raise
+    model._finetune_offload_tmp = offload_tmp  # keep the temporary offload folder alive with the model
+    placed = dict(getattr(model, "hf_device_map", None) or {"": _single_device(model)})
+    if opts.adapter:
+        try:
+            model = attach_adapter(model, opts.adapter)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise GenerationError(f"--adapter {opts.adapter} could not be applied to {opts.model_name_or_path}: {e}") from None
+    model.eval()
+    return model, tokenizer, placed
+
+
+def _offload_hooks(model):
+    """(module name, accelerate AlignDevicesHook) for every module whose weights are fetched at forward time."""
+    out = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
+                out.append((name, module, h))
+    return out
+
+
+class _AdapterWeightsMap(Mapping):
+    """The weights an offloading hook loads before each forward, once LoRA layers sit inside its module: base
+    weights moved under `.base_layer` are read from their original place (disk or CPU), LoRA weights from memory."""
+
+    def __init__(self, base_map, lora: dict):
+        self.base_map, self.lora = base_map, lora
+
+    @staticmethod
+    def _base_name(key: str) -> str:
+        return re.sub(r"(^|\.)base_layer\.", r"\1", key)
+
+    def __getitem__(self, key):
+        if key in self.lora:
+            return self.lora[key]
+        return self.base_map[self._base_name(key)]
+
+    def __contains__(self, key) -> bool:
+        return key in self.lora or self._base_name(key) in self.base_map
+
+    def __iter__(self):
+        yield from self.lora
+        yield from self.base_map
+
+    def __len__(self) -> int:
+        return len(self.lora) + len(self.base_map)
+
+
+def attach_adapter(model, adapter: str):
+    """Attach a LoRA adapter for inference. A model in one piece gets PeftModel.from_pretrained. A model with
+    offloaded modules (disk, or CPU under a GPU) keeps its accelerate hooks: LoRA layers are injected in place and
+    each offloading hook learns where the renamed base weights and the LoRA weights are. (PeftModel.from_pretrained
+    re-dispatches such a model and fails on weights left on the meta device; transformers' load_adapter leaves the
+    LoRA weights of disk-offloaded layers on the meta device and silently computes without them.)"""
+    from peft import PeftConfig, PeftModel, inject_adapter_in_model
+    import torch
+    from safetensors.torch import load_file
+
+    hooks = _offload_hooks(model)
+    if not hooks:
+        return PeftModel.from_pretrained(model, adapter, is_trainable=False)
+    config = PeftConfig.from_pretrained(adapter)
+    config.inference_mode = True
+    weights = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    weights = {k[len("base_model.model."):] if k.startswith("base_model.model.") else k: v for k, v in weights.items()}
+    inject_adapter_in_model(config, model, adapter_name="default", low_cpu_mem_usage=True)
+    # Set the LoRA weights ourselves: PEFT's loader moves them to the device of the base weight, which is the meta
+    # device for offloaded layers (their weights are read at forward time), and they would be lost.
+    from accelerate.utils import set_module_tensor_to_device
+
+    used = set()
+    lora_params = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    for name, param in lora_params:
+        key = name.replace(".default.", ".")
+        if key not in weights:
+            raise ValueError(f"the adapter has no weight for {key}")
+        used.add(key)
+        module_name = name.rsplit(".", 3)[0]  # ...q_proj . lora_A . default . weight
+        base_weight = model.get_submodule(module_name).get_base_layer().weight
+        device = base_weight.device if base_weight.device.type != "meta" else "cpu"
+        set_module_tensor_to_device(model, name, device, value=weights[key].to(base_weight.dtype if base_weight.dtype.is_floating_point else torch.float32))
+    unused = sorted(set(k for k in weights if "lora_" in k) - used)
+    if unused or not lora_params:
+        raise ValueError(f"adapter weights that match no LoRA layer: {unused[:3]}")
+    for name, module, hook in hooks:
+        lora = {k: t.detach() for k, t in _module_tensors(module, hook.place_submodules) if "lora_" in k}
+        if lora:
+            hook.weights_map = _AdapterWeightsMap(hook.weights_map, lora)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _module_tensors(module, recurse: bool):
+    from accelerate.utils import named_module_tensors
+
+    return list(named_module_tensors(module, include_buffers=False, recurse=recurse))
+
+
+def _single_device(model) -> str:
+    try:
+        return str(next(model.parameters()).device)
+    except StopIteration:
+        return "cpu"
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and generation
+
+
+@dataclass
+class Prompt:
+    original: Any  # what the user gave: a string or a list of messages
+    text: str  # what the model sees (after the chat template)
+    chat: bool
+    id: Any = None
+
+
+def render(tokenizer, original: Any, as_chat: bool, where: str) -> Prompt:
+    if isinstance(original, list) or as_chat:
+        messages = original if isinstance(original, list) else [{"role": "user", "content": original}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise GenerationError(f"{where}: chat messages need a chat template, and this tokenizer has none")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+                raise GenerationError(f"{where}: message {i} should be {{'role': str, 'content': str}}")
+        last_is_assistant = messages[-1]["role"] == "assistant"
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not last_is_assistant, continue_final_message=last_is_assistant,
+        )
+        return Prompt(original, text, True)
+    return Prompt(original, original, False)
+
+
+def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None, chat: bool) -> list[Prompt]:
+    out: list[Prompt] = []
+    for i, text in enumerate(prompts or []):
+        out.append(render(tokenizer, text, chat, f"--prompt #{i + 1}"))
+    if prompts_file:
+        p = Path(prompts_file)
+        if not p.is_file():
+            raise GenerationError(f"--prompts {prompts_file}: no such file")
+        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{prompts_file}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GenerationError(f"{where}: invalid JSON ({e.msg})") from None
+            rid = None
+            if isinstance(rec, dict):
+                rid = rec.get("id")
+                if isinstance(rec.get("messages"), list) and rec["messages"]:
+                    prompt = render(tokenizer, rec["messages"], True, where)
+                elif isinstance(rec.get("prompt"), str):
+                    prompt = render(tokenizer, rec["prompt"], chat, where)
+                elif isinstance(rec.get("text"), str):
+                    prompt = render(tokenizer, rec["text"], chat, where)
+                else:
+                    raise GenerationError(f"{where}: expected a 'prompt' or 'text' string, or a non-empty 'messages' list")
+            elif isinstance(rec, str):
+                prompt = render(tokenizer, rec, chat, where)
+            else:
+                raise GenerationError(f"{where}: expected a JSON object or string")
+            prompt.id = rid
+            out.append(prompt)
+    if not out:
+        raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    return out
+
+
+def input_device(model) -> Any:
+    """Where token ids go in: the first GPU in the map, else the CPU (accelerate's hooks move them along)."""
+    import torch
+
+    device_map = getattr(model, "hf_device_map", None) or {}
+    gpus = sorted(d for d in device_map.values() if isinstance(d, int))
+    if gpus:
+        return torch.device("cuda", gpus[0])
+    try:
+        device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    except StopIteration:
+        return torch.device("cpu")
+    return device
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def generate(
+    model, tokenizer, prompts: list[Prompt], *, batch_size: int = 8, max_new_tokens: int = 64, do_sample: bool = False,
+    temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, on_result=None,
+) -> list[dict]:
+    """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids."""
+    import torch
+
+    if seed is not None:
+        from transformers import set_seed
+
+        set_seed(seed)
+    stop = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id
+    device = input_device(model)
+    gen_kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=stop, pad_token_id=pad, use_cache=True,
+    )
+    if do_sample:
+        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    else:
+        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    results: list[dict] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        encoded = [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch]
+        for k, ids in enumerate(encoded):
+            if not ids:
+                raise GenerationError(f"prompt #{start + k + 1} is empty (no tokens to continue from)")
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long, device=device)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long, device=device)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+        for prompt, row in zip(batch, out[:, width:].tolist()):
+            finish = "length"
+            for i, token in enumerate(row):
+                if token in stop:
+                    row, finish = row[:i], "eos"
+                    break
+            result = {"prompt": prompt.original, "completion": tokenizer.decode(row, skip_special_tokens=True),
+                      "finish_reason": finish, "completion_tokens": len(row), "completion_ids": row}
+            if prompt.id is not None:
+                result = {"id": prompt.id, **result}
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="finetune generate", description="Generate completions, optionally sharded with a device_map.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--model_name_or_path", "--model", required=True, help="Local base model folder.")
+    ap.add_argument("--adapter", help="LoRA adapter folder (from finetune train --use_peft) to attach.")
+    ap.add_argument("--device_map", help=f"{', '.join(PRESET_MAPS)}, or a JSON file of module -> device "
+                    "(devices: GPU index, cpu, disk). Default: the whole model on one device.")
+    ap.add_argument("--max_memory", help="Per-device limits, e.g. cpu=2GiB,disk=20GiB or 0=20GiB,cpu=30GiB. "
+                    "Only the devices listed are used (name disk to allow disk offload).")
+    ap.add_argument("--offload_folder", help="Folder for weights offloaded to disk (default: a temporary folder).")
+    ap.add_argument("--prompt", action="append", help="A prompt (repeatable).")
+    ap.add_argument("--prompts", help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]}.")
+    ap.add_argument("--chat", action="store_true", help="Send plain-text prompts through the chat template as a user message.")
+    ap.add_argument("--output", help="Write JSON lines here (default: stdout).")
+    ap.add_argument("--with_ids", action="store_true", help="Add the completion token ids to each output line.")
+    ap.add_argument("--batch_size", type=int, default=8)
+    ap.add_argument("--max_new_tokens", type=int, default=64)
+    ap.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--top_k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch_dtype", default="auto", help="auto, float32, bfloat16, float16.")
+    ap.add_argument("--attn_implementation", default="sdpa")
+    ap.add_argument("--trust_remote_code", action="store_true")
+    ap.add_argument("--load_in_8bit", action="store_true", help="Quantize the base to 8-bit (bitsandbytes).")
+    ap.add_argument("--load_in_4bit", action="store_true", help="Quantize the base to 4-bit (bitsandbytes).")
+    ap.add_argument("--bnb_4bit_quant_type", default="nf4", help="nf4 or fp4.")
+    ap.add_argument("--use_bnb_nested_quant", action="store_true", help="Double quantization for 4-bit.")
+    ap.add_argument("--bnb_4bit_compute_dtype", default=None, help="float32, bfloat16, float16 (default: the model dtype).")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _quiet_libraries()
+    try:
+        run(args)
+    except GenerationError as e:
+        print(f"finetune generate: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(args) -> list[dict]:
+    if args.batch_size < 1:
+        raise GenerationError(f"--batch_size must be at least 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise GenerationError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.load_in_8bit and args.load_in_4bit:
+        raise GenerationError("--load_in_8bit and --load_in_4bit: choose one")
+    if not args.prompt and not args.prompts:
+        raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    if args.adapter and not Path(args.adapter).is_dir():
+        raise GenerationError(f"--adapter {args.adapter}: no such folder")
+    opts = LoadOptions(
+        model_name_or_path=args.model_name_or_path, adapter=args.adapter, device_map=args.device_map,
+        max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder, torch_dtype=args.torch_dtype,
+        attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+        load_in_8bit=args.load_in_8bit, load_in_4bit=args.load_in_4bit, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        use_bnb_nested_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=args.bnb_4bit_compute_dtype,
+    )
+    model, tokenizer, placed = load_for_inference(opts)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    print(describe_device_map(placed, base), file=sys.stderr, flush=True)
+    prompts = read_prompts(tokenizer, args.prompt, args.prompts, args.chat)
+
+    out = open(args.output, "w") if args.output else sys.stdout
+
+    def emit(result: dict) -> None:
+        line = dict(result)
+        if not args.with_ids:
+            line.pop("completion_ids")
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        out.flush()
+
+    try:
+        results = generate(
+            model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, on_result=emit,
+        )
+    finally:
+        if args.output:
+            out.close()
+    print(f"generated {len(results)} completion(s); peak RSS {_fmt_bytes(peak_rss_bytes())}", file=sys.stderr, flush=True)
+    return results
+
+
+class _OnceFilter:
+    """Let each distinct bitsandbytes CPU notice through once (it logs one line per 8-bit matmul on CPU)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def filter(self, record) -> bool:
+        key = str(record.msg)
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def _quiet_libraries() -> None:
+    import logging
+
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _OnceFilter) for f in logger.filters):
+        logger.addFilter(_OnceFilter())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1315 @@
+"""`finetune plan`: predict per-device and per-host memory before training, and pick the preset that fits.
+
+    finetune plan --model_name_or_path ./llama-70b --devices_per_node 8 --device_memory 80GB --host_memory 2TB
+    finetune plan --recipe recipe.yaml --config zero2 --per_device_train_batch_size 4 --json
+
+The same model/method/preset/batch/sequence flags (and recipe keys) as `finetune train`, plus the plan-only
+flags --devices_per_node, --num_nodes, --device_memory, --host_memory, --accelerator and --json. Only the
+model's config.json is read: no weights are loaded, so a 70B config plans in seconds on any machine.
+
+The arithmetic (docs/plan.md has the derivation and what was measured):
+
+- model states (parameters, gradients, optimizer states) follow the ZeRO paper: mixed-precision Adam keeps
+  2 + 2 + 12 bytes per parameter; ZeRO-1 divides the 12 by the number of data-parallel ranks, ZeRO-2 also
+  the gradients, ZeRO-3 everything. On CPU the run is fp32 and this module reproduces what DeepSpeed
+  0.19 and torch actually allocate, byte for byte (bench/memory.py counts the tensors): flat buffers padded to
+  2 x ranks elements (ZeRO-1/2), per-parameter padding to the number of ranks (ZeRO-3), DeepSpeed's separate
+  fp32 master partition even when the weights are fp32, and one 4-byte `step` tensor per AdamW parameter.
+- activations are counted tensor by tensor from what autograd saves in a Hugging Face Llama layer (SDPA
+  attention, SwiGLU MLP, RMSNorm), for full fine-tuning and LoRA, with and without gradient checkpointing.
+- framework overhead is a measured constant (CPU) or a stated allowance (GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------
+# Sizes.
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'80GB' -> 80e9 bytes (decimal units, as GPU and RAM sizes are sold); 'GiB' units are binary."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 80GB, 2TB, 24GiB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model, from config.json only.
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor, in LlamaForCausalLM.named_parameters() order."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # embed | linear | bias | norm | head | lora
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
+        d = d.get("text_config", d) if "hidden_size" not in d else d
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a Llama-style decoder config")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        return cls(
+            model_type=str(d.get("model_type", "llama")),
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate_size=int(d["intermediate_size"]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelShape":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model_name_or_path: {folder}: no config.json (finetune plan reads only the config)")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Module name -> (out_features, in_features)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (self.q_dim, h), "k_proj": (self.kv_dim, h), "v_proj": (self.kv_dim, h), "o_proj": (h, self.q_dim),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+        }
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor in named_parameters() order (a tied lm_head is not listed, as in torch).
+
+        LlamaDecoderLayer registers self_attn (q, k, v, o), mlp (gate, up, down), then its two norms.
+        """
+        h = self.hidden_size
+        shapes = self.linear_shapes()
+        out = [Tensor("model.embed_tokens.weight", (self.vocab_size, h), "embed")]
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}."
+            for name in LINEAR_NAMES:
+                attn = name in LINEAR_NAMES[:4]
+                module = p + ("self_attn." if attn else "mlp.") + name
+                out.append(Tensor(module + ".weight", shapes[name], "linear"))
+                if (self.attention_bias and attn) or (self.mlp_bias and not attn):
+                    out.append(Tensor(module + ".bias", (shapes[name][0],), "bias"))
+            out.append(Tensor(p + "input_layernorm.weight", (h,), "norm"))
+            out.append(Tensor(p + "post_attention_layernorm.weight", (h,), "norm"))
+        out.append(Tensor("model.norm.weight", (h,), "norm"))
+        if not self.tie_word_embeddings:
+            out.append(Tensor("lm_head.weight", (self.vocab_size, h), "head"))
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors())
+
+
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def is_decay(name: str) -> bool:
+    """transformers.Trainer.get_decay_parameter_names: biases and norm weights get no weight decay."""
+    return not any(p.search(name.lower()) for p in _NO_DECAY)
+
+
+def lora_targets(targets: list[str]) -> list[str]:
+    """LoRA target module names; 'all-linear' = every linear projection except the LM head (peft's rule)."""
+    if targets == ["all-linear"] or targets == "all-linear":
+        return list(LINEAR_NAMES)
+    names = []
+    for t in targets:
+        base = t.split(".")[-1]
+        if base not in LINEAR_NAMES:
+            raise ValueError(
+                f"lora_target_modules: '{t}' is not a Llama linear projection ({', '.join(LINEAR_NAMES)}, or all-linear)"
+            )
+        names.append(base)
+    return [n for n in LINEAR_NAMES if n in names]
+
+
+def lora_tensors(shape: ModelShape, r: int, targets: list[str]) -> list[Tensor]:
+    """peft's trainable tensors for rank r: lora_A (r x in) and lora_B (out x r) per targeted linear, in order."""
+    shapes = shape.linear_shapes()
+    out = []
+    for layer in range(shape.num_layers):
+        for name in lora_targets(targets):
+            module = ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name
+            o, i = shapes[name]
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, i), "lora"))
+            out.append(Tensor(f"{prefix}.lora_B.default.weight", (o, r), "lora"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The parallelism strategy, from a preset name or a DeepSpeed JSON.
+
+# DeepSpeed's defaults for keys a JSON leaves out (deepspeed/runtime/zero/config.py).
+_DS_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "sub_group_size": 1_000_000_000, "contiguous_gradients": True,
+}
+# Relative step throughput, only to order candidates that fit (communication and offload cost); not measured.
+_SPEED = {"ddp": 1.0, "zero1": 0.97, "zero2": 0.93, "zero3_no_offload": 0.8, "zero3": 0.4, "zero3_nvme": 0.15}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str  # the --config value
+    stage: int  # 0 = DDP
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    ds_optimizer: bool = False  # the JSON has an "optimizer" section: DeepSpeed builds it (one param group)
+    raw: dict = field(default_factory=dict, compare=False, hash=False)
+    nvme: tuple[str, ...] = ()  # what is offloaded to NVMe rather than host memory: "optimizer", "parameters"
+
+    @classmethod
+    def from_config(cls, name: str) -> "Strategy":
+        from finetune import config as C
+
+        path = C.resolve_preset(name)
+        if path is None:
+            return cls(name, 0)
+        data = json.loads(Path(path).read_text())
+        zero = data.get("zero_optimization", {}) or {}
+
+        def device(key: str) -> str:
+            return str((zero.get(key) or {}).get("device", "none")).lower()
+
+        nvme = tuple(w for w, key in (("optimizer", "offload_optimizer"), ("parameters", "offload_param"))
+                     if device(key) == "nvme")
+        return cls(name, int(zero.get("stage", 0)), device("offload_optimizer") in ("cpu", "nvme"),
+                   device("offload_param") in ("cpu", "nvme"), "optimizer" in data, zero, nvme)
+
+    def setting(self, key: str, hidden: int) -> int:
+        """A zero_optimization value with transformers' 'auto' rules (hidden-size based) and DeepSpeed's defaults."""
+        value = self.raw.get(key, _DS_DEFAULTS.get(key))
+        if value == "auto":
+            value = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                     "stage3_param_persistence_threshold": 10 * hidden}.get(key, _DS_DEFAULTS.get(key))
+        return int(value)
+
+    def describe(self) -> str:
+        if self.stage == 0:
+            return "DDP (full model, gradients and optimizer on every device)"
+        what = {1: "optimizer states partitioned", 2: "optimizer states and gradients partitioned",
+                3: "parameters, gradients and optimizer states partitioned"}[self.stage]
+        off = [w for w, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_param)) if on]
+        where = "NVMe" if self.nvme else "CPU"
+        return f"ZeRO-{self.stage} ({what}" + (f"; {' and '.join(off)} offloaded to {where}" if off else "") + ")"
+
+
+# ----------------------------------------------------------------------------------------------
+# What is planned.
+
+
+@dataclass
+class Job:
+    shape: ModelShape
+    strategy: Strategy
+    world_size: int = 1
+    devices_per_node: int = 1
+    micro_batch: int = 1
+    seq_len: int = 1024
+    grad_accum: int = 1
+    grad_ckpt: bool = False
+    accelerator: str = "cpu"  # cpu | gpu
+    weight_dtype: str = "float32"  # what the weights are loaded as
+    mixed_precision: str | None = None  # "bf16" / "fp16" (--bf16/--fp16) or None
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.05
+    quant: str | None = None  # "8bit" | "4bit"
+    bnb_nested: bool = False
+    padding_mask: bool = True  # batches padded to the longest record carry an attention mask (worst case)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.devices_per_node))
+
+    def replace(self, **kw) -> "Job":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    weight: int  # bytes per working weight
+    grad: int  # bytes per gradient element
+    master: int  # bytes of a separate fp32 master copy (0: none)
+    optim: int  # bytes of optimizer state per trainable parameter (Adam m + v)
+    act: int  # bytes per activation element
+    note: str
+
+
+def precision_of(job: Job) -> Precision:
+    """The bytes per element of each model state, for this job.
+
+    - CPU / fp32 (validated byte for byte): 4 weights + 4 grads + 8 Adam. DeepSpeed ZeRO still clones a
+      separate fp32 master partition (another 4 bytes, divided by the ranks); plain DDP keeps none.
+    - GPU, DeepSpeed: mixed-precision Adam as in the ZeRO paper, 2 + 2 + 12 (4 fp32 master + 8 Adam).
+    - GPU, DDP with 16-bit weights (torch_dtype auto on a bf16 GPU): the HF Trainer's AdamW keeps its states in
+      the parameter dtype, no fp32 master: 2 + 2 + 4.
+    - GPU, DDP with fp32 weights and --bf16/--fp16 (autocast): 4 + 4 + 8, activations in 16 bits.
+    """
+    wbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[job.weight_dtype]
+    if job.strategy.stage > 0 and (job.mixed_precision or wbytes == 2):
+        return Precision("mixed", 2, 2, 4, 8, 2, "mixed-precision Adam (ZeRO paper): 2 weights + 2 grads + 12 optimizer (4 fp32 master + 8 Adam)")
+    if wbytes == 2:
+        return Precision("bf16", 2, 2, 0, 4, 2, "16-bit weights, AdamW states in the weight dtype: 2 + 2 + 4")
+    if job.mixed_precision:
+        return Precision("fp32+autocast", 4, 4, 0, 8, 2, "fp32 weights with 16-bit autocast: 4 + 4 + 8, 16-bit activations")
+    master = 4 if job.strategy.stage > 0 else 0
+    note = "fp32: 4 weights + 4 grads + 8 Adam" + (" + 4 fp32 master partition (DeepSpeed clones one)" if master else "")
+    return Precision("fp32", 4, 4, master, 8, 4, note)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model states, per rank.
+
+
+def _quant_bytes(t: Tensor, quant: str | None, nested: bool) -> int | None:
+    """bitsandbytes storage of a frozen linear weight; None for tensors that stay unquantized."""
+    if quant is None or t.kind != "linear":
+        return None
+    out_features = t.shape[0]
+    if quant == "8bit":
+        return t.numel + 4 * out_features  # int8 weights + one fp32 scale per output row (SCB)
+    blocks = math.ceil(t.numel / 64)  # 4-bit: two values a byte, one absmax per 64-value block
+    absmax = blocks + 4 * math.ceil(blocks / 256) if nested else 4 * blocks
+    return math.ceil(t.numel / 2) + absmax
+
+
+@dataclass
+class StateBytes:
+    """Bytes of one rank's model states, split by where they live."""
+
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+    host_params: int = 0
+    host_grads: int = 0
+    host_optim: int = 0
+    buffers: int = 0  # DeepSpeed reduce buckets, DDP gradient buckets: alive through training
+    backward_buffers: int = 0  # alive during backward only (ZeRO-1/2 reduce bucket)
+    step_transient: int = 0  # extra while the optimizer steps (DeepSpeed's flattened fp32 gradient of a group)
+    gathered: int = 0  # ZeRO-3: parameters gathered for the layer being computed (plus prefetch)
+    persistent: int = 0  # ZeRO-3: small parameters kept whole on every rank
+    other: int = 0
+    disk: int = 0  # ZeRO-Infinity: swapped to NVMe
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_total(self) -> int:
+        return self.params + self.grads + self.optim + self.buffers + self.persistent + self.other
+
+    @property
+    def host_total(self) -> int:
+        return self.host_params + self.host_grads + self.host_optim
+
+
+def _groups(job: Job, trainable: list[Tensor]) -> list[list[Tensor]]:
+    """The optimizer's param groups: the Trainer's (decay, no-decay), or one group if DeepSpeed builds the optimizer."""
+    if job.strategy.ds_optimizer:
+        return [trainable]
+    return [[t for t in trainable if is_decay(t.name)], [t for t in trainable if not is_decay(t.name)]]
+
+
+def _overlap(group: list[Tensor], lo: int, hi: int) -> int:
+    """Elements of the tensors that touch [lo, hi) of the group's flat buffer (DeepSpeed's params_in_partition)."""
+    import bisect
+    import itertools
+
+    ends = list(itertools.accumulate(t.numel for t in group))
+    first = bisect.bisect_right(ends, lo)  # the first tensor ending after lo
+    last = bisect.bisect_left(ends, hi)  # the last tensor starting before hi (its end is >= hi, or it is the last)
+    last = min(last, len(group) - 1)
+    if first > last:
+        return 0
+    return ends[last] - (ends[first - 1] if first else 0)
+
+
+def _worst_zero12_rank(job: Job, groups: list[list[Tensor]]) -> int:
+    """The rank holding the most gradient elements under ZeRO-1/2 (tensors cut by its partition's edges)."""
+    n = job.world_size
+    best, worst = -1, 0
+    sizes = []
+    for g in groups:
+        numel = sum(t.numel for t in g)
+        sizes.append((g, numel, math.ceil(numel / (2 * n)) * 2 * n // n))
+    for r in range(n):
+        held = sum(_overlap(g, r * part, (r + 1) * part) + max(0, min(part, (r + 1) * part - numel))
+                   for g, numel, part in sizes)
+        if held > best:
+            best, worst = held, r
+    return worst
+
+
+def model_states(job: Job, rank: int | None = None) -> StateBytes:
+    """Per-rank bytes of parameters, gradients and optimizer states; `rank` None = the largest rank."""
+    n = job.world_size
+    if rank is None:
+        # Ranks differ only under ZeRO-1/2 (tensors cut by a partition edge) and by the last rank's padding.
+        candidates = {0, n - 1}
+        if job.strategy.stage in (1, 2) and n > 2:
+            trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets)) if job.use_peft else job.shape.tensors()
+            candidates.add(_worst_zero12_rank(job, [g for g in _groups(job, trainable) if g]))
+        return max((model_states(job, r) for r in candidates), key=lambda s: s.device_total + s.host_total + s.step_transient)
+    prec = precision_of(job)
+    strat = job.strategy
+    h = job.shape.hidden_size
+    base = job.shape.tensors()
+    if job.use_peft:
+        trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets))
+        frozen = base
+    else:
+        trainable, frozen = base, []
+    tensors_in_optimizer = [g for g in _groups(job, trainable) if g]
+    s = StateBytes()
+    # Frozen base weights (LoRA): bitsandbytes-quantized linears, the rest as loaded. prepare_model_for_kbit_training
+    # upcasts every non-quantized 16-bit parameter (embeddings, norms, lm_head) to fp32.
+    frozen_elt = 4 if job.quant else prec.weight
+    frozen_bytes = [(_quant_bytes(t, job.quant, job.bnb_nested) or frozen_elt * t.numel) for t in frozen]
+    # torch's (fused) AdamW keeps a 4-byte `step` tensor per parameter it optimizes; DeepSpeed's CPU Adam keeps an int.
+    step_bytes_per_tensor = 0 if (strat.ds_optimizer and strat.offload_optimizer) else 4
+
+    if strat.stage == 0:
+        numel = sum(t.numel for t in trainable)
+        w, g, o = prec.weight, prec.grad, prec.optim
+        if job.use_peft and prec.name == "bf16":
+            w, g, o = 4, 4, 8  # peft keeps adapter weights in fp32 on a 16-bit base (autocast_adapter_dtype)
+        s.params = w * numel + sum(frozen_bytes)
+        s.grads = g * numel
+        s.optim = o * numel + step_bytes_per_tensor * len(trainable)
+        if n > 1:
+            # DistributedDataParallel's reducer keeps gradient buckets as large as all gradients
+            # (gradient_as_bucket_view=False, accelerate's default): a second gradient copy.
+            s.buffers = prec.grad * numel
+            s.notes.append("DDP gradient buckets: a second copy of the gradients (gradient_as_bucket_view=False)")
+        return s
+
+    if strat.stage in (1, 2):
+        # stage_1_and_2.py: each group is flattened into one buffer padded to a multiple of 2 x ranks elements
+        # (4-byte alignment of 16-bit partitions) and split into equal partitions; the model's weights become
+        # views into the full flat buffer. Each rank clones its partition as the fp32 master.
+        partitions = []
+        for group in tensors_in_optimizer:
+            numel = sum(t.numel for t in group)
+            padded = math.ceil(numel / (2 * n)) * 2 * n
+            partitions.append((group, padded, padded // n))
+        s.params = prec.weight * sum(p for _, p, _ in partitions) + sum(frozen_bytes)
+        master = sum(part for _, _, part in partitions)
+        # Gradients: the tensors touching this rank's partition are copied whole into one contiguous buffer
+        # (grads_in_partition, in the weight dtype), so a tensor cut by a partition boundary counts on both ranks.
+        in_partition = sum(_overlap(g, rank * part, (rank + 1) * part) for g, _, part in partitions)
+        # The rank whose partition runs past the group's end gets a zero tensor for that padding in its gradient list.
+        in_partition += sum(max(0, min(part, (rank + 1) * part - sum(t.numel for t in g))) for g, _, part in partitions)
+        grad_elt = prec.weight
+        # The fp32 master partition is counted with the optimizer states, as in the ZeRO paper (K = 12 = 4 + 8).
+        if strat.offload_optimizer:
+            s.host_params = prec.weight * master  # a 16-bit staging copy of the partition for the way back
+            s.host_grads = 4 * master
+            s.host_optim = (4 + 8) * master + step_bytes_per_tensor * len(partitions)
+            s.notes.append("optimizer offload: fp32 master, fp32 gradient partition and Adam states live in host memory")
+        else:
+            s.grads = grad_elt * in_partition
+            s.optim = (4 + prec.optim) * master + step_bytes_per_tensor * len(partitions)
+            # At each group's step DeepSpeed flattens that group's gradient into a new fp32 tensor while the
+            # contiguous buffer still exists; the first group is the largest here.
+            s.step_transient = 4 * (partitions[0][2] if partitions else 0)
+        # The reduce bucket, alive during backward. (Stage 1 also keeps every gradient whole until the end of
+        # backward, as DDP does: the backward walk in predict() counts those.)
+        bucket = strat.setting("reduce_bucket_size", h)
+        s.backward_buffers = prec.grad * min(bucket, max((sum(t.numel for t in g) for g in tensors_in_optimizer), default=0))
+        return s
+
+    # ZeRO-3 (stage3.py, partition_parameters.py): every parameter is padded to a multiple of the ranks and
+    # each rank keeps ceil(numel / ranks) elements of it.
+    def part(t: Tensor) -> int:
+        return math.ceil(t.numel / n)
+
+    trainable_part = sum(part(t) for t in trainable)
+    frozen_part = sum(part(t) for t in frozen)
+    threshold = strat.setting("stage3_param_persistence_threshold", h)
+    persistent = [t for t in base + (trainable if job.use_peft else []) if t.numel <= threshold]
+    lp = prec.weight * trainable_part + prec.weight * frozen_part
+    if strat.offload_param:
+        s.host_params = lp
+    else:
+        s.params = lp
+    # A gathered parameter lives in a buffer of its padded size (numel rounded up to a multiple of the ranks).
+    # With one rank the partition is the whole tensor: nothing is gathered into a second buffer (measured).
+    s.persistent = prec.weight * sum(part(t) * n for t in persistent) if n > 1 else 0
+    # DeepSpeed clones an fp32 master partition (with fp32 weights too: measured), on the host when offloading;
+    # counted with the optimizer states (the ZeRO paper's K = 12 = 4 master + 8 Adam).
+    master = 4 * trainable_part if (prec.master or strat.offload_optimizer) else 0
+    # Gradients: one contiguous partition buffer (grad_partitions_flat_buffer).
+    grad_part = (4 if prec.name == "fp32" else prec.grad) * trainable_part
+    if strat.offload_optimizer:
+        s.host_grads = grad_part + 4 * trainable_part  # the partition buffer + the fp32 gradient the CPU optimizer reads
+        s.host_optim = master + 8 * trainable_part + step_bytes_per_tensor * len(tensors_in_optimizer)
+        s.other = 8 * len(trainable)  # one float64 norm per parameter
+    else:
+        s.grads = grad_part
+        s.optim = master + prec.optim * trainable_part + step_bytes_per_tensor * len(tensors_in_optimizer)
+        first = tensors_in_optimizer[0] if tensors_in_optimizer else []
+        s.step_transient = 4 * sum(part(t) for t in first)
+    s.buffers = (4 if prec.name == "fp32" else prec.grad) * strat.setting("reduce_bucket_size", h)
+    # Gathered for compute. DeepSpeed releases a gathered parameter after use only if its next use (in backward)
+    # is more than stage3_max_reuse_distance elements away, so the last max_reuse_distance / 2 elements of the
+    # forward stay gathered, plus the module in use and the prefetch bucket; at most stage3_max_live_parameters.
+    # A model smaller than that is gathered whole (measured: the 56M bench model under ZeRO-3).
+    total = sum(t.numel for t in base) + (sum(t.numel for t in trainable) if job.use_peft else 0)
+    layer = sum(t.numel for t in base if ".layers.0." in t.name)
+    largest = max((t.numel for t in base), default=0)
+    reuse = strat.setting("stage3_max_reuse_distance", h)
+    live = max(layer, largest) + reuse // 2 + strat.setting("stage3_prefetch_bucket_size", h)
+    live = min(total, max(largest, min(live, strat.setting("stage3_max_live_parameters", h))))
+    s.gathered = prec.weight * live if n > 1 else 0
+    if strat.nvme:
+        _to_nvme(s, strat, prec, trainable_part)
+    return s
+
+
+def _to_nvme(s: StateBytes, strat: Strategy, prec: Precision, partition: int) -> None:
+    """ZeRO-Infinity: what is offloaded to NVMe leaves host memory but for DeepSpeed's pinned swap buffers
+    (an estimate from the JSON's buffer settings; not measured)."""
+    opt = strat.raw.get("offload_optimizer") or {}
+    par = strat.raw.get("offload_param") or {}
+    if "parameters" in strat.nvme:
+        s.disk += s.host_params
+        in_cpu = min(int(par.get("max_in_cpu", 1_000_000_000)), partition)
+        buffers = int(par.get("buffer_count", 5)) * int(par.get("buffer_size", 100_000_000))
+        s.host_params = prec.weight * (in_cpu + buffers)
+    if "optimizer" in strat.nvme:
+        s.disk += s.host_optim + 4 * partition  # with the fp32 gradient the optimizer reads per swapped sub-group
+        s.host_grads = max(0, s.host_grads - 4 * partition)
+        # swap buffers: buffer_count fp32 buffers, each one state (master, m or v) of the largest sub-group
+        sub = min(strat.setting("sub_group_size", 0), partition)
+        s.host_optim = int(opt.get("buffer_count", 4)) * 4 * sub
+    s.notes.append(f"{' and '.join(strat.nvme)} on NVMe: {fmt_bytes(s.disk)} of swap files per rank; host memory "
+                   "keeps DeepSpeed's pinned swap buffers (estimated, not measured)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations, per rank and micro-batch.
+
+
+@dataclass
+class Stage:
+    """One step of the backward pass: what it frees, the gradients it produces, its temporaries."""
+
+    name: str
+    freed: int  # saved activations released when the stage is done
+    grad_numel: int  # trainable parameter elements whose gradients this stage produces
+    largest_grad: int  # the largest single parameter among them (elements)
+    transient: int  # activation gradients and recomputed activations alive during the stage
+
+
+@dataclass
+class Activations:
+    saved: int  # what autograd keeps for backward at the end of the forward
+    forward_peak: int  # saved + the transients at the end of the forward (logits)
+    per_layer: int  # one decoder layer without checkpointing
+    detail: dict[str, int]
+    stages: list[Stage]
+
+
+def _dropout_saved(job: Job, features: int, elt: int) -> int:
+    """Bytes one LoRA dropout keeps per token: its output (for lora_A) and, on CPU, a float noise mask
+    (torch's composite dropout); on GPU the fused kernel keeps a 1-byte mask."""
+    mask = elt if job.accelerator == "cpu" else 1
+    return (elt + mask) * features
+
+
+def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
+    """Bytes one LlamaDecoderLayer saves for backward, per token (SDPA, no dropout in attention).
+
+    `first`: layer 0 under LoRA without checkpointing, whose input does not require grad.
+    """
+    sh = job.shape
+    h, q, kv, i, nh = sh.hidden_size, sh.q_dim, sh.kv_dim, sh.intermediate_size, sh.num_heads
+    a = precision_of(job).act
+    f32 = 4
+    # Attention: rotated q, k and v (or k, v repeated to all heads when a padding mask disables SDPA's GQA path),
+    # the output (also o_proj's input, a view) and the fp32 log-sum-exp per head.
+    kv_saved = 2 * (q if job.padding_mask and sh.num_kv_heads != sh.num_heads else kv)
+    attn = a * (q + kv_saved + q) + f32 * nh
+    if not job.use_peft:
+        # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
+        # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
+        norms = 2 * (f32 * h + f32 + a * h + a * h)
+        return norms + attn + 4 * a * i
+    targets = lora_targets(list(job.lora_targets))
+    r = job.lora_r
+    dropout = job.lora_dropout > 0
+    per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
+    per += f32 * h + f32  # norm2 input: the residual sum
+    per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
+    per += a * r * len(targets)  # lora_A outputs, saved by lora_B
+    in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": i}
+    # Inputs of the frozen base linears that something keeps: y1 (q/k/v), y2 (gate/up), down's input.
+    # o_proj's input is the attention output, saved already.
+    kept = {"y1": False, "y2": False, "p": False}
+    if dropout:
+        per += sum(_dropout_saved(job, in_features[t], a) for t in targets)
+    else:
+        # Without dropout lora_A saves its input itself: each norm output once, down's input.
+        kept["y1"] = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
+        kept["y2"] = any(t in targets for t in ("gate_proj", "up_proj"))
+        kept["p"] = "down_proj" in targets
+    if job.strategy.stage == 3:
+        # ZeRO-3 replaces F.linear with its own autograd function that saves the input even when the weight is
+        # frozen (measured): the base linears' inputs are kept whatever LoRA does, wherever the input needs a
+        # gradient (not layer 0's q/k/v input, without checkpointing).
+        kept = {k: v or not (first and k == "y1") for k, v in kept.items()}
+    per += a * (h * kept["y1"] + h * kept["y2"] + i * kept["p"])
+    if first:
+        per -= f32 * h + f32  # the embedding output needs no grad: norm1 saves nothing
+        if dropout:  # and q/k/v's dropouts keep no mask
+            mask = a if job.accelerator == "cpu" else 1
+            per -= mask * h * sum(t in targets for t in ("q_proj", "k_proj", "v_proj"))
+    return per
+
+
+def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
+    """Saved activations of one micro-batch, tensor class by tensor class, and the backward pass as stages."""
+    b = job.micro_batch if micro_batch is None else micro_batch
+    ckpt = job.grad_ckpt if grad_ckpt is None else grad_ckpt
+    sh = job.shape
+    s_len = job.seq_len
+    t = b * s_len
+    h, v, i = sh.hidden_size, sh.vocab_size, sh.intermediate_size
+    a = precision_of(job).act
+    f32 = 4
+    detail: dict[str, int] = {}
+    # A padding mask reaches SDPA as a [b, 1, s, s] tensor in the activation dtype; each layer keeps its own copy
+    # (measured on CPU: one per layer, float32).
+    mask = a * b * s_len * s_len if job.padding_mask else 0
+    per_layer = layer_saved_per_token(job) * t + mask
+    layer_saved = [per_layer] * sh.num_layers
+    if ckpt:
+        # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
+        layer_saved = [a * t * h] * sh.num_layers
+        detail["layer inputs (checkpointed)"] = sum(layer_saved)
+    else:
+        if job.use_peft and layer_saved:
+            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask
+        detail["decoder layers"] = sum(layer_saved)
+        detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim  # shared by the layers
+    full = not job.use_peft
+    # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
+    # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway).
+    lm_head_input = a * t * h if (full or job.strategy.stage == 3) else 0
+    detail["final norm"] = f32 * t * h + f32 * t + (a * t * h if full else 0) + lm_head_input
+    if full:
+        detail["token ids (embedding)"] = 8 * t
+    # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
+    detail["log-softmax output"] = f32 * t * v
+    detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
+    saved = sum(detail.values())
+    # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
+    forward_peak = saved + a * t * v + (f32 * t * v if a != f32 else 0)
+
+    # Backward, stage by stage (what each frees, which gradients it makes, its temporaries).
+    linear = sum(o * n for o, n in sh.linear_shapes().values())
+    layer_params = linear + 2 * h if full else sum(x.numel for x in lora_tensors(sh, job.lora_r, list(job.lora_targets))) // max(1, sh.num_layers)
+    layer_largest = max(o * n for o, n in sh.linear_shapes().values()) if full else job.lora_r * max(i, h)
+    head_numel = v * h if (full and not sh.tie_word_embeddings) else 0
+    stages = [
+        Stage("loss", detail["log-softmax output"] + detail["labels"], 0, 0, 2 * f32 * t * v),
+        Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * t * v + a * t * h),
+        Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0, 2 * a * t * h),
+    ]
+    layer_tmp = 2 * a * t * (h + i)  # gradients flowing through a layer (approximate)
+    for k in reversed(range(sh.num_layers)):
+        stages.append(Stage(f"layer {k}", layer_saved[k], layer_params, layer_largest, layer_tmp + (per_layer if ckpt else 0)))
+    emb = v * h if full else 0
+    rest = saved - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
+    stages.append(Stage("embedding", rest, emb, emb, a * t * h))
+    return Activations(saved, forward_peak, per_layer, detail, stages)
+
+
+def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: int = 0) -> tuple[int, int, int]:
+    """Walk the backward stages: -> (peak bytes, of which gradients, of which activations) above the static part.
+
+    keep_grads: DDP and ZeRO-1 keep every parameter gradient until the step; ZeRO-2/3 hand each one to a bucket
+    and free it (only the largest single gradient of a stage is then alive at once). `partition`: ZeRO-2's
+    gradient partition buffer, allocated when the first gradient is reduced.
+    Each stage is looked at twice: while it computes (its activation gradients and the parameter gradient it
+    produces, beside the saved activations not yet freed) and after (its activations freed, gradients handed on).
+    """
+    remaining = act.saved
+    grads = 0
+    standing = 0
+    best = (0, 0, 0)
+
+    def consider(g: int, a: int) -> None:
+        nonlocal best
+        if g + a > best[0]:
+            best = (g + a, g, a)
+
+    for st in act.stages:
+        produced = grad_elt * (st.grad_numel if keep_grads else st.largest_grad)
+        consider(grads + standing + produced, remaining + st.transient)
+        remaining -= st.freed
+        if st.grad_numel:
+            standing = partition
+        if keep_grads:
+            grads += grad_elt * st.grad_numel
+            consider(grads + standing, remaining)
+        else:
+            consider(standing + produced, remaining)
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Framework overhead (stated, not derived).
+
+# Measured on this project's CPU stack (torch 2.13, transformers 5.23, accelerate 1.15, deepspeed 0.19.8):
+# RSS of a training process after imports, the process group and the model's (lazily mapped) load,
+# before the weights are touched. bench/memory.py re-measures it.
+CPU_PROCESS_OVERHEAD = 555 * 10**6
+# GPU: CUDA context, cuBLAS/NCCL workspaces and allocator slack on the device (not in max_memory_allocated);
+# and what each training process holds in host memory (CUDA and torch libraries). Allowances, not measured here.
+GPU_DEVICE_OVERHEAD = 2 * 10**9
+GPU_PROCESS_HOST_OVERHEAD = 5 * 10**9
+
+
+# ----------------------------------------------------------------------------------------------
+# The prediction.
+
+
+@dataclass
+class Prediction:
+    job: Job
+    device: dict[str, int]  # per device (rank), at the peak
+    host: dict[str, int]  # per host (node)
+    notes: list[str]
+    peak_moment: str
+    states: StateBytes
+    act: Activations
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def predict(job: Job) -> Prediction:
+    """Per-device and per-host memory at the predicted peak of training.
+
+    Three moments are compared: the end of the forward, the backward pass (stage by stage) and the optimizer
+    step (all gradients, plus DeepSpeed's flattened gradient copy); the largest is the peak and the breakdown
+    is given at that moment.
+    """
+    st = model_states(job)
+    act = activations(job)
+    prec = precision_of(job)
+    cpu = job.accelerator == "cpu"
+    notes = list(st.notes)
+    stage = job.strategy.stage
+    overhead = CPU_PROCESS_OVERHEAD if cpu else GPU_DEVICE_OVERHEAD
+    static = {
+        "parameters": st.params + st.persistent,
+        "optimizer states": st.optim,
+        "buffers": st.buffers + st.other,
+        "framework overhead": overhead,
+    }
+    # Gradients that exist between steps: ZeRO-3's partition buffer; DDP/ZeRO-1/2 free theirs after each step.
+    standing_grads = st.grads if stage == 3 else 0
+    keep = stage in (0, 1)
+    grad_elt = prec.grad
+    _, bw_grads, bw_acts = backward_peak(act, grad_elt, keep, st.grads if stage == 2 else 0)
+    if stage == 3:
+        bw_grads += st.grads  # ZeRO-3 keeps its gradient partition buffer between steps
+    forward = act.forward_peak
+    if stage == 0 and job.world_size > 1:
+        forward += prec.act * job.micro_batch * job.seq_len * job.shape.vocab_size  # DDP's _DDPSink clones the logits
+    moments = {
+        "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
+        "backward": {"gradients": bw_grads, "activations": bw_acts + st.gathered + st.backward_buffers},
+        "optimizer step": {"gradients": st.grads, "activations": st.step_transient},
+    }
+    peak_name = max(moments, key=lambda k: sum(moments[k].values()))
+    device = {"parameters": static["parameters"], "gradients": moments[peak_name]["gradients"],
+              "optimizer states": static["optimizer states"], "activations": moments[peak_name]["activations"],
+              "buffers": static["buffers"], "framework overhead": overhead}
+    if cpu and (st.host_params or st.host_grads or st.host_optim):
+        # On a CPU run "offloaded to CPU" is the same memory: count it in the process.
+        device["parameters"] += st.host_params
+        device["gradients"] += st.host_grads
+        device["optimizer states"] += st.host_optim
+        notes.append("offload to CPU on a CPU run moves nothing out of the process: offloaded states are counted in it")
+    if peak_name != "optimizer step" and stage in (0, 1, 2):
+        notes.append(f"the peak is in the {peak_name}: gradients are freed after each step and rebuilt in backward, "
+                     "so the breakdown shows the gradients alive at that moment")
+    host: dict[str, int] = {}
+    per_node = min(job.devices_per_node, job.world_size)
+    offloaded = {"offloaded parameters": st.host_params, "offloaded gradients": st.host_grads,
+                 "offloaded optimizer states": st.host_optim}
+    if cpu:
+        for key, value in device.items():  # every rank's memory is host memory
+            host[key] = value * per_node
+    else:
+        for key, value in offloaded.items():
+            host[key] = value * per_node
+        host["process overhead"] = GPU_PROCESS_HOST_OVERHEAD * per_node
+        # The checkpoint is memory-mapped at load: page cache shared by the node's processes (reclaimable,
+        # counted to be safe).
+        host["checkpoint in page cache"] = _checkpoint_bytes(job)
+    host = {k: v for k, v in host.items() if v}
+    return Prediction(job, device, host, notes, peak_name, st, act)
+
+
+def _checkpoint_bytes(job: Job) -> int:
+    elt = {"float32": 4, "bfloat16": 2, "float16": 2}[job.weight_dtype]
+    return elt * job.shape.num_params
+
+
+def rank_state_bytes(job: Job, rank: int) -> dict[str, int]:
+    """Model-state bytes one rank holds when the optimizer step starts (what bench/memory.py counts)."""
+    st = model_states(job, rank)
+    return {
+        "params": st.params + st.host_params + st.persistent,
+        "grads": st.grads + st.host_grads,
+        "optimizer": st.optim + st.host_optim,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Recommendation.
+
+PRESET_ORDER = ("ddp", "zero1", "zero2", "zero3_no_offload", "zero3", "zero3_nvme")
+
+
+def candidate_presets() -> tuple[str, ...]:
+    """The presets finetune.config knows, cheapest communication first (unknown new ones last)."""
+    from finetune import config as C
+
+    known = [p for p in PRESET_ORDER if p in C.PRESETS]
+    return tuple(known + [p for p in C.PRESETS if p not in known])
+
+
+@dataclass
+class Limits:
+    device_memory: int
+    host_memory: int
+
+
+def fits(pred: Prediction, limits: Limits) -> tuple[bool, str]:
+    problems = []
+    if pred.job.accelerator != "cpu" and pred.device_total > limits.device_memory:
+        top = max(pred.device, key=pred.device.get)
+        problems.append(f"needs {fmt_bytes(pred.device_total)} per device > {fmt_bytes(limits.device_memory)} "
+                        f"(largest: {top} {fmt_bytes(pred.device[top])})")
+    if pred.job.accelerator == "cpu" and pred.device_total > limits.device_memory:
+        problems.append(f"needs {fmt_bytes(pred.device_total)} per process > {fmt_bytes(limits.device_memory)}")
+    if pred.host_total > limits.host_memory:
+        top = max(pred.host, key=pred.host.get)
+        problems.append(f"needs {fmt_bytes(pred.host_total)} per host > {fmt_bytes(limits.host_memory)} "
+                        f"(largest: {top} {fmt_bytes(pred.host[top])})")
+    return (not problems), "; ".join(problems)
+
+
+def _throughput(job: Job, micro: int, ckpt: bool) -> float:
+    """A proxy for tokens/s, only to rank settings that fit: preset cost, recompute (~1/3 more), and
+    small micro-batches' lower device efficiency."""
+    tokens = micro * job.seq_len
+    return _SPEED.get(job.strategy.name, 0.8) * (0.75 if ckpt else 1.0) * tokens / (tokens + 1024)
+
+
+def _halvings(n: int) -> list[int]:
+    out = []
+    while n >= 1:
+        out.append(n)
+        n //= 2
+    return out
+
+
+@dataclass
+class Recommendation:
+    config: str | None
+    micro_batch: int | None
+    grad_accum: int | None
+    grad_ckpt: bool | None
+    prediction: Prediction | None
+    reason: str
+    rejected: dict[str, str]
+
+    def flags(self) -> str:
+        if self.config is None:
+            return ""
+        out = f"--config {self.config} --per_device_train_batch_size {self.micro_batch} --gradient_accumulation_steps {self.grad_accum}"
+        out += " --gradient_checkpointing" if self.grad_ckpt else " --gradient_checkpointing false"
+        if self.prediction is not None and self.prediction.job.strategy.nvme:
+            out += " --nvme_path FOLDER"
+        return out
+
+
+def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = None) -> Recommendation:
+    """The preset, micro-batch and checkpointing setting that fit with the best throughput proxy.
+
+    Presets are tried from cheapest communication to most offload; the first that fits at some micro-batch
+    (powers of two up to the requested one; gradient accumulation keeps the global batch) wins; within it the
+    best throughput proxy. Every rejected preset comes with the reason.
+    """
+    candidates = candidates or candidate_presets()
+    global_micro = job.micro_batch * job.grad_accum
+    rejected: dict[str, str] = {}
+    for name in candidates:
+        try:
+            strategy = Strategy.from_config(name)
+        except (OSError, ValueError) as e:
+            rejected[name] = f"cannot read: {e}"
+            continue
+        if job.quant and strategy.stage == 3:
+            rejected[name] = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3"
+            continue
+        base = job.replace(strategy=strategy)
+        options = []
+        for micro in _halvings(job.micro_batch):
+            for ckpt in (False, True):
+                j = base.replace(micro_batch=micro, grad_ckpt=ckpt, grad_accum=max(1, global_micro // micro))
+                pred = predict(j)
+                ok, why = fits(pred, limits)
+                options.append((ok, _throughput(j, micro, ckpt), j, pred, why))
+        good = [o for o in options if o[0]]
+        if not good:
+            smallest = next(o for o in options if o[2].micro_batch == 1 and o[2].grad_ckpt)
+            rejected[name] = f"does not fit even at micro-batch 1 with gradient checkpointing: {smallest[4]}"
+            continue
+        _, _, j, pred, _ = max(good, key=lambda o: o[1])
+        requested = next(o for o in options if o[2].micro_batch == job.micro_batch and o[2].grad_ckpt == job.grad_ckpt)
+        if requested[0]:
+            reason = f"{strategy.describe()}: fits as requested"
+        else:
+            reason = f"{strategy.describe()}: the requested setting {requested[4]}"
+        if (j.micro_batch, j.grad_ckpt) != (job.micro_batch, job.grad_ckpt) and not requested[0]:
+            reason += f"; micro-batch {j.micro_batch}" + (" with" if j.grad_ckpt else " without") + " gradient checkpointing fits"
+        reason += f" ({fmt_bytes(pred.device_total)} per device, {fmt_bytes(pred.host_total)} per host)"
+        for later in candidates[candidates.index(name) + 1:]:
+            rejected.setdefault(later, f"not needed: {name} fits and communicates or offloads less")
+        return Recommendation(name, j.micro_batch, j.grad_accum, j.grad_ckpt, pred, reason, rejected)
+    return Recommendation(None, None, None, None, None, "no preset fits: use more devices, LoRA/QLoRA or a shorter sequence", rejected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags: the training flags (finetune.config) plus the plan-only ones.
+
+PLAN_FLAGS = {
+    "devices_per_node": "Devices (GPUs, or CPU processes) per node (default: the GPUs here, else 1).",
+    "num_nodes": "Nodes (default 1).",
+    "device_memory": "Memory per device, e.g. 80GB (default: this GPU's; on CPU the host memory / devices).",
+    "host_memory": "Memory per host, e.g. 2TB (default: this machine's).",
+    "accelerator": "gpu or cpu (default: gpu when --device_memory is given or a GPU is present, else cpu).",
+    "json": "Print the plan as JSON.",
+}
+
+
+class PlanError(Exception):
+    pass
+
+
+def split_plan_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    plan: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        key, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
+        if key in PLAN_FLAGS:
+            if key == "json":
+                plan["json"] = value or "true"
+                i += 1
+                continue
+            if eq:
+                plan[key] = value
+                i += 1
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                plan[key] = argv[i + 1]
+                i += 2
+            else:
+                raise PlanError(f"--{key} needs a value")
+            continue
+        rest.append(token)
+        i += 1
+    return plan, rest
+
+
+def _requested_config(rest: list[str]) -> str:
+    """The --config in force: the command line's, else the recipe's, else ddp."""
+    from finetune import config as C
+
+    value = None
+    recipe = None
+    for i, token in enumerate(rest):
+        for key in ("config", "recipe"):
+            if token == f"--{key}" and i + 1 < len(rest):
+                value, recipe = (rest[i + 1], recipe) if key == "config" else (value, rest[i + 1])
+            elif token.startswith(f"--{key}="):
+                v = token.split("=", 1)[1]
+                value, recipe = (v, recipe) if key == "config" else (value, v)
+    if value is None and recipe:
+        settings, _ = C.read_recipe(recipe)
+        if "config" in settings and settings["config"].value is not None:
+            value = str(settings["config"].value)
+    return value or "ddp"
+
+
+def parse_plan_args(argv: list[str]):
+    """-> (FinetuneConfig, plan flags). Training flags are parsed by finetune.config, as `finetune train` does;
+    the DeepSpeed preset is validated there too but TrainingArguments is built without it (no process group)."""
+    from finetune import config as C
+
+    plan, rest = split_plan_flags(argv)
+    real = _requested_config(rest)
+    stripped = []
+    skip = False
+    for token in rest:
+        if skip:
+            skip = False
+            continue
+        if token == "--config":
+            skip = True
+            continue
+        if token.startswith("--config="):
+            continue
+        stripped.append(token)
+    # The preset is checked on its own (a DeepSpeed preset in TrainingArguments would start a process group).
+    try:
+        cfg = C.parse(stripped + ["--config", "ddp"], check_paths=False)
+    except C.ConfigError as e:
+        raise C.ConfigError(_preset_problems(C.ModelConfig(), C.DataConfig(), C.LaunchConfig(config=real)) + e.problems) from None
+    problems = _preset_problems(cfg.model, cfg.data, dataclasses.replace(cfg.launch, config=real))
+    if not cfg.model.model_name_or_path:
+        problems.append("model_name_or_path: required (a folder with config.json)")
+    if problems:
+        raise C.ConfigError(problems)
+    cfg.launch.config = real
+    cfg.deepspeed_config = C.resolve_preset(real)
+    return cfg, plan
+
+
+def _preset_problems(model, data, launch) -> list[str]:
+    """finetune.config's checks of the preset (unknown name, bad JSON, quantized base under ZeRO-3), without the
+    ones about running it here (an NVMe folder, DeepSpeed's async I/O): a plan may be for another machine."""
+    from finetune import config as C
+
+    problems = C.validate(model, data, launch, {}, check_paths=False)
+    run_here = getattr(C, "_check_nvme", None)
+    skip = set(run_here(launch)) if run_here else set()
+    return [p for p in problems if p not in skip]
+
+
+def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Job:
+    args = cfg.training
+    model = cfg.model
+    shape = ModelShape.from_folder(model.model_name_or_path)
+    dtype = model.torch_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if accelerator == "gpu" else "float32"
+    mixed = "bf16" if getattr(args, "bf16", False) else ("fp16" if getattr(args, "fp16", False) else None)
+    strategy = Strategy.from_config(cfg.launch.config)
+    if accelerator == "gpu" and strategy.stage > 0 and mixed is None:
+        mixed = "bf16"  # DeepSpeed on GPU: planned as mixed precision (pass --bf16)
+    quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
+    return Job(
+        shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
+        micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
+        grad_accum=args.gradient_accumulation_steps, grad_ckpt=bool(args.gradient_checkpointing),
+        accelerator=accelerator, weight_dtype=dtype, mixed_precision=mixed, use_peft=model.use_peft,
+        lora_r=model.lora_r, lora_targets=tuple(model.lora_target_modules), lora_dropout=model.lora_dropout,
+        quant=quant, bnb_nested=model.use_bnb_nested_quant,
+    )
+
+
+def _local_gpus() -> tuple[int, int]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
+    except Exception:  # noqa: BLE001 - planning must work without a usable torch.cuda
+        pass
+    return 0, 0
+
+
+def _host_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def make_plan(argv: list[str]) -> dict[str, Any]:
+    cfg, flags = parse_plan_args(argv)
+    gpus, gpu_mem = _local_gpus()
+    accelerator = flags.get("accelerator") or ("gpu" if ("device_memory" in flags or gpus) else "cpu")
+    if accelerator not in ("gpu", "cpu"):
+        raise PlanError(f"--accelerator: '{accelerator}' is not gpu or cpu")
+    try:
+        per_node = int(flags.get("devices_per_node") or (gpus if accelerator == "gpu" and gpus else 1))
+        nodes = int(flags.get("num_nodes") or 1)
+    except ValueError as e:
+        raise PlanError(f"--devices_per_node/--num_nodes: {e}") from None
+    if per_node < 1 or nodes < 1:
+        raise PlanError("--devices_per_node and --num_nodes must be at least 1")
+    sizes = {}
+    for key in ("host_memory", "device_memory"):
+        if key in flags:
+            try:
+                sizes[key] = parse_size(flags[key])
+            except ValueError as e:
+                raise PlanError(f"--{key}: {e}") from None
+    host = sizes.get("host_memory") or _host_memory()
+    if "device_memory" in sizes:
+        device = sizes["device_memory"]
+    elif accelerator == "gpu":
+        if not gpu_mem:
+            raise PlanError("--device_memory: required when planning for GPUs on a machine without one")
+        device = gpu_mem
+    else:
+        device = host // per_node
+    try:
+        job = job_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    limits = Limits(device, host)
+    pred = predict(job)
+    ok, why = fits(pred, limits)
+    rec = recommend(job, limits)
+    return _as_data(job, pred, ok, why, rec, limits)
+
+
+def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
+    sh = job.shape
+    prec = precision_of(job)
+    trainable = (sum(t.numel for t in lora_tensors(sh, job.lora_r, list(job.lora_targets))) if job.use_peft
+                 else sh.num_params)
+    act = pred.act
+    states = rank_state_bytes(job, 0)
+    states = {"parameters": states["params"], "gradients": states["grads"], "optimizer states": states["optimizer"]}
+    return {
+        "model": {
+            "model_type": sh.model_type, "parameters": sh.num_params, "trainable_parameters": trainable,
+            "hidden_size": sh.hidden_size, "layers": sh.num_layers, "heads": sh.num_heads, "kv_heads": sh.num_kv_heads,
+            "intermediate_size": sh.intermediate_size,
+            "vocab_size": sh.vocab_size, "tie_word_embeddings": sh.tie_word_embeddings,
+        },
+        "job": {
+            "config": job.strategy.name, "strategy": job.strategy.describe(), "accelerator": job.accelerator,
+            "world_size": job.world_size, "devices_per_node": job.devices_per_node, "num_nodes": job.num_nodes,
+            "per_device_train_batch_size": job.micro_batch, "max_seq_length": job.seq_len,
+            "gradient_accumulation_steps": job.grad_accum, "gradient_checkpointing": job.grad_ckpt,
+            "method": ("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft else "full",
+            "precision": prec.note + ("; LoRA adapters in fp32: 4 + 4 + 8" if job.use_peft and prec.name == "bf16" else ""),
+        },
+        "limits": {"device_memory": limits.device_memory, "host_memory": limits.host_memory},
+        "per_device": dict(pred.device), "per_device_total": pred.device_total,
+        "per_host": dict(pred.host), "per_host_total": pred.host_total,
+        "model_states_at_step": states,
+        "activations_saved": act.saved, "activations_detail": act.detail, "peak_moment": pred.peak_moment,
+        "fits": ok, "does_not_fit_because": why or None,
+        "recommendation": {
+            "config": rec.config, "per_device_train_batch_size": rec.micro_batch,
+            "gradient_accumulation_steps": rec.grad_accum, "gradient_checkpointing": rec.grad_ckpt,
+            "flags": rec.flags(), "reason": rec.reason,
+            "per_device_total": rec.prediction.device_total if rec.prediction else None,
+            "per_host_total": rec.prediction.host_total if rec.prediction else None,
+        },
+        "rejected": rec.rejected,
+        "notes": pred.notes,
+    }
+
+
+def render(plan: dict[str, Any]) -> str:
+    m, j, lim = plan["model"], plan["job"], plan["limits"]
+    lines = [
+        f"model: {m['model_type']}, {fmt_count(m['parameters'])} parameters ({fmt_count(m['trainable_parameters'])} trainable); "
+        f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
+        f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}",
+        f"method: {j['method']}; precision: {j['precision']}",
+        f"job: --config {j['config']} = {j['strategy']}; {j['world_size']} {j['accelerator'].upper()} device(s) "
+        f"({j['num_nodes']} node(s) x {j['devices_per_node']}); micro-batch {j['per_device_train_batch_size']} x "
+        f"{j['max_seq_length']} tokens, accumulation {j['gradient_accumulation_steps']}, gradient checkpointing "
+        f"{'on' if j['gradient_checkpointing'] else 'off'}",
+        "",
+        "model states per device when the optimizer steps (offloaded ones included): " + ", ".join(
+            f"{k} {fmt_bytes(v)}" for k, v in plan["model_states_at_step"].items()),
+        "",
+        f"per device ({fmt_bytes(lim['device_memory'])}), at the predicted peak ({plan['peak_moment']}):",
+    ]
+    for key, value in plan["per_device"].items():
+        lines.append(f"  {key:<28}{fmt_bytes(value):>12}")
+    lines.append(f"  {'total':<28}{fmt_bytes(plan['per_device_total']):>12}")
+    lines.append(f"per host ({fmt_bytes(lim['host_memory'])}):")
+    for key, value in plan["per_host"].items():
+        lines.append(f"  {key:<28}{fmt_bytes(value):>12}")
+    lines.append(f"  {'total':<28}{fmt_bytes(plan['per_host_total']):>12}")
+    lines.append("")
+    lines.append("fits" if plan["fits"] else f"does NOT fit: {plan['does_not_fit_because']}")
+    rec = plan["recommendation"]
+    if rec["config"]:
+        lines.append(f"recommendation: {rec['flags']}")
+        lines.append(f"  why: {rec['reason']}")
+    else:
+        lines.append(f"recommendation: none. {rec['reason']}")
+    if plan["rejected"]:
+        lines.append("rejected:")
+        for name, why in plan["rejected"].items():
+            lines.append(f"  {name}: {why}")
+    for note in plan["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    lines = ["usage: finetune plan [training flags] [plan flags]", "",
+             "Predicts per-device and per-host memory from the model's config.json (no weights are loaded) and",
+             "recommends the preset, micro-batch and checkpointing that fit. Training flags are those of",
+             "`finetune train` (--model_name_or_path, --config, --use_peft, --per_device_train_batch_size,",
+             "--max_seq_length, --gradient_checkpointing, --recipe, ...).", "", "plan flags:"]
+    lines += [f"  --{k:<18}{v}" for k, v in PLAN_FLAGS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from finetune import config as C
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return
+    try:
+        plan = make_plan(argv)
+    except C.ConfigError as e:
+        print(str(e), file=sys.stderr)
+        raise SystemExit(2) from None
+    except PlanError as e:
+        print(f"finetune plan: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if plan_json_requested(argv):
+        print(json.dumps(plan, indent=2))
+    else:
+        print(render(plan))
+
+
+def plan_json_requested(argv: list[str]) -> bool:
+    flags, _ = split_plan_flags(argv)
+    return flags.get("json", "false").lower() in ("true", "1", "yes")
+
+
+# ----------------------------------------------------------------------------------------------
+# --plan_check: called by a training run before it loads anything.
+
+
+def plan_check(cfg) -> str | None:
+    """An error message when the predicted memory of this run exceeds the device (or host) memory, else None.
+
+    Uses the run's own config (cfg from finetune.config.parse) and its world size; device memory is this GPU's,
+    or on CPU the host's memory shared by the node's processes.
+    """
+    args = cfg.training
+    world = int(getattr(args, "world_size", 0) or os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpus, gpu_mem = _local_gpus()
+    accelerator = "gpu" if gpus and not getattr(args, "use_cpu", False) else "cpu"
+    host = _host_memory()
+    device = gpu_mem if accelerator == "gpu" else host // max(1, per_node)
+    try:
+        job = job_from_config(cfg, world_size=world, devices_per_node=per_node, accelerator=accelerator)
+    except ValueError as e:
+        return f"--plan_check: cannot plan this run: {e}"
+    pred = predict(job)
+    ok, why = fits(pred, Limits(device, host))
+    if ok:
+        return None
+    rec = recommend(job, Limits(device, host))
+    hint = f"; `finetune plan` suggests: {rec.flags()}" if rec.config else f"; {rec.reason}"
+    return (f"--plan_check: predicted memory does not fit: {why}{hint}. "
+            "Run `finetune plan` with the same flags for the breakdown, or pass --force to start anyway")
+
+
+if __name__ == "__main__":
+    main()

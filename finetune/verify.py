@@ -1,0 +1,315 @@
+"""Check what a save wrote: no empty or non-finite tensors, the folder reloads with `from_pretrained`, and the reloaded
+model's logits on a fixed input match the model that was saved.
+
+    from finetune.verify import verify_saved
+    report = verify_saved(folder, model)              # the in-memory model (full model or PeftModel)
+    report = verify_saved(folder, state_dict)         # or its consolidated state dict (ZeRO-3: the gathered one)
+    print(report)                                     # raises VerificationError when anything is off
+
+A failed verification is an error, never a warning: a folder that does not reload to the same model is not a
+model. Used after `finetune export` and, through outputs.save_final, after training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ATOL = 1e-5
+
+
+class VerificationError(Exception):
+    """The saved folder is not the model that was saved."""
+
+
+@dataclass
+class VerifyReport:
+    folder: str
+    kind: str  # "model" or "adapter"
+    tensors: int
+    parameters: int
+    max_logit_diff: float
+    atol: float
+    max_tensor_diff: float | None = None
+
+    def __str__(self) -> str:
+        tensor = "" if self.max_tensor_diff is None else f", max tensor diff {self.max_tensor_diff:.3g}"
+        return (
+            f"verified {self.kind} {self.folder}: {self.tensors} tensors ({self.parameters:,} values), none empty or "
+            f"non-finite; reloads with from_pretrained; logits max diff {self.max_logit_diff:.3g} (limit {self.atol:g}){tensor}"
+        )
+
+
+def fixed_input(vocab_size: int, batch: int = 2, length: int = 16, seed: int = 0):
+    """The fixed probe: token ids drawn with a fixed seed (the same on every call and machine)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=generator)
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
+def check_tensors(folder: str | Path) -> tuple[int, int]:
+    """Every tensor in every safetensors file has at least one element and only finite values.
+
+    Returns (tensors, values). An empty tensor is what a ZeRO-3 partitioned model writes when its weights were not
+    gathered before saving.
+    """
+    import torch
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    if not files:
+        raise VerificationError(f"{folder}: no *.safetensors weights were written")
+    empty, bad, count, values = [], [], 0, 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                count += 1
+                n = 1
+                for d in shape:
+                    n *= d
+                if n == 0:
+                    empty.append(f"{key} {list(shape)}")
+                    continue
+                values += n
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    bad.append(key)
+    if empty:
+        raise VerificationError(
+            f"{folder}: {len(empty)} empty tensor(s) written: {', '.join(empty[:5])} "
+            "(a ZeRO-3 model writes empty tensors when its weights were not gathered before saving)"
+        )
+    if bad:
+        raise VerificationError(f"{folder}: {len(bad)} tensor(s) with NaN or inf values: {', '.join(bad[:5])}")
+    return count, values
+
+
+def _first_device(model):
+    import torch
+
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _float_dtype(model):
+    import torch
+
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def logits_of(model, input_ids):
+    """Logits of `model` on `input_ids` in eval mode without gradients (the model's mode is restored)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(input_ids=input_ids.to(_first_device(model)), use_cache=False).logits.float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def _strip(key: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while key.startswith(prefix):
+            key = key[len(prefix) :]
+    return key
+
+
+def _load_reference_into(model, reference: Mapping, kind: str) -> float:
+    """Load a reference state dict into the reloaded model (after its own logits were taken); every weight of the
+    model must be covered, or the comparison would prove nothing. Returns the max |saved - reference| tensor diff."""
+    import torch
+
+    ref = {_strip(k): v for k, v in reference.items()}
+    state = model.state_dict()
+    if kind == "adapter" and not any(".default." in k for k in ref) and any("lora_" in k for k in ref):
+        # An adapter-only dict (get_peft_model_state_dict format): name the adapter.
+        ref = {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v for k, v in ref.items()}
+    wanted = [k for k in state if "lora_" in k] if kind == "adapter" else list(state)
+    tied = _tied_keys(model)
+    missing = [k for k in wanted if k not in ref and k not in tied]
+    if missing:
+        raise VerificationError(
+            f"the reference state dict lacks {len(missing)} of the model's weights (e.g. {', '.join(missing[:3])}); "
+            "pass the full consolidated state dict"
+        )
+    diff = 0.0
+    with torch.no_grad():
+        for k in wanted:
+            if k not in ref:
+                continue
+            value = ref[k]
+            if tuple(value.shape) != tuple(state[k].shape):
+                raise VerificationError(f"{k}: saved shape {list(state[k].shape)}, reference shape {list(value.shape)}")
+            if state[k].is_floating_point():
+                diff = max(diff, (state[k].float().cpu() - value.float().cpu()).abs().max().item() if value.numel() else 0.0)
+    result = model.load_state_dict({k: ref[k] for k in wanted if k in ref}, strict=False)
+    if result.unexpected_keys:
+        raise VerificationError(f"reference weights the model does not have: {', '.join(result.unexpected_keys[:3])}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return diff
+
+
+def _tied_keys(model) -> set[str]:
+    """State-dict names that alias another weight (e.g. lm_head.weight tied to the embeddings)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.device.type == "meta":
+            continue
+        ptr = tensor.data_ptr()
+        if ptr in seen and ptr != 0:
+            tied.add(name)
+        else:
+            seen[ptr] = name
+    return tied
+
+
+def _quantization_of(model):
+    """The BitsAndBytesConfig a quantized reference was loaded with, to reload its base the same way."""
+    base = model
+    if hasattr(model, "get_base_model"):
+        base = model.get_base_model()
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    if config is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(config, BitsAndBytesConfig):
+        return config
+    if isinstance(config, dict):
+        return BitsAndBytesConfig.from_dict(config)
+    return config
+
+
+@contextmanager
+def outside_zero3():
+    """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,
+    from_pretrained would partition the reloaded copy with collectives that only rank 0 runs (a hang, or gloo's
+    "Received data size doesn't match expected size")."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, device=None, quantization=None):
+    """from_pretrained on the folder: a full model, or an adapter on its base (from adapter_config.json unless
+    `base_model` is given). Missing or unexpected weights are errors (from_pretrained would initialise missing
+    ones randomly and only log it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        on_gpu = device is not None and getattr(device, "type", str(device)) == "cuda"
+        kwargs["device_map"] = {"": (device.index or 0) if on_gpu else "cpu"}
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        base_path = base_model or cfg.get("base_model_name_or_path")
+        if not base_path or not Path(base_path).is_dir():
+            raise VerificationError(
+                f"{folder}: cannot reload the adapter: its base model {base_path!r} is not a local folder (pass base_model)"
+            )
+        base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        if quantization is None and device is not None:
+            base.to(device)
+        try:
+            model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
+        except Exception as e:  # noqa: BLE001 - any failure to reload is the verification failing
+            raise VerificationError(f"{folder}: the adapter does not reload onto {base_path}: {e}") from e
+        return model.eval(), "adapter"
+    if not (folder / "config.json").is_file():
+        raise VerificationError(f"{folder}: neither config.json nor adapter_config.json was written")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise VerificationError(f"{folder}: from_pretrained failed: {type(e).__name__}: {e}") from e
+    problems = []
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(map(str, info.get(what) or []))
+        if keys:
+            problems.append(f"{what.replace('_', ' ')}: {', '.join(keys[:5])}")
+    if problems:
+        raise VerificationError(f"{folder}: the saved weights do not match the model's architecture ({'; '.join(problems)})")
+    if quantization is None and device is not None:
+        model.to(device)
+    return model.eval(), "model"
+
+
+def verify_saved(
+    folder: str | Path,
+    reference,
+    *,
+    base_model: str | None = None,
+    atol: float = DEFAULT_ATOL,
+    input_ids=None,
+) -> VerifyReport:
+    """Verify a saved model or adapter folder against what was saved.
+
+    reference: the in-memory model (a transformers model, or a PeftModel for an adapter folder; on any device,
+    quantized or not: the reload uses the same device, dtype and quantization), or a consolidated state dict of it
+    (name -> tensor; under ZeRO-3 the in-memory model is partitioned, so pass the gathered state dict).
+    base_model: the base folder for an adapter (default: adapter_config.json's base_model_name_or_path).
+    Raises VerificationError; returns a VerifyReport with the numbers.
+    """
+    import torch
+
+    folder = Path(folder)
+    tensors, values = check_tensors(folder)
+    is_module = isinstance(reference, torch.nn.Module)
+    if not is_module and not isinstance(reference, Mapping):
+        raise TypeError("reference must be a torch.nn.Module or a state dict (Mapping of name -> tensor)")
+    if is_module:
+        dtype, device, quant = _float_dtype(reference), _first_device(reference), _quantization_of(reference)
+    else:
+        floats = [v.dtype for v in reference.values() if hasattr(v, "is_floating_point") and v.is_floating_point()]
+        dtype, device, quant = (floats[0] if floats else torch.float32), None, None
+    with outside_zero3():
+        model, kind = reload(folder, base_model=base_model, dtype=dtype, device=device, quantization=quant)
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else model.config.vocab_size
+    ids = input_ids if input_ids is not None else fixed_input(int(vocab))
+    reloaded = logits_of(model, ids)
+    tensor_diff = None
+    if is_module:
+        expected = logits_of(reference, ids)
+    else:
+        tensor_diff = _load_reference_into(model, reference, kind)
+        expected = logits_of(model, ids)
+    if expected.shape != reloaded.shape:
+        raise VerificationError(f"{folder}: reloaded logits have shape {list(reloaded.shape)}, expected {list(expected.shape)}")
+    diff = (expected - reloaded).abs().max().item()
+    if not diff <= atol:  # also catches NaN
+        tensors_note = "" if tensor_diff is None else f"; saved tensors differ from the reference by up to {tensor_diff:.3g}"
+        raise VerificationError(
+            f"{folder}: the reloaded {kind} does not match the saved one: logits differ by up to {diff:.3g} "
+            f"(limit {atol:g}) on the fixed input{tensors_note}"
+        )
+    del model
+    return VerifyReport(str(folder), kind, tensors, values, diff, atol, tensor_diff)
