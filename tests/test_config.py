@@ -309,9 +309,13 @@ def test_all_problems_in_one_error(tmp_path):
 def test_presets_resolve_to_existing_files(preset, out):
     path = C.resolve_preset(preset)
     assert path == C.DS_CONFIG_DIR / C.PRESETS[preset] and path.is_file()
-    cfg = parse(["--config", preset, "--output_dir", out])
+    extra = ["--nvme_path", str(Path(out) / "nvme")] if preset == "zero3_nvme" else []
+    cfg = parse(["--config", preset, "--output_dir", out, *extra])
     assert cfg.deepspeed_config == path
-    assert cfg.training.deepspeed == str(path)
+    if preset == "zero3_nvme":  # the swap folder is filled into the config, so it is passed as a dict
+        assert cfg.training.deepspeed["zero_optimization"]["offload_param"]["nvme_path"] == str((Path(out) / "nvme").resolve())
+    else:
+        assert cfg.training.deepspeed == str(path)
 
 
 def test_preset_names():
