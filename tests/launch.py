@@ -29,6 +29,8 @@ def env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
         # Two ranks on two cores: more threads per rank only oversubscribes (3x slower).
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1",
+        # The checkout under test, not whichever copy `pip install -e` pointed at.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         e.pop(key, None)

@@ -35,7 +35,8 @@ def _finetune_script() -> str:
 def run(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
     """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", FINETUNE_CACHE=str(tmp_path / "finetune-cache"))
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", FINETUNE_CACHE=str(tmp_path / "finetune-cache"),
+               PYTHONPATH=str(REPO))
     args = [str(a) for a in args]
     if how == "cli":
         cmd, cwd = [_finetune_script(), "train", *args], tmp_path
