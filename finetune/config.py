@@ -78,6 +78,10 @@ class ModelConfig:
     load_in_4bit: bool = field(default=False, metadata={"help": "Load the base weights in 4-bit (bitsandbytes)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type: nf4 or fp4."})
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Double quantization for 4-bit weights."})
+    bnb_4bit_compute_dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype 4-bit matmuls compute in: auto (the model dtype), float32, bfloat16, float16."},
+    )
 
 
 @dataclass
@@ -118,6 +122,11 @@ class LaunchConfig:
         default=None,
         metadata={"help": "Folder on a fast local disk for --config zero3_nvme (ZeRO-Infinity swaps parameters and optimizer states there)."},
     )
+    plan_check: bool = field(
+        default=False,
+        metadata={"help": "Predict this run's memory first (as `finetune plan` does) and refuse to start if it does not fit."},
+    )
+    force: bool = field(default=False, metadata={"help": "Start even when --plan_check predicts that memory does not fit."})
 
 
 # Our defaults for TrainingArguments fields, applied under the recipe and the command line.
@@ -545,6 +554,10 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append(f"lora_dropout: must be in [0, 1), got {model.lora_dropout}")
     if model.load_in_8bit and model.load_in_4bit:
         problems.append("load_in_8bit and load_in_4bit: choose one")
+    if model.bnb_4bit_quant_type not in ("nf4", "fp4"):
+        problems.append(f"bnb_4bit_quant_type: '{model.bnb_4bit_quant_type}' is not one of nf4, fp4")
+    if model.bnb_4bit_compute_dtype not in DTYPES:
+        problems.append(f"bnb_4bit_compute_dtype: '{model.bnb_4bit_compute_dtype}' is not one of {', '.join(DTYPES)}")
     if (model.load_in_8bit or model.load_in_4bit) and not model.use_peft:
         problems.append("load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)")
     if (model.load_in_8bit or model.load_in_4bit) and (launch.config.startswith("zero3") or _zero_stage(launch.config) == 3):

@@ -29,7 +29,8 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
     world = args.world_size if world is None else world
     global_batch = micro * accum * world
     mean_len = stats.tokens / max(stats.examples, 1)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its real size.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     preset = cfg.launch.config
     ds = f" ({cfg.deepspeed_config})" if cfg.deepspeed_config and str(cfg.deepspeed_config) != preset else ""
@@ -70,8 +71,31 @@ def write_json_atomic(path: str | Path, data) -> None:
     os.replace(tmp, path)
 
 
+def verify_staged(accelerator, model, staging: Path, *, is_zero3: bool) -> None:
+    """Check the staged save before it is committed, on every path: no empty tensors, it reloads with
+    from_pretrained, and the reload's logits equal the in-memory model's. Collective: every rank calls it
+    (ZeRO-3 gathers its partitions for the reference) and every rank raises if the main process found a fault,
+    so no rank reports success for a save that is not the model."""
+    from accelerate.utils import broadcast_object_list
+
+    from finetune.verify import VerificationError, verify_saved
+
+    reference = accelerator.get_state_dict(model) if is_zero3 else None
+    verdict = [None]
+    if accelerator.is_main_process:
+        try:
+            report = verify_saved(staging, reference if is_zero3 else accelerator.unwrap_model(model))
+            print(report, flush=True)
+        except VerificationError as e:
+            verdict = [str(e)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(verdict, from_process=0)
+    if verdict[0]:
+        raise VerificationError(f"the final save failed verification and was not committed: {verdict[0]}")
+
+
 def save_final(trainer, output_dir: str | Path) -> None:
-    """Trainer path: model (or adapter) + tokenizer + trainer_state.json, staged then committed."""
+    """Trainer path: model (or adapter) + tokenizer + trainer_state.json, staged, verified, then committed."""
     staging = staging_dir(output_dir)
     if trainer.args.should_save:
         shutil.rmtree(staging, ignore_errors=True)
@@ -80,6 +104,9 @@ def save_final(trainer, output_dir: str | Path) -> None:
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
     # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
     trainer.save_model(str(staging))
+    trainer.accelerator.wait_for_everyone()
+    verify_staged(trainer.accelerator, trainer.model_wrapped, staging, is_zero3=trainer.is_deepspeed_enabled
+                  and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
     if trainer.args.should_save:
         trainer.state.save_to_json(str(staging / "trainer_state.json"))
         commit_staged(staging, output_dir)

@@ -150,3 +150,18 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def save_random_adapter(base: str | Path, out: str | Path, *, r: int = 8, seed: int = 0) -> Path:
+    """A LoRA adapter on every linear layer of `base` with random (non-zero) A and B, so that it changes the logits."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False),
+    )
+    peft.save_pretrained(out)
+    return Path(out)

@@ -23,6 +23,8 @@ from finetune import config as C
 from finetune.data import Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import describe_run, rank0_print, save_final
+from finetune.plan import plan_check
+from finetune.verify import VerificationError
 from finetune.trainer import Trainer
 
 
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
     cfg = C.load_or_exit(argv)
     args = cfg.training
+    if cfg.launch.plan_check and (problem := plan_check(cfg)):
+        if not cfg.launch.force:
+            exit_with(problem)
+        rank0_print(f"{problem}\n--force: starting anyway")
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
     tokenizer = load_tokenizer(cfg.model)
@@ -60,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
     # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
-    save_final(trainer, args.output_dir)
+    try:
+        save_final(trainer, args.output_dir)
+    except VerificationError as e:
+        exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
 
 

@@ -38,3 +38,14 @@ def tiny_plain(tmp_path_factory) -> Path:
 @pytest.fixture
 def cache_dir(tmp_path) -> Path:
     return tmp_path / "tokenized-cache"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -120,3 +120,17 @@ def test_wrong_type(tiny_chatml, tmp_path):
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 42}]}\n')
     proc = _data_run("script", tiny_chatml, data, tmp_path)
     assert_user_error(proc, f"finetune: data error: {data}:1: messages[1].content must be a string, got int")
+
+
+def test_plan_check_refuses_a_run_that_cannot_fit(tiny_chatml, tmp_path):
+    # A batch whose activations alone need far more than this machine has: refused before the model loads.
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one two"}\n')
+    huge = ["--per_device_train_batch_size", "100000", "--max_seq_length", "100000", "--plan_check"]
+    proc = _data_run("cli", tiny_chatml, data, tmp_path, *huge)
+    assert_user_error(proc, "finetune: --plan_check: predicted memory does not fit", "--force")
+    assert not (tmp_path / "out").exists()
+    # The same run with a batch that fits passes the check and trains.
+    ok = _data_run("cli", tiny_chatml, data, tmp_path, "--plan_check")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()

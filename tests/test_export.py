@@ -14,33 +14,18 @@ from finetune import tiny
 from finetune.verify import VerificationError, fixed_input, logits_of, verify_saved
 from launch import launcher, run
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("export")
     model = tiny.build(root / "model", style="llama3", hidden=64, layers=2)
     other = tiny.build(root / "other", style="llama3", hidden=32, layers=2)
     out = {"root": root, "model": model, "other": other}
     for name, base in (("adapter", model), ("other_adapter", other)):
-        torch.manual_seed(2)
-        peft = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
-        )
-        peft.save_pretrained(root / name)
-        out[name] = root / name
+        out[name] = tiny.save_random_adapter(base, root / name, r=8, seed=2)
     return out
 
 

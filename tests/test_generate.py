@@ -14,37 +14,21 @@ from finetune import generate as G
 from finetune import tiny
 from launch import BIN, run
 
+# Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = ["count: red blue green", "reverse: the cat sat on the long road", "hi", "copy: one two three four five six"]
 # Tight enough that only the embeddings and the first blocks fit in RAM: the rest goes to disk.
 TIGHT = "cpu=600KB,disk=1GB"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("generate")
     model = tiny.build(root / "model", style="chatml", hidden=64, layers=4)
     other = tiny.build(root / "other", style="chatml", hidden=32, layers=2)
-    adapters = {}
-    for name, base in (("adapter", model), ("other_adapter", other)):
-        torch.manual_seed(1)
-        peft = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),  # non-zero B: it matters
-        )
-        peft.save_pretrained(root / name)
-        adapters[name] = root / name
+    adapters = {name: tiny.save_random_adapter(base, root / name, r=4, seed=1)
+                for name, base in (("adapter", model), ("other_adapter", other))}
     device_map = root / "map.json"
     device_map.write_text(json.dumps({
         "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",

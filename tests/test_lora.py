@@ -34,6 +34,8 @@ def lora_runs(tmp_path_factory):
         ]
         result = run(cmd, timeout=600).check()
         assert f"x {nproc} processes = global batch 8" in result.output
+        # The save was checked before commit (under ZeRO-3 against the gathered weights).
+        assert f"verified adapter {out / '.staging-final'}" in result.output and "logits max diff" in result.output
         outs[name] = out
     return model, outs
 

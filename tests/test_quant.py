@@ -15,16 +15,10 @@ from finetune.config import ConfigError, ModelConfig, parse
 from finetune.model import load_model, quantization_config
 from launch import launcher, losses, run
 
+# Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process training here is tiny: one thread avoids OpenMP spin-waiting when the 2 cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
