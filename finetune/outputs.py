@@ -71,25 +71,23 @@ def write_json_atomic(path: str | Path, data) -> None:
     os.replace(tmp, path)
 
 
-def verify_staged(accelerator, model, staging: Path, *, is_zero3: bool) -> None:
-    """Check the staged save before it is committed, on every path: no empty tensors, it reloads with
-    from_pretrained, and the reload's logits equal the in-memory model's. Collective: every rank calls it
-    (ZeRO-3 gathers its partitions for the reference) and every rank raises if the main process found a fault,
-    so no rank reports success for a save that is not the model."""
-    from accelerate.utils import broadcast_object_list
+def verify_staged(staging: Path, reference, *, is_main: bool) -> None:
+    """Check a staged save before it is committed, on every path: no empty tensors, it reloads with from_pretrained,
+    and the reload's logits equal the in-memory model's. `reference`: on the main process, the unwrapped model or
+    (under ZeRO-3, where each rank holds a slice) the gathered state dict. Collective when distributed: every rank
+    raises if the main process found a fault, so no rank reports success for a save that is not the model."""
+    import torch.distributed as dist
 
     from finetune.verify import VerificationError, verify_saved
 
-    reference = accelerator.get_state_dict(model) if is_zero3 else None
     verdict = [None]
-    if accelerator.is_main_process:
+    if is_main:
         try:
-            report = verify_saved(staging, reference if is_zero3 else accelerator.unwrap_model(model))
-            print(report, flush=True)
+            print(verify_saved(staging, reference), flush=True)
         except VerificationError as e:
             verdict = [str(e)]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(verdict, from_process=0)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise VerificationError(f"the final save failed verification and was not committed: {verdict[0]}")
 
@@ -105,8 +103,12 @@ def save_final(trainer, output_dir: str | Path) -> None:
     # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
     trainer.save_model(str(staging))
     trainer.accelerator.wait_for_everyone()
-    verify_staged(trainer.accelerator, trainer.model_wrapped, staging, is_zero3=trainer.is_deepspeed_enabled
-                  and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3)
+    accelerator = trainer.accelerator
+    if trainer.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        reference = accelerator.get_state_dict(trainer.model_wrapped)  # collective: gathers the partitions
+    else:
+        reference = accelerator.unwrap_model(trainer.model)
+    verify_staged(staging, reference, is_main=accelerator.is_main_process)
     if trainer.args.should_save:
         trainer.state.save_to_json(str(staging / "trainer_state.json"))
         commit_staged(staging, output_dir)
