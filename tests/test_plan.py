@@ -210,7 +210,6 @@ def test_70b_full_finetune_on_8x80gb_recommends_zero3_offload(tmp_path, capsys):
     assert "recommendation: --config zero3" in text and "rejected:" in text and "zero3_no_offload:" in text
 
 
-@pytest.mark.skipif("zero3_nvme" not in C.PRESETS, reason="no NVMe preset in this checkout")
 def test_70b_with_less_host_memory_goes_to_nvme(tmp_path):
     model = write_config(tmp_path / "llama-70b", **LLAMA_70B)
     data = plan.make_plan(["--model_name_or_path", str(model), "--devices_per_node", "8", "--device_memory", "80GB",
