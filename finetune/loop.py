@@ -11,6 +11,7 @@ of the whole global batch. A test holds its per-step losses to the Trainer's.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,9 +23,10 @@ import torch
 from finetune import config as C
 from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
-from finetune.outputs import commit_staged, describe_run, rank0_print, staging_dir, write_json_atomic
+from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
 from finetune.sampler import distributed_dataloader
 from finetune.train import exit_with
+from finetune.verify import VerificationError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     # Config (TrainingArguments built first, so that ZeRO-3 loads the weights partitioned).
     cfg = C.load_or_exit(argv, prog="finetune loop")
     args = cfg.training
+    plan_or_exit(cfg)
     accum = args.gradient_accumulation_steps
     accelerator = Accelerator(
         # Sync by our count of micro-batches, not by the end of the dataloader: each step's micro-batches are
@@ -121,13 +124,20 @@ def main(argv: list[str] | None = None) -> None:
     # Save: consolidated model (or adapter) + tokenizer + per-step losses, staged then committed.
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 partitions
+    staging, unwrapped = staging_dir(args.output_dir), accelerator.unwrap_model(model)
     if accelerator.is_main_process:
-        staging = staging_dir(args.output_dir)
-        unwrapped = accelerator.unwrap_model(model)
+        shutil.rmtree(staging, ignore_errors=True)
         unwrapped.config.use_cache = True
         unwrapped.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         write_json_atomic(staging / "trainer_state.json", {"global_step": step, "log_history": log_history})
+    # Under ZeRO-3 each rank holds a slice, so the gathered state dict is the reference; else the model itself.
+    zero3 = accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3
+    try:
+        verify_staged(staging, state_dict if zero3 else unwrapped, is_main=accelerator.is_main_process)
+    except VerificationError as e:
+        exit_with(str(e))
+    if accelerator.is_main_process:
         commit_staged(staging, args.output_dir)
     accelerator.wait_for_everyone()
     rank0_print(f"saved to {args.output_dir}")

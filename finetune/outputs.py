@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 # Written last when moving a finished save into place: its presence marks a complete model folder.
@@ -20,6 +21,20 @@ def is_rank0() -> bool:
 def rank0_print(*args, **kwargs) -> None:
     if is_rank0():
         print(*args, **kwargs, flush=True)
+
+
+def plan_or_exit(cfg) -> None:
+    """--plan_check: refuse (exit 2, every rank alike) a run the planner predicts will not fit, unless --force."""
+    if not cfg.launch.plan_check:
+        return
+    from finetune.plan import plan_check
+
+    if problem := plan_check(cfg):
+        if not cfg.launch.force:
+            if is_rank0():
+                print(f"finetune: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        rank0_print(f"{problem}\n--force: starting anyway")
 
 
 def describe_run(cfg, stats, model, world: int | None = None) -> str:

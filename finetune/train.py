@@ -22,8 +22,7 @@ if __package__ in (None, ""):
 from finetune import config as C
 from finetune.data import Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
-from finetune.outputs import describe_run, rank0_print, save_final
-from finetune.plan import plan_check
+from finetune.outputs import describe_run, plan_or_exit, rank0_print, save_final
 from finetune.verify import VerificationError
 from finetune.trainer import Trainer
 
@@ -33,10 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
     cfg = C.load_or_exit(argv)
     args = cfg.training
-    if cfg.launch.plan_check and (problem := plan_check(cfg)):
-        if not cfg.launch.force:
-            exit_with(problem)
-        rank0_print(f"{problem}\n--force: starting anyway")
+    plan_or_exit(cfg)
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
     tokenizer = load_tokenizer(cfg.model)

@@ -31,8 +31,9 @@ if __package__ in (None, ""):
 from finetune import config as C
 from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
-from finetune.outputs import commit_staged, describe_run, rank0_print, staging_dir, write_json_atomic
+from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
 from finetune.train import exit_with
+from finetune.verify import VerificationError
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_with(str(e))
     cfg = C.load_or_exit(argv, prog="deepspeed scripts/sft.py")
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
+    plan_or_exit(cfg)
     if problems := unsupported(cfg):
         exit_with(str(C.ConfigError(problems)))
     import deepspeed
@@ -358,6 +360,12 @@ def save_final(engine, hf_ds, tokenizer, output_dir, log_history, step: int, max
         model.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         write_state(staging, log_history, step, max_steps)
+    # Under ZeRO-3 each rank holds a slice, so the gathered state dict is the reference; else the model itself.
+    try:
+        verify_staged(staging, state_dict if state_dict is not None else model, is_main=rank0)
+    except VerificationError as e:
+        exit_with(str(e))
+    if rank0:
         commit_staged(staging, output_dir)
     dist.barrier()
 

@@ -33,7 +33,8 @@ def _finetune_script() -> str:
 
 
 def run(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
-    """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo."""
+    """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo;
+    'loop' and 'sft' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", FINETUNE_CACHE=str(tmp_path / "finetune-cache"),
                PYTHONPATH=str(REPO))
@@ -41,7 +42,8 @@ def run(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
     if how == "cli":
         cmd, cwd = [_finetune_script(), "train", *args], tmp_path
     else:
-        cmd, cwd = [sys.executable, "finetune/train.py", *args], REPO
+        script = {"script": "finetune/train.py", "loop": "finetune/loop.py", "sft": "scripts/sft.py"}[how]
+        cmd, cwd = [sys.executable, script, *args], REPO
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -120,6 +122,16 @@ def test_wrong_type(tiny_chatml, tmp_path):
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 42}]}\n')
     proc = _data_run("script", tiny_chatml, data, tmp_path)
     assert_user_error(proc, f"finetune: data error: {data}:1: messages[1].content must be a string, got int")
+
+
+@pytest.mark.parametrize("how", ["loop", "sft"])
+def test_plan_check_is_on_every_path(how, tiny_chatml, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one two"}\n')
+    huge = ["--per_device_train_batch_size", "100000", "--max_seq_length", "100000", "--plan_check"]
+    proc = _data_run(how, tiny_chatml, data, tmp_path, *huge)
+    assert_user_error(proc, "finetune: --plan_check: predicted memory does not fit", "--force")
+    assert not (tmp_path / "out").exists()
 
 
 def test_plan_check_refuses_a_run_that_cannot_fit(tiny_chatml, tmp_path):

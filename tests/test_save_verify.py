@@ -4,13 +4,18 @@ error (exit 2, nothing committed), not a warning."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
-from finetune import train
+from finetune import loop, train
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,29 +27,59 @@ def _argv(model, tmp_path):
             "--dataset_cache_dir", str(tmp_path / "cache"), "--max_steps", "2", "--per_device_train_batch_size", "2"]
 
 
-def test_good_save_is_verified(tiny_chatml, tmp_path, capsys):
-    train.main(_argv(tiny_chatml, tmp_path))
+CORRUPT = """
+import transformers
+from safetensors.torch import load_file, save_file
+
+_save = transformers.PreTrainedModel.save_pretrained
+
+
+def corrupting_save(self, save_directory, *args, **kwargs):
+    _save(self, save_directory, *args, **kwargs)
+    path = f"{save_directory}/model.safetensors"
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3  # a silent bit of damage
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+transformers.PreTrainedModel.save_pretrained = corrupting_save
+"""
+
+
+@pytest.mark.parametrize("path", [train, loop])
+def test_good_save_is_verified(path, tiny_chatml, tmp_path, capsys):
+    path.main(_argv(tiny_chatml, tmp_path))
     out = capsys.readouterr().out
     assert f"verified model {tmp_path / 'out' / '.staging-final'}" in out
     assert "logits max diff 0" in out
     assert (tmp_path / "out" / "config.json").is_file()
 
 
-def test_corrupted_save_is_an_error_and_not_committed(tiny_chatml, tmp_path, monkeypatch, capsys):
-    save_model = transformers.Trainer.save_model
-
-    def corrupting_save(self, output_dir=None, _internal_call=False):
-        save_model(self, output_dir, _internal_call)
-        path = f"{output_dir}/model.safetensors"
-        tensors = load_file(path)
-        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3  # a silent bit of damage
-        save_file(tensors, path, metadata={"format": "pt"})
-
-    monkeypatch.setattr(transformers.Trainer, "save_model", corrupting_save)
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(_argv(tiny_chatml, tmp_path))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+def _assert_refused(code, err, out):
+    assert code == 2
     assert "the final save failed verification and was not committed" in err and "logits differ by up to" in err
-    assert not (tmp_path / "out" / "model.safetensors").exists()
-    assert not (tmp_path / "out" / "config.json").exists()
+    assert not (out / "model.safetensors").exists()
+    assert not (out / "config.json").exists()
+
+
+@pytest.mark.parametrize("path", [train, loop])
+def test_corrupted_save_is_an_error_and_not_committed(path, tiny_chatml, tmp_path, monkeypatch, capsys):
+    namespace = {}
+    exec(CORRUPT.replace("transformers.PreTrainedModel.save_pretrained = corrupting_save", ""), namespace)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", namespace["corrupting_save"])
+    with pytest.raises(SystemExit) as exit_info:
+        path.main(_argv(tiny_chatml, tmp_path))
+    _assert_refused(exit_info.value.code, capsys.readouterr().err, tmp_path / "out")
+
+
+def test_corrupted_save_is_an_error_in_the_deepspeed_script(tiny_chatml, tmp_path):
+    # scripts/sft.py starts a process group, so it runs in its own process; sitecustomize plants the damage there.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CORRUPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONPATH=f"{hook}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "scripts/sft.py", "--config", "zero2", *_argv(tiny_chatml, tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    _assert_refused(proc.returncode, proc.stderr, tmp_path / "out")
