@@ -293,6 +293,13 @@ def verify_saved(
         dtype, device, quant = (floats[0] if floats else torch.float32), None, None
     with outside_zero3():
         model, kind = reload(folder, base_model=base_model, dtype=dtype, device=device, quantization=quant)
+    if quant is not None:
+        # On AVX512-BF16 CPUs bitsandbytes serves eval-mode 4-bit forwards from a repacked bf16 layout (up to ~3e-2
+        # off the fp32 path) unless guarded; compare both models on the exact layout training uses.
+        from .model import guard_4bit_training
+
+        guard_4bit_training(model)
+        guard_4bit_training(reference)
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else model.config.vocab_size
     ids = input_ids if input_ids is not None else fixed_input(int(vocab))
     reloaded = logits_of(model, ids)
