@@ -14,6 +14,7 @@ refused with the conversion command (DeepSpeed's universal checkpoint) instead o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -162,6 +163,16 @@ def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: in
     if saved_stage > 0 and saved_world != world_size:
         raise ResumeError(f"{folder} holds ZeRO-{saved_stage} partitions for {saved_world} processes, this run has "
                           f"{world_size}: rerun with {saved_world} processes, or {conversion_hint(folder)}")
+
+
+def save_interval(args, max_steps: int, sources=()) -> int:
+    """Checkpoint every N optimizer steps (0 = never): --save_strategy steps, or --save_steps given on its own
+    (finetune.config turns that into save_strategy steps; `sources` covers a config built another way)."""
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    if strategy != "steps" and not ("save_steps" in sources and "save_strategy" not in sources):
+        return 0
+    steps = args.save_steps
+    return math.ceil(max_steps * steps) if steps < 1 else int(steps)
 
 
 # ----------------------------------------------------------------------------------------------
