@@ -126,7 +126,8 @@ def conversion_hint(folder: Path) -> str:
     )
 
 
-def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int) -> Path | None:
+def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
+            nvme: bool = False) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -146,6 +147,14 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
         if (why := problem(folder)) is not None:
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
+    if nvme:
+        # Measured with DeepSpeed 0.19.8: loading under NVMe offload restores the optimizer but not the weights
+        # (ZeRO-3's load copies into fp32 partitions that are swapped out at that point), and training silently
+        # continues from other weights. The same checkpoint loads correctly under CPU offload.
+        raise ResumeError(
+            f"resuming under NVMe offload (ZeRO-Infinity) does not restore the weights in this DeepSpeed version; "
+            f"resume {folder} with --config zero3 (CPU offload, the same ZeRO-3 partitions; the losses are the same) "
+            "and switch back to zero3_nvme at the next start from a fresh checkpoint if memory requires it")
     check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
     _note(f"resume: from {folder}")
     return folder

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     try:
         resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="loop", world_size=world,
-                                    zero_stage=C._zero_stage(cfg.launch.config) or 0)
+                                    zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                    nvme=C._uses_nvme(cfg.deepspeed_config))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 

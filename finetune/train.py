@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     # Resume: `latest` is the newest complete checkpoint; one saved for another world size or ZeRO stage is refused.
     try:
         resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="trainer",
-                                    world_size=args.world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0)
+                                    world_size=args.world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                    nvme=C._uses_nvme(cfg.deepspeed_config))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
