@@ -481,6 +481,10 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
         except (ValueError, TypeError) as e:
             problems.append(f"{setting.where}: {key}: {e}")
 
+    if "save_steps" in sources and "save_strategy" not in sources:
+        # Asking for a checkpoint every N steps is asking for step checkpoints (our default save_strategy is no).
+        values["training"]["save_strategy"] = "steps"
+
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])

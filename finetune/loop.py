@@ -10,6 +10,7 @@ of the whole global batch. A test holds its per-step losses to the Trainer's.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -20,6 +21,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from finetune import checkpoint
 from finetune import config as C
 from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
@@ -47,6 +49,13 @@ def main(argv: list[str] | None = None) -> None:
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
     )
     world = accelerator.num_processes
+    # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
+    try:
+        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="loop", world_size=world,
+                                    zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                    nvme=C._uses_nvme(cfg.deepspeed_config))
+    except checkpoint.ResumeError as e:
+        exit_with(str(e))
 
     # Tokenizer and data.
     tokenizer = load_tokenizer(cfg.model)
@@ -81,16 +90,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.process_index == 0:
         C.save_resolved(cfg, args.output_dir)
 
+    # Resume: weights, optimizer, schedule (DeepSpeed: the engine's checkpoint), then the data position.
+    log_history, step, epoch, skip = [], 0, 0, 0
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        if accelerator.distributed_type.value == "DEEPSPEED":
+            checkpoint.replay_cpu_adam(model)
+        position = json.loads((resume / POSITION).read_text())
+        log_history, step, epoch, skip = (position[k] for k in ("log_history", "global_step", "epoch", "micro_batches_done"))
+    save_every = checkpoint.save_interval(args, max_steps)
+
     # Train.
     model.train()
-    log_history, step, epoch = [], 0, 0
     while step < max_steps:
         dataloader.set_epoch(epoch)
         batches = iter(dataloader)
+        micro_done = 0
+        if skip:
+            # Mid-epoch resume: the same micro-batches, in the same order, as the uninterrupted run; then its RNG
+            # states as they were after step `step` (creating the iterator above drew from the RNG once more).
+            for _ in zip(range(skip), batches):
+                pass
+            micro_done, skip = skip, 0
+            checkpoint.load_rng(resume, accelerator.process_index)
         while step < max_steps:
             micro_batches = [b for _, b in zip(range(accum), batches)]
             if not micro_batches:
                 break
+            micro_done += len(micro_batches)
             # The loss of a step is the mean over the trained tokens of the whole global batch.
             n_tokens = accelerator.reduce(
                 sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro_batches).to(accelerator.device), "sum"
@@ -119,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
             log_history.append(entry)
             if step % max(int(args.logging_steps), 1) == 0:
                 rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
+            if save_every and step % save_every == 0 and step < max_steps:
+                save_checkpoint(accelerator, args.output_dir, {
+                    "global_step": step, "epoch": epoch, "micro_batches_done": micro_done, "log_history": log_history})
         epoch += 1
 
     # Save: consolidated model (or adapter) + tokenizer + per-step losses, staged then committed.
@@ -141,6 +171,23 @@ def main(argv: list[str] | None = None) -> None:
         commit_staged(staging, args.output_dir)
     accelerator.wait_for_everyone()
     rank0_print(f"saved to {args.output_dir}")
+    checkpoint.end_process_group()
+
+
+POSITION = "finetune_position.json"
+
+
+def save_checkpoint(accelerator, output_dir, position: dict) -> None:
+    """accelerate's save_state (model, optimizer, schedule; the engine's own checkpoint under DeepSpeed), this
+    rank's RNG states, and where the data stands; then the completion marker once every rank is done."""
+    folder = checkpoint.folder_for(output_dir, position["global_step"])
+    accelerator.save_state(str(folder))
+    checkpoint.save_rng(folder, accelerator.process_index)
+    if accelerator.is_main_process:
+        write_json_atomic(folder / POSITION, position)
+    stage = accelerator.state.deepspeed_plugin.zero_stage if accelerator.distributed_type.value == "DEEPSPEED" else 0
+    checkpoint.mark_complete(folder, path="loop", world_size=accelerator.num_processes, zero_stage=stage,
+                             global_step=position["global_step"])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ if __package__ in (None, ""):
     # Run as a file: import the `finetune` package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from finetune import checkpoint
 from finetune import config as C
 from finetune.data import Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
@@ -33,6 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = C.load_or_exit(argv)
     args = cfg.training
     plan_or_exit(cfg)
+
+    # Resume: `latest` is the newest complete checkpoint; one saved for another world size or ZeRO stage is refused.
+    try:
+        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="trainer",
+                                    world_size=args.world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                    nvme=C._uses_nvme(cfg.deepspeed_config))
+    except checkpoint.ResumeError as e:
+        exit_with(str(e))
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
     tokenizer = load_tokenizer(cfg.model)
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         C.save_resolved(cfg, args.output_dir)
 
     # Train.
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
     # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
     try:
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     except VerificationError as e:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
+    checkpoint.end_process_group()
 
 
 def exit_with(message: str) -> None:

@@ -1,14 +1,21 @@
-"""The HF Trainer with one narrow override: training data in DistributedSampler order.
+"""The HF Trainer with narrow overrides: DistributedSampler data order, and resumable step checkpoints.
 
 The stock Trainer deals whole batches of one seeded permutation round-robin over the ranks; the
 prepare() loop and the DeepSpeed script use DistributedSampler's order. One order for all three paths
 (finetune.sampler) is what lets their losses agree step for step.
+
+Checkpoints: the Trainer writes them; we add the completion marker once every rank is done
+(finetune.checkpoint), and make a resumed DeepSpeed CPU Adam continue bit for bit.
 """
 
 from __future__ import annotations
 
-import transformers
+import os
 
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from finetune import checkpoint
 from finetune.sampler import distributed_dataloader
 
 
@@ -22,3 +29,19 @@ class Trainer(transformers.Trainer):
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
         )
         return self.accelerator.prepare(loader)
+
+    def zero_stage(self) -> int:
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
+                                 zero_stage=self.zero_stage(), global_step=self.state.global_step)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        # Under DeepSpeed the engine has loaded everything by now (and this returns early); the CPU Adam kernel's
+        # own step state is the one thing a load does not restore.
+        super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if checkpoint_dir is not None and self.is_deepspeed_enabled:
+            checkpoint.replay_cpu_adam(self.model_wrapped)

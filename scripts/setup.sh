@@ -28,6 +28,19 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
   fi
 fi
+# ZeRO-Infinity (--config zero3_nvme) needs libaio for DeepSpeed's async I/O. Installed where we can (root with
+# apt-get); otherwise say what to install. Never fatal: every other preset works without it.
+if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 2>/dev/null | grep -q "libaio.so "; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing libaio-dev (for --config zero3_nvme)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q libaio-dev >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libaio-dev >/dev/null 2>&1; }; } \
+      || echo "setup: could not install libaio-dev; --config zero3_nvme will not work until it is installed" >&2
+  else
+    echo "setup: libaio not found; for --config zero3_nvme install it (Debian/Ubuntu: sudo apt-get install libaio-dev;" \
+         "RHEL/Fedora: sudo dnf install libaio-devel). Everything else works without it." >&2
+  fi
+fi
 # torch is now satisfied, so this installs nothing of torch's.
 pip_install -e ".[test]"
 .venv/bin/python -c "import torch, transformers, accelerate, deepspeed, datasets, peft; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | grep "^setup:"

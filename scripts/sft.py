@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     # Run as a file: import the `finetune` package from the repository root.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetune import checkpoint
 from finetune import config as C
 from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
 from finetune.model import load_model, load_tokenizer
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     init_process_group(args)
     world, rank = dist.get_world_size(), dist.get_rank()
     deepspeed.utils.logger.setLevel(args.get_process_log_level())
+    # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
+    try:
+        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="sft", world_size=world,
+                                    zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                    nvme=C._uses_nvme(cfg.deepspeed_config))
+    except checkpoint.ResumeError as e:
+        exit_with(str(e))
 
     # Tokenizer and data: tokenized once per node (local rank 0), cached.
     tokenizer = load_tokenizer(cfg.model)
@@ -106,17 +114,32 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         C.save_resolved(cfg, args.output_dir)
 
-    # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
+    # Resume: the engine's checkpoint (weights, ZeRO partitions, optimizer, schedule), then the data position.
     log_history: list[dict] = []
     window_loss, window_steps = 0.0, 0
-    step, epoch = 0, 0
+    step, epoch, skip = 0, 0, 0
+    if resume is not None:
+        _, client_state = engine.load_checkpoint(str(resume.parent), tag=resume.name)
+        checkpoint.replay_cpu_adam(engine)
+        position = client_state["finetune"]
+        step, epoch, skip = position["global_step"], position["epoch"], position["micro_batches_done_in_epoch"]
+        log_history, window_loss, window_steps = position["log_history"], *position.get("window", (0.0, 0))
+
+    # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     save_every = save_interval(cfg, max_steps)
     engine.train()
     while step < max_steps:
         loader.sampler.set_epoch(epoch)
         batches = iter(loader)
         micro_done = 0
-        for _ in range(updates_per_epoch):
+        if skip:
+            # Mid-epoch resume: the uninterrupted run's micro-batches, in its order; then its RNG states as they
+            # were after step `step` (creating the iterator above drew from the RNG once more).
+            for _ in zip(range(skip), batches):
+                pass
+            micro_done, skip = skip, 0
+            checkpoint.load_rng(resume, rank)
+        while micro_done < steps_in_epoch and step < max_steps:
             n = min(args.gradient_accumulation_steps, steps_in_epoch - micro_done)
             chunk = [next(batches) for _ in range(n)]
             micro_done += n
@@ -132,20 +155,29 @@ def main(argv: list[str] | None = None) -> None:
                     print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}, flush=True)
                     write_state(args.output_dir, log_history, step, max_steps)
             if save_every and step % save_every == 0 and step < max_steps:
-                # All ranks: each writes its own partition. The data position lets a later run resume in place.
-                engine.save_checkpoint(args.output_dir, tag=f"checkpoint-{step}", client_state={"finetune": {
+                save_checkpoint(engine, args, step, {
                     "global_step": step, "epoch": epoch, "micro_batches_done_in_epoch": micro_done,
                     "data": {"world_size": world, "per_device_train_batch_size": args.per_device_train_batch_size,
                              "seed": data_seed(args), "drop_last": args.dataloader_drop_last},
-                    "log_history": log_history,
-                }})
-            if step >= max_steps:
-                break
+                    "log_history": log_history, "window": [window_loss, window_steps],
+                })
         epoch += 1
 
     # Save: consolidated model (or adapter) + tokenizer + trainer_state.json, moved in with config.json last.
     save_final(engine, hf_ds, tokenizer, args.output_dir, log_history, step, max_steps)
     rank0_print(f"saved to {args.output_dir}")
+    checkpoint.end_process_group()
+
+
+def save_checkpoint(engine, args, step: int, position: dict) -> None:
+    """All ranks: each writes its own partition and RNG states; the marker follows once every rank is done."""
+    import torch.distributed as dist
+
+    folder = checkpoint.folder_for(args.output_dir, step)
+    engine.save_checkpoint(args.output_dir, tag=folder.name, client_state={"finetune": position})
+    checkpoint.save_rng(folder, dist.get_rank())
+    checkpoint.mark_complete(folder, path="sft", world_size=dist.get_world_size(),
+                             zero_stage=engine.zero_optimization_stage(), global_step=step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,8 +223,6 @@ def _same_file(name: str) -> str:
 def unsupported(cfg) -> list[str]:
     """Flags the Trainer path honours that this script does not (yet): refused, never silently ignored."""
     args, problems = cfg.training, []
-    if args.resume_from_checkpoint:
-        problems.append("resume_from_checkpoint: scripts/sft.py cannot resume yet; use finetune/train.py")
     strategy = getattr(args.save_strategy, "value", args.save_strategy)
     if strategy not in ("no", "steps"):
         problems.append(f"save_strategy: scripts/sft.py saves checkpoints every --save_steps only, not '{strategy}'")
@@ -324,12 +354,7 @@ def train_step(engine, chunk: list[dict], world: int) -> tuple[float, float, flo
 
 def save_interval(cfg, max_steps: int) -> int:
     """Checkpoint every N steps: --save_strategy steps, or --save_steps given on its own."""
-    args = cfg.training
-    strategy = getattr(args.save_strategy, "value", args.save_strategy)
-    if strategy != "steps" and not ("save_steps" in cfg.sources and "save_strategy" not in cfg.sources):
-        return 0
-    steps = args.save_steps
-    return math.ceil(max_steps * steps) if steps < 1 else int(steps)
+    return checkpoint.save_interval(cfg.training, max_steps, cfg.sources)
 
 
 def write_state(folder, log_history: list[dict], step: int, max_steps: int) -> None:

@@ -1,0 +1,251 @@
+"""Step checkpoints shared by the three training paths: the completion marker, `latest`, resume checks.
+
+A checkpoint folder is complete only when its marker (`finetune_checkpoint.json`) exists. The marker is
+written last, by rank 0, after a barrier that every rank reaches only once its own files (ZeRO
+partitions, RNG states) are written; it lists every file with its size. `latest` is the newest folder
+whose marker exists and whose files still have the sizes it lists, so a checkpoint cut off mid-write
+(a killed rank, a full disk) is skipped, with a note, instead of being resumed from.
+
+The marker also records the world size, the ZeRO stage and which path wrote it: ZeRO partitions belong
+to one world size and stage, and resuming them elsewhere would not load the same weights, so that is
+refused with the conversion command (DeepSpeed's universal checkpoint) instead of being attempted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+MARKER = "finetune_checkpoint.json"
+PREFIX = "checkpoint-"
+_STEP = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+class ResumeError(Exception):
+    """The checkpoint asked for cannot be resumed here; the message says why and what to do."""
+
+
+def folder_for(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"{PREFIX}{step}"
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage: int, global_step: int) -> None:
+    """Collective: call on every rank after it has written its part of `folder`.
+
+    The barrier comes first: rank 0 must not vouch for partition files other ranks are still writing.
+    A second barrier keeps any rank from starting a step (that a kill could then interrupt) before the
+    marker exists, so "checkpoint-k was reported" always means "checkpoint-k is resumable".
+    """
+    folder = Path(folder)
+    _barrier()
+    if _rank() == 0:
+        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                 if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
+        meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
+                "files": files}
+        tmp = folder / f".{MARKER}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MARKER)
+    _barrier()
+
+
+def problem(folder: str | Path) -> str | None:
+    """Why `folder` is not a complete checkpoint, or None if it is."""
+    folder = Path(folder)
+    marker = folder / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish)"
+    try:
+        meta = json.loads(marker.read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MARKER} is unreadable"
+    for name, size in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the save wrote {size}"
+    return None
+
+
+def read_meta(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / MARKER).read_text())
+
+
+def latest(output_dir: str | Path, log=None) -> Path | None:
+    """The newest complete checkpoint-<step> folder in `output_dir`; incomplete ones are skipped with a note."""
+    log = log or _note
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    steps = sorted(((int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := _STEP.match(p.name))),
+                   reverse=True)
+    for _, folder in steps:
+        why = problem(folder)
+        if why is None:
+            return folder
+        log(f"resume: skipping {folder}: incomplete checkpoint ({why})")
+    return None
+
+
+def _note(message: str) -> None:
+    if _rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def conversion_hint(folder: Path) -> str:
+    # ds_to_universal reads the DeepSpeed tag folder (the one holding the *optim_states.pt partitions).
+    tag = next((p.parent for p in sorted(Path(folder).rglob("*optim_states.pt"))), Path(folder))
+    return (
+        "convert it to a DeepSpeed universal checkpoint first:\n"
+        f"    python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag} --output_folder {tag}_universal\n"
+        'and load that with "checkpoint": {"load_universal": true} in your DeepSpeed JSON (--config path/to/ds.json)'
+    )
+
+
+def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
+            nvme: bool = False) -> Path | None:
+    """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
+
+    `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
+    starts a job and restarts it after a crash. A folder named explicitly must be complete and compatible.
+    """
+    if not requested:
+        return None
+    if requested == "latest":
+        folder = latest(output_dir)
+        if folder is None:
+            _note(f"resume: no complete checkpoint in {output_dir}; starting from step 0")
+            return None
+    else:
+        folder = Path(requested)
+        if not folder.is_dir():
+            raise ResumeError(f"--resume_from_checkpoint {requested}: no such folder")
+        if (why := problem(folder)) is not None:
+            raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
+                              "resume from an earlier one, or use --resume_from_checkpoint latest")
+    if nvme:
+        # Measured with DeepSpeed 0.19.8: loading under NVMe offload restores the optimizer but not the weights
+        # (ZeRO-3's load copies into fp32 partitions that are swapped out at that point), and training silently
+        # continues from other weights. The same checkpoint loads correctly under CPU offload.
+        raise ResumeError(
+            f"resuming under NVMe offload (ZeRO-Infinity) does not restore the weights in this DeepSpeed version; "
+            f"resume {folder} with --config zero3 (CPU offload, the same ZeRO-3 partitions; the losses are the same) "
+            "and switch back to zero3_nvme at the next start from a fresh checkpoint if memory requires it")
+    check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
+    _note(f"resume: from {folder}")
+    return folder
+
+
+def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int) -> None:
+    meta = read_meta(folder)
+    if meta["path"] != path:
+        raise ResumeError(f"{folder} was written by the {meta['path']} path; resume it with that path "
+                          f"(this is the {path} path: the checkpoint formats differ)")
+    saved_stage, saved_world = meta["zero_stage"], meta["world_size"]
+    if saved_stage != zero_stage:
+        raise ResumeError(f"{folder} was saved under ZeRO stage {saved_stage}, this run uses stage {zero_stage}: "
+                          f"use the checkpoint's preset, or {conversion_hint(folder)}")
+    if saved_stage > 0 and saved_world != world_size:
+        raise ResumeError(f"{folder} holds ZeRO-{saved_stage} partitions for {saved_world} processes, this run has "
+                          f"{world_size}: rerun with {saved_world} processes, or {conversion_hint(folder)}")
+
+
+def save_interval(args, max_steps: int, sources=()) -> int:
+    """Checkpoint every N optimizer steps (0 = never): --save_strategy steps, or --save_steps given on its own
+    (finetune.config turns that into save_strategy steps; `sources` covers a config built another way)."""
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    if strategy != "steps" and not ("save_steps" in sources and "save_strategy" not in sources):
+        return 0
+    steps = args.save_steps
+    return math.ceil(max_steps * steps) if steps < 1 else int(steps)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def replay_cpu_adam(engine) -> int:
+    """Make a resumed DeepSpeedCPUAdam compute the same bias correction as an uninterrupted run.
+
+    The C++ kernel keeps beta1^t, beta2^t itself and advances them by one multiplication per step; a
+    loaded optimizer restarts that state at step 0, and its first step computes them with pow() instead,
+    which differs in the last float bits (enough to drift past 1e-6 in a few steps). Replaying the
+    increments 1..t on empty tensors rebuilds exactly the uninterrupted products and changes no weight.
+    Returns the step replayed to (0 when there is no CPU Adam).
+    """
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    optimizer = getattr(engine, "optimizer", None)
+    while optimizer is not None and not isinstance(optimizer, DeepSpeedCPUAdam):
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is None:
+        return 0
+    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s, dict) and "step" in s]
+    step = max(steps) if steps else int(getattr(engine, "global_steps", 0))
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for t in range(1, step + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
+                                          group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+    return step
+
+
+def save_rng(folder: str | Path, rank: int) -> None:
+    """This rank's RNG states (Python, NumPy, torch CPU/CUDA), the Trainer's file name and keys."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    torch.save(state, Path(folder) / f"rng_state_{rank}.pth")
+
+
+def load_rng(folder: str | Path, rank: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = torch.load(Path(folder) / f"rng_state_{rank}.pth", weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+def end_process_group() -> None:
+    """Tear the process group down before exit: left to interpreter shutdown, a rank's gloo threads can
+    abort it ("terminate called without an active exception") after the work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
