@@ -20,7 +20,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from finetune import config as C
-from finetune.data import Collator, DataError, prepare_dataset
+from finetune.data import DataError, make_collator, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import describe_run, rank0_print, save_final
 from finetune.plan import plan_check
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         args=args,
         train_dataset=train_dataset,
-        data_collator=Collator(tokenizer.pad_token_id),
+        data_collator=make_collator(cfg, tokenizer),
         processing_class=tokenizer,
     )
     if args.process_index == 0:
