@@ -43,7 +43,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 PRESETS = {
     # ~10M parameters, 2 x 512 tokens a step: ~2 s steps on 2 shared CPU cores, the grid in a few minutes.
     "cpu": dict(hidden=384, layers=6, heads=6, kv_heads=3, intermediate=1024, vocab=None, seq=512, batch=2,
-                warmup=2, timed=5, dtype="float32"),
+                warmup=2, timed=4, dtype="float32", threads=1),
+    # For tests of this script only.
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=None, seq=128, batch=2,
+                 warmup=1, timed=2, dtype="float32"),
     # ~0.6B parameters (vocabulary 32000), sequence length 2048.
     "gpu": dict(hidden=1536, layers=16, heads=16, kv_heads=8, intermediate=4096, vocab=32000, seq=2048, batch=8,
                 warmup=3, timed=10, dtype="bfloat16"),
@@ -130,13 +133,19 @@ def step_timer():
             self.ends = []
 
         def on_train_begin(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
+            self.ends.append(_now())
 
         def on_step_end(self, args, state, control, **kw):
             _sync()
-            self.ends.append(time.perf_counter())
+            self.ends.append(_now())
 
     return Timer()
+
+
+def _now() -> tuple[float, float]:
+    """(wall, this process's CPU time): on a shared CPU the CPU time of a one-thread run is the work done, while
+    wall time also counts the time other users' processes held the cores."""
+    return time.perf_counter(), time.process_time()
 
 
 def _sync():
@@ -169,6 +178,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     from finetune.model import load_model, load_tokenizer
 
     torch.manual_seed(0)
+    if not gpu:
+        torch.set_num_threads(p.get("threads", 1))
     steps = p["warmup"] + p["timed"]
     cfg = C.parse(ft_args(name, model_dir, data, work, p, steps + (1 if name == "ft_packed" else 0), gpu))
     tokenizer = load_tokenizer(cfg.model)
@@ -230,7 +241,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         device = next(model.parameters()).device
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else _null()
         model.train()
-        ends = [time.perf_counter()]
+        ends = [_now()]
         batches = iter(loader)
         for _ in range(steps):
             batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -241,14 +252,18 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync()
-            ends.append(time.perf_counter())
+            ends.append(_now())
 
-    timed = [b - a for a, b in zip(ends[p["warmup"] : -1], ends[p["warmup"] + 1 :])]
+    wall = [b[0] - a[0] for a, b in zip(ends[p["warmup"] : -1], ends[p["warmup"] + 1 :])]
+    cpu = [b[1] - a[1] for a, b in zip(ends[p["warmup"] : -1], ends[p["warmup"] + 1 :])]
+    # GPU: wall time. CPU: CPU time of the (one-thread) process, see _now().
+    timed = wall if gpu else cpu
     batches = counting.batches[p["warmup"] : steps]
     real, slots, sq = (sum(b[k] for b in batches) for k in ("real", "slots", "sq"))
     seconds = sum(timed)
     result.update(
         step_s=statistics.median(timed), timed_s=seconds, steps=len(timed), real_tokens=real, slots=slots,
+        wall_step_s=statistics.median(wall), wall_tokens_per_s=real / sum(wall), clock="wall" if gpu else "cpu",
         tokens_per_s=real / seconds, efficiency=real / max(slots, 1), flops=model_flops(model, real, sq) / seconds,
         peak_mb=(torch.cuda.max_memory_allocated() / 2**20 if gpu
                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -392,6 +407,7 @@ def fork_run(target, *args):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="CUDA preset: bf16, ~0.6B Llama, seq 2048, MFU")
+    ap.add_argument("--preset", choices=list(PRESETS), help="model/sequence preset (default: cpu, or gpu with --gpu)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--datasets", nargs="+", default=["demo", "mixed"], choices=["demo", "mixed"])
     ap.add_argument("--work", default=str(REPO / "tmp" / "bench-throughput"))
@@ -405,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import finetune.trainer  # noqa: F401
 
-    p = dict(PRESETS["gpu" if args.gpu else "cpu"])
+    p = dict(PRESETS[args.preset or ("gpu" if args.gpu else "cpu")])
     if args.gpu:
         try:
             import flash_attn  # noqa: F401
@@ -470,14 +486,21 @@ def render(results, p, info, dev, nparams, load_before, load_after, wall, args, 
         f"**Model**: random Llama, {nparams:,} parameters (hidden {p['hidden']}, {p['layers']} layers, "
         f"{p['heads']}/{p['kv_heads']} heads, intermediate {p['intermediate']}), {p['dtype']}, attention {p['attn']}.  ",
         f"**Run**: max_seq_length {p['seq']}, per-device batch {p['batch']} (records, or packed rows), one process, "
-        f"{p['warmup']} warm-up + {p['timed']} timed steps; total wall time {wall:.0f} s.  ",
+        f"{p['warmup']} warm-up + {p['timed']} timed steps"
+        + (f", {p.get('threads', 1)} torch thread(s)" if dev["device"] == "cpu" else "")
+        + f"; total wall time {wall:.0f} s.  ",
         "**Columns**: tokens/s = real (non-padding) tokens per second over the timed steps; efficiency = real tokens / "
-        "tensor positions computed; step = median step time; peak = peak RSS of the configuration's process (CPU) "
+        "tensor positions computed; step = median step time. "
+        + ("Times are wall-clock (CUDA synchronized). " if dev.get("peak") or dev["device"] != "cpu" else
+           "On CPU every configuration runs on ONE thread and times are the process's CPU time (the work done: "
+           "wall time on these shared cores mostly measured other users' load; it is kept in the `wall tok/s` "
+           "column for reference). ")
+        + "peak = peak RSS of the configuration's process (CPU) "
         "or CUDA max allocated (GPU); ratios = tokens/s over TRL's (defaults: gradient checkpointing on; nogc: off).",
         "",
     ]
     peak = dev.get("peak")
-    head = "| data | config | tokens/s | vs TRL default | vs TRL packing | vs TRL default nogc | vs TRL packing nogc | efficiency | step s | vs bare | peak MB |"
+    head = "| data | config | tokens/s | vs TRL default | vs TRL packing | vs TRL default nogc | vs TRL packing nogc | efficiency | step s | vs bare | wall tok/s | peak MB |"
     if peak:
         head += " MFU |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -495,7 +518,7 @@ def render(results, p, info, dev, nparams, load_before, load_after, wall, args, 
         vs_bare = f"{r['step_s'] / bare['step_s']:.2f}x" if bare and name in ("ft_packed", "bare") else ""
         row = (f"| {ds} | {name} | {r['tokens_per_s']:,.0f} | {ratio('trl_default')} | {ratio('trl_packing')} | "
                f"{ratio('trl_default_nogc')} | {ratio('trl_packing_nogc')} | {100 * r['efficiency']:.1f}% | "
-               f"{r['step_s']:.3f} | {vs_bare} | {r['peak_mb']:,.0f} |")
+               f"{r['step_s']:.3f} | {vs_bare} | {r['wall_tokens_per_s']:,.0f} | {r['peak_mb']:,.0f} |")
         if peak:
             row += f" {100 * r['flops'] / peak:.1f}% |"
         lines.append(row)
@@ -520,9 +543,8 @@ def render(results, p, info, dev, nparams, load_before, load_after, wall, args, 
     return "\n".join(lines) + "\n"
 
 
-def write_results(section: str) -> None:
+def write_results(section: str, path: Path = REPO / "bench" / "RESULTS.md") -> None:
     """Replace (or append) the "## Throughput" section of bench/RESULTS.md; other sections stay as they are."""
-    path = REPO / "bench" / "RESULTS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     start = text.find("## Throughput")
     if start >= 0:
