@@ -107,6 +107,16 @@ class DataConfig:
     dataset_cache_dir: str | None = field(
         default=None, metadata={"help": "Where tokenized data is cached (default: ~/.cache/finetune/tokenized)."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack records into rows of max_seq_length (best-fit decreasing); records never see each other "
+                          "(attention split and position_ids reset at each record boundary). See docs/packing.md."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Send each micro-batch as one flattened row without padding (records kept apart as with "
+                          "--packing). Same records per step as the padded run; pays off with flash_attention_2."},
+    )
 
 
 @dataclass

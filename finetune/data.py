@@ -322,6 +322,13 @@ class DataStats:
     tokens: int
     trained_tokens: int
     max_seq_length: int
+    # --packing: rows the records were packed into (0 = not packed), and the real-token share of their slots.
+    packed_rows: int = 0
+    padding_free: bool = False
+
+    @property
+    def packing_efficiency(self) -> float:
+        return self.tokens / max(self.packed_rows * self.max_seq_length, 1)
 
     def summary(self) -> str:
         long_note = (
@@ -333,6 +340,10 @@ class DataStats:
             f"data: {self.records} records ({self.format}) from {self.path}; {long_note}; "
             f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
             f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
+            + (f"\npacking: {self.examples} records into {self.packed_rows} rows of {self.max_seq_length} tokens "
+               f"(best-fit decreasing); efficiency {100 * self.packing_efficiency:.1f}% real tokens / slots"
+               if self.packed_rows else "")
+            + ("\npadding-free: each micro-batch is one flattened row, no padding" if self.padding_free else "")
         )
 
 
@@ -433,7 +444,16 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
     else:
         _wait_for(final / "stats.json", error_file, log)
     stats = DataStats(**json.loads((final / "stats.json").read_text()))
-    return datasets.load_from_disk(str(final)), stats
+    dataset = datasets.load_from_disk(str(final))
+    stats.padding_free = bool(getattr(cfg, "padding_free", False))
+    if getattr(cfg, "packing", False):
+        from finetune.packing import pack_dataset
+
+        # Packed after the cache (the packer is deterministic and cheap, so every rank packs the same rows itself
+        # and the cache stays the same with and without --packing), before sampling: rows are the items.
+        dataset, packing = pack_dataset(dataset, cfg.max_seq_length)
+        stats.packed_rows = packing.rows
+    return dataset, stats
 
 
 def _process_start_time() -> float:
@@ -487,3 +507,18 @@ class Collator:
             labels[i, :n] = torch.as_tensor(f["labels"])
             mask[i, :n] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def make_collator(cfg, tokenizer):
+    """The collator every training path uses: padded records, or packed / padding-free rows (finetune.packing).
+
+    `cfg`: the FinetuneConfig (or its DataConfig; the attention kernel then counts as sdpa).
+    """
+    from finetune.packing import PackedCollator, collator_layout
+
+    data_cfg = getattr(cfg, "data", cfg)
+    attn = getattr(getattr(cfg, "model", None), "attn_implementation", "sdpa")
+    layout = collator_layout(getattr(data_cfg, "packing", False), getattr(data_cfg, "padding_free", False), attn)
+    if layout is None:
+        return Collator(tokenizer.pad_token_id)
+    return PackedCollator(tokenizer.pad_token_id, layout=layout)

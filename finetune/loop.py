@@ -23,7 +23,7 @@ import torch
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
+from finetune.data import IGNORE_INDEX, DataError, make_collator, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
 from finetune.sampler import distributed_dataloader
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_with(f"data error: {e}")
     rank0_print(stats.summary())
     dataloader = distributed_dataloader(
-        dataset, Collator(tokenizer.pad_token_id), world=world, batch_size=args.per_device_train_batch_size,
+        dataset, make_collator(cfg, tokenizer), world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
     )
 

@@ -52,12 +52,26 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
     return "\n".join([
         f"parallelism: {preset}{ds}, world size {world}, device {args.device}",
         f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
-        f"tokens/step: up to {global_batch} x {cfg.data.max_seq_length} = {global_batch * cfg.data.max_seq_length}; "
-        f"about {global_batch * mean_len:.0f} at the data's mean length {mean_len:.1f}",
+        _tokens_per_step(cfg, stats, global_batch, mean_len),
         f"parameters: {trainable:,} trainable of {total:,}",
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
         else "weights: a full copy on every rank",
     ])
+
+
+def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:
+    slots = global_batch * cfg.data.max_seq_length
+    rows = getattr(stats, "packed_rows", 0)
+    if rows:
+        # A packed step is global_batch rows (not records): its slots are nearly all real tokens.
+        eff = stats.packing_efficiency
+        return (f"tokens/step: {global_batch} packed rows x {cfg.data.max_seq_length} = {slots} slots; "
+                f"about {slots * eff:.0f} real tokens at packing efficiency {100 * eff:.1f}% "
+                f"(about {stats.examples / rows:.1f} records per row)")
+    real = f"about {global_batch * mean_len:.0f} at the data's mean length {mean_len:.1f}"
+    if getattr(stats, "padding_free", False):
+        return f"tokens/step: {real}, no padding slots (padding-free: one flattened row per micro-batch)"
+    return f"tokens/step: up to {global_batch} x {cfg.data.max_seq_length} = {slots}; {real}"
 
 
 def staging_dir(output_dir: str | Path) -> Path:

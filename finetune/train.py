@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import Collator, DataError, prepare_dataset
+from finetune.data import DataError, make_collator, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import describe_run, plan_or_exit, rank0_print, save_final
 from finetune.verify import VerificationError
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         args=args,
         train_dataset=train_dataset,
-        data_collator=Collator(tokenizer.pad_token_id),
+        data_collator=make_collator(cfg, tokenizer),
         processing_class=tokenizer,
     )
     if args.process_index == 0:

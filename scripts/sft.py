@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset
+from finetune.data import IGNORE_INDEX, DataError, make_collator, prepare_dataset
 from finetune.model import load_model, load_tokenizer
 from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
 from finetune.train import exit_with
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     except DataError as e:
         exit_with(f"data error: {e}")
     rank0_print(stats.summary())
-    loader = build_loader(dataset, Collator(tokenizer.pad_token_id), args, world, rank)
+    loader = build_loader(dataset, make_collator(cfg, tokenizer), args, world, rank)
     steps_in_epoch = len(loader)  # micro-batches per rank per epoch
     updates_per_epoch = -(-steps_in_epoch // args.gradient_accumulation_steps)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
