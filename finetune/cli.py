@@ -10,6 +10,8 @@ COMMANDS = {
     "generate": ("finetune.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
     "export": ("finetune.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder"),
     "plan": ("finetune.plan", "predict per-device memory (no weights loaded) and pick the preset that fits"),
+    "import-gguf": ("finetune.gguf", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
+    "quickstart": ("finetune.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
 }
 
 

