@@ -153,8 +153,8 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
         # continues from other weights. The same checkpoint loads correctly under CPU offload.
         raise ResumeError(
             f"resuming under NVMe offload (ZeRO-Infinity) does not restore the weights in this DeepSpeed version; "
-            f"resume {folder} with --config zero3 (CPU offload, the same ZeRO-3 partitions; the losses are the same) "
-            "and switch back to zero3_nvme at the next start from a fresh checkpoint if memory requires it")
+            f"resume {folder} with --config zero3 instead (CPU offload of the same ZeRO-3 partitions; it continues with "
+            "the same losses). zero3_nvme runs write checkpoints normally; only loading one under it is refused")
     check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
     _note(f"resume: from {folder}")
     return folder

@@ -23,11 +23,11 @@ import torch
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import IGNORE_INDEX, DataError, make_collator, prepare_dataset
-from finetune.model import load_model, load_tokenizer
-from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
+from finetune.data import IGNORE_INDEX, make_collator
+from finetune.model import load_model
+from finetune.outputs import (commit_staged, data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print,
+                              resume_or_exit, staging_dir, verify_staged, write_json_atomic)
 from finetune.sampler import distributed_dataloader
-from finetune.train import exit_with
 from finetune.verify import VerificationError
 
 
@@ -50,20 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     world = accelerator.num_processes
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
-    try:
-        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="loop", world_size=world,
-                                    zero_stage=C._zero_stage(cfg.launch.config) or 0,
-                                    nvme=C._uses_nvme(cfg.deepspeed_config))
-    except checkpoint.ResumeError as e:
-        exit_with(str(e))
+    resume = resume_or_exit(cfg, path="loop", world_size=world)
 
     # Tokenizer and data.
-    tokenizer = load_tokenizer(cfg.model)
-    try:
-        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=accelerator.local_process_index, log=rank0_print)
-    except DataError as e:
-        exit_with(f"data error: {e}")
-    rank0_print(stats.summary())
+    tokenizer, dataset, stats = data_or_exit(cfg, accelerator.local_process_index)
     dataloader = distributed_dataloader(
         dataset, make_collator(cfg, tokenizer), world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,

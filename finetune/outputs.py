@@ -1,4 +1,5 @@
-"""What a run prints and writes: the batch arithmetic at start, and atomic final outputs."""
+"""What a run prints and writes (the batch arithmetic at start, atomic final outputs), and how it stops on a user's
+mistake: one message from rank 0, exit 2 on every rank (each rank reaches the same check, so none is left waiting)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 # Written last when moving a finished save into place: its presence marks a complete model folder.
 _COMMIT_LAST = ("config.json", "adapter_config.json")
@@ -23,6 +25,42 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def exit_with(message: str) -> NoReturn:
+    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit.
+    if is_rank0():
+        print(f"finetune: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
+    """--resume_from_checkpoint -> the folder to resume from (None: start at step 0). Checked before anything heavy
+    loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do."""
+    from finetune import checkpoint
+    from finetune import config as C
+
+    try:
+        return checkpoint.resolve(cfg.training.resume_from_checkpoint, cfg.training.output_dir, path=path,
+                                  world_size=world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                  nvme=C._uses_nvme(cfg.deepspeed_config))
+    except checkpoint.ResumeError as e:
+        exit_with(str(e))
+
+
+def data_or_exit(cfg, local_rank: int):
+    """(tokenizer, tokenized data set, stats): tokenized once per node (local rank 0) and cached; a bad record stops
+    every rank with its file and line; rank 0 prints the data summary."""
+    from finetune.data import DataError, prepare_dataset
+    from finetune.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    try:
+        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print)
+    except DataError as e:
+        exit_with(f"data error: {e}")
+    rank0_print(stats.summary())
+    return tokenizer, dataset, stats
+
+
 def plan_or_exit(cfg) -> None:
     """--plan_check: refuse (exit 2, every rank alike) a run the planner predicts will not fit, unless --force."""
     if not cfg.launch.plan_check:
@@ -31,9 +69,7 @@ def plan_or_exit(cfg) -> None:
 
     if problem := plan_check(cfg):
         if not cfg.launch.force:
-            if is_rank0():
-                print(f"finetune: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            exit_with(problem)
         rank0_print(f"{problem}\n--force: starting anyway")
 
 

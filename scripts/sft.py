@@ -30,10 +30,10 @@ if __package__ in (None, ""):
 
 from finetune import checkpoint
 from finetune import config as C
-from finetune.data import IGNORE_INDEX, DataError, make_collator, prepare_dataset
-from finetune.model import load_model, load_tokenizer
-from finetune.outputs import commit_staged, describe_run, plan_or_exit, rank0_print, staging_dir, verify_staged, write_json_atomic
-from finetune.train import exit_with
+from finetune.data import IGNORE_INDEX, make_collator
+from finetune.model import load_model
+from finetune.outputs import (commit_staged, data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print,
+                              resume_or_exit, staging_dir, verify_staged, write_json_atomic)
 from finetune.verify import VerificationError
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
@@ -69,20 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     deepspeed.utils.logger.setLevel(args.get_process_log_level())
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
-    try:
-        resume = checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path="sft", world_size=world,
-                                    zero_stage=C._zero_stage(cfg.launch.config) or 0,
-                                    nvme=C._uses_nvme(cfg.deepspeed_config))
-    except checkpoint.ResumeError as e:
-        exit_with(str(e))
+    resume = resume_or_exit(cfg, path="sft", world_size=world)
 
     # Tokenizer and data: tokenized once per node (local rank 0), cached.
-    tokenizer = load_tokenizer(cfg.model)
-    try:
-        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=args.local_process_index, log=rank0_print)
-    except DataError as e:
-        exit_with(f"data error: {e}")
-    rank0_print(stats.summary())
+    tokenizer, dataset, stats = data_or_exit(cfg, args.local_process_index)
     loader = build_loader(dataset, make_collator(cfg, tokenizer), args, world, rank)
     steps_in_epoch = len(loader)  # micro-batches per rank per epoch
     updates_per_epoch = -(-steps_in_epoch // args.gradient_accumulation_steps)

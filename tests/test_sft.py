@@ -12,7 +12,6 @@ import importlib.util
 import json
 import re
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -153,14 +152,9 @@ def common_flags(setup, out: Path) -> list[str]:
     ]
 
 
-_runs: dict[str, tuple[Path, str, float]] = {}
-
-
 def launch(name: str, cmd: list[str], micro: int, world: int) -> tuple[Path, str]:
     out = Path(cmd[cmd.index("--output_dir") + 1])
-    start = time.time()
     result = run(cmd, timeout=300).check()
-    _runs[name] = (out, result.output, time.time() - start)
     # Some launcher flags silently start one process: the run itself reports its world size.
     m = re.search(r"batch: (\d+) per device x (\d+) accumulation x (\d+) processes = global batch (\d+)", result.output)
     assert m, result.output[-3000:]
@@ -262,19 +256,3 @@ def test_sft_lora_adapter_reloads(setup):
         assert lora_b and all(v.abs().max() > 0 for v in lora_b.values())  # trained (LoRA B starts at zero)
         adapter_loss = model(**batch).loss.item()
     assert adapter_loss < base_loss - 0.05, (adapter_loss, base_loss)
-
-
-def test_zz_report_table():
-    """Not a check: with FINETUNE_SFT_TABLE=path, writes the loss table (Trainer vs sft.py) and wall times."""
-    import os
-
-    target = os.environ.get("FINETUNE_SFT_TABLE")
-    if not target or "trainer" not in _runs:
-        pytest.skip("set FINETUNE_SFT_TABLE and run the slow tests")
-    names = list(_runs)
-    curves = {n: losses(_runs[n][0]) for n in names}
-    lines = ["| step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for i in range(STEPS):
-        lines.append(f"| {i + 1} | " + " | ".join(f"{curves[n][i]:.6f}" for n in names) + " |")
-    lines.append("| wall s | " + " | ".join(f"{_runs[n][2]:.1f}" for n in names) + " |")
-    Path(target).write_text("\n".join(lines) + "\n")
