@@ -126,8 +126,7 @@ def conversion_hint(folder: Path) -> str:
     )
 
 
-def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-            nvme: bool = False) -> Path | None:
+def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -147,14 +146,6 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
         if (why := problem(folder)) is not None:
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
-    if nvme:
-        # Measured with DeepSpeed 0.19.8: loading under NVMe offload restores the optimizer but not the weights
-        # (ZeRO-3's load copies into fp32 partitions that are swapped out at that point), and training silently
-        # continues from other weights. The same checkpoint loads correctly under CPU offload.
-        raise ResumeError(
-            f"resuming under NVMe offload (ZeRO-Infinity) does not restore the weights in this DeepSpeed version; "
-            f"resume {folder} with --config zero3 instead (CPU offload of the same ZeRO-3 partitions; it continues with "
-            "the same losses). zero3_nvme runs write checkpoints normally; only loading one under it is refused")
     check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
     _note(f"resume: from {folder}")
     return folder
@@ -185,6 +176,83 @@ def save_interval(args, max_steps: int, sources=()) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def restore_after_load(engine, folder: str | Path) -> None:
+    """After a DeepSpeed engine loaded `folder`: finish what its load leaves out, so the run continues exactly.
+
+    1. NVMe optimizer offload (zero3_nvme). DeepSpeed 0.19.8's load_checkpoint then skips the ZeRO optimizer
+       checkpoint and only copies the swap files back. Two things are lost (measured): sub-groups too small for
+       async I/O (under 1 MiB) are never swapped, so their fp32 weights and Adam moments live in
+       zero_pp_rank_*_optim_states.pt and would restart from the initial weights; and the Adam step count, kept
+       in memory for every sub-group, restarts at 0 (a wrong bias correction); so does each group's learning rate
+       (the next step would run at the optimizer's initial lr). All are restored from that file.
+    2. DeepSpeed CPU Adam's own bias-correction state (replay_cpu_adam).
+    """
+    _restore_nvme_offloaded(engine, Path(folder))
+    replay_cpu_adam(engine)
+
+
+def _restore_nvme_offloaded(engine, folder: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    opt = getattr(engine, "optimizer", None)
+    if not getattr(opt, "swap_optimizer", False):
+        return
+    rank = dist.get_rank(group=opt.dp_process_group)
+    files = sorted(folder.rglob(f"zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"))
+    if len(files) != 1:
+        raise ResumeError(f"{folder}: expected one ZeRO optimizer file for rank {rank}, found {len(files)}")
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    saved_fp32, saved_states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]
+    # The saved optimizer state is indexed in the order DeepSpeed lists the fp32 sub-groups when it saves.
+    opt._set_fp32_optimizer_param_groups()
+    try:
+        index = {id(p): i for i, p in enumerate(p for g in opt.optimizer.param_groups for p in g["params"])}
+    finally:
+        opt._clear_fp32_optimizer_param_groups()
+    # Hyperparameters of each group as saved (the learning rate of the next step: a scheduler's load_state_dict
+    # does not set it on the optimizer).
+    for group, saved_group in zip(opt.optimizer.param_groups, saved["optimizer_state_dict"]["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    opt.checkpoint_event_prologue()
+    for sub_group, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+        state, saved_state = opt.optimizer.state[fp32], saved_states.get(index[id(fp32)], {})
+        if opt._swappable_optimizer_subgroup(sub_group):
+            _restore_swapped_state(opt, sub_group, fp32, saved_state)
+            continue
+        with torch.no_grad():
+            fp32.data.copy_(saved_fp32[sub_group])
+            for key, value in saved_state.items():
+                if torch.is_tensor(value) and torch.is_tensor(state.get(key)) and state[key].shape == value.shape:
+                    state[key].copy_(value)
+                else:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+        opt._reassign_or_swap_out_partitioned_parameters(sub_group)  # fp32 master -> the 16-bit partition
+    opt.checkpoint_event_epilogue()
+
+
+def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None:
+    """A swapped sub-group: DeepSpeed copied its files back (weights and Adam moments), but a fresh optimizer
+    has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
+    the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
+    import numpy as np
+    import torch
+
+    opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
+    state = opt.optimizer.state[fp32]
+    folder = Path(opt.optimizer_swapper.swap_folder)
+    for key, value in saved_state.items():
+        if not torch.is_tensor(value):
+            state[key] = value  # the step count
+            continue
+        path = folder / f"{key}-{fp32.ds_id}.tensor.swp"
+        if not path.is_file():
+            raise ResumeError(f"NVMe offload: {path} is missing; the checkpoint's offloaded_tensors are incomplete")
+        data = np.fromfile(path, dtype=np.float32, count=fp32.numel())
+        state[key] = torch.from_numpy(data.copy()).to(fp32.dtype).view_as(fp32)
+    opt._release_sub_group(sub_group, set())  # the swapper now tracks the moments too
 
 
 def replay_cpu_adam(engine) -> int:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if resume is not None:
         accelerator.load_state(str(resume))
         if accelerator.distributed_type.value == "DEEPSPEED":
-            checkpoint.replay_cpu_adam(model)
+            checkpoint.restore_after_load(model, resume)
         position = json.loads((resume / POSITION).read_text())
         log_history, step, epoch, skip = (position[k] for k in ("log_history", "global_step", "epoch", "micro_batches_done"))
     save_every = checkpoint.save_interval(args, max_steps)

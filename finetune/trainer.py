@@ -5,7 +5,7 @@ prepare() loop and the DeepSpeed script use DistributedSampler's order. One orde
 (finetune.sampler) is what lets their losses agree step for step.
 
 Checkpoints: the Trainer writes them; we add the completion marker once every rank is done
-(finetune.checkpoint), and make a resumed DeepSpeed CPU Adam continue bit for bit.
+(finetune.checkpoint), and make a resumed DeepSpeed optimizer continue bit for bit.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Trainer(transformers.Trainer):
                                  zero_stage=self.zero_stage(), global_step=self.state.global_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
-        # Under DeepSpeed the engine has loaded everything by now (and this returns early); the CPU Adam kernel's
-        # own step state is the one thing a load does not restore.
+        # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
+        # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).
         super()._load_optimizer_and_scheduler(checkpoint_dir)
         if checkpoint_dir is not None and self.is_deepspeed_enabled:
-            checkpoint.replay_cpu_adam(self.model_wrapped)
+            checkpoint.restore_after_load(self.model_wrapped, checkpoint_dir)

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     step, epoch, skip = 0, 0, 0
     if resume is not None:
         _, client_state = engine.load_checkpoint(str(resume.parent), tag=resume.name)
-        checkpoint.replay_cpu_adam(engine)
+        checkpoint.restore_after_load(engine, resume)
         position = client_state["finetune"]
         step, epoch, skip = position["global_step"], position["epoch"], position["micro_batches_done_in_epoch"]
         log_history, window_loss, window_steps = position["log_history"], *position.get("window", (0.0, 0))
