@@ -126,7 +126,8 @@ def conversion_hint(folder: Path) -> str:
     )
 
 
-def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int) -> Path | None:
+def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
+            nvme: bool = False) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -147,6 +148,15 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
     check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
+    # DeepSpeed keeps NVMe-offloaded partitions in the checkpoint's offloaded_tensors/ and leaves them out of the
+    # ZeRO files, so neither direction loads (measured: a size-mismatch RuntimeError, or a missing folder).
+    saved_nvme = any(folder.rglob("offloaded_tensors"))
+    if saved_nvme != nvme:
+        raise ResumeError(
+            f"{folder} was saved {'with' if saved_nvme else 'without'} NVMe offload and this run is "
+            f"{'without' if saved_nvme else 'with'} it; DeepSpeed cannot load ZeRO partitions across that change. "
+            + ("Resume with --config zero3_nvme --nvme_path FOLDER." if saved_nvme
+               else "Resume with the preset it was saved with (zero3: CPU offload)."))
     _note(f"resume: from {folder}")
     return folder
 

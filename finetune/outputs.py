@@ -40,7 +40,8 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
 
     try:
         return checkpoint.resolve(cfg.training.resume_from_checkpoint, cfg.training.output_dir, path=path,
-                                  world_size=world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0)
+                                  world_size=world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
+                                  nvme=C._uses_nvme(cfg.deepspeed_config))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 

@@ -88,6 +88,13 @@ def test_resolve(tmp_path, capsys):
         checkpoint.resolve(str(cut), out, **kw)
     with pytest.raises(checkpoint.ResumeError, match="no such folder"):
         checkpoint.resolve(str(out / "checkpoint-99"), out, **kw)
+    # NVMe-offloaded partitions live in offloaded_tensors/, outside the ZeRO files: no switching at resume.
+    with pytest.raises(checkpoint.ResumeError, match="saved without NVMe offload and this run is with it"):
+        checkpoint.resolve("latest", out, **kw, nvme=True)
+    (good / "global_step" / "offloaded_tensors" / "rank00").mkdir(parents=True)
+    with pytest.raises(checkpoint.ResumeError, match="saved with NVMe offload and this run is without it.*--config zero3_nvme"):
+        checkpoint.resolve("latest", out, **kw)
+    assert checkpoint.resolve("latest", out, **kw, nvme=True) == good
 
 
 @pytest.mark.parametrize("change, message", [
