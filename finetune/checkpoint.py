@@ -191,12 +191,12 @@ def save_interval(args, max_steps: int, sources=()) -> int:
 def restore_after_load(engine, folder: str | Path) -> None:
     """After a DeepSpeed engine loaded `folder`: finish what its load leaves out, so the run continues exactly.
 
-    1. NVMe optimizer offload (zero3_nvme). DeepSpeed 0.19.8's load_checkpoint then skips the ZeRO optimizer
-       checkpoint and only copies the swap files back. Two things are lost (measured): sub-groups too small for
-       async I/O (under 1 MiB) are never swapped, so their fp32 weights and Adam moments live in
-       zero_pp_rank_*_optim_states.pt and would restart from the initial weights; and the Adam step count, kept
-       in memory for every sub-group, restarts at 0 (a wrong bias correction); so does each group's learning rate
-       (the next step would run at the optimizer's initial lr). All are restored from that file.
+    1. NVMe optimizer offload (zero3_nvme). DeepSpeed 0.19.8's load_checkpoint then only copies the swap files
+       back and skips the ZeRO optimizer file, which loses (measured): each group's learning rate (the next step
+       ran at the optimizer's initial lr), every Adam step count, the Adam moments of swapped partitions (a fresh
+       optimizer does not know their files), and all of any partition under 1 MiB (never swapped: its weights
+       and moments live only in zero_pp_rank_*_optim_states.pt). All are restored here. That file is a pickle,
+       as every DeepSpeed checkpoint is; it is the user's own checkpoint, which DeepSpeed has just unpickled.
     2. DeepSpeed CPU Adam's own bias-correction state (replay_cpu_adam).
     """
     _restore_nvme_offloaded(engine, Path(folder))
@@ -247,7 +247,6 @@ def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None
     """A swapped sub-group: DeepSpeed copied its files back (weights and Adam moments), but a fresh optimizer
     has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
     the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
-    import numpy as np
     import torch
 
     opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
@@ -260,8 +259,9 @@ def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None
         path = folder / f"{key}-{fp32.ds_id}.tensor.swp"
         if not path.is_file():
             raise ResumeError(f"NVMe offload: {path} is missing; the checkpoint's offloaded_tensors are incomplete")
-        data = np.fromfile(path, dtype=np.float32, count=fp32.numel())
-        state[key] = torch.from_numpy(data.copy()).to(fp32.dtype).view_as(fp32)
+        # The file holds the tensor's values, padded to the I/O alignment.
+        raw = bytearray(path.read_bytes()[: fp32.numel() * value.element_size()])
+        state[key] = torch.frombuffer(raw, dtype=value.dtype).view_as(fp32)
     opt._release_sub_group(sub_group, set())  # the swapper now tracks the moments too
 
 
