@@ -22,9 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run  # noqa: E402
-
-from finetune import tiny  # noqa: E402
+from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, tiny_job  # noqa: E402
 
 SECTION = "## Three training paths"
 # name -> (launch line, --config, per-device batch)
@@ -45,9 +43,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, default=None, help="markdown file whose section to replace")
     args = parser.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="finetune-paths-"))
-    model = tiny.build(root / "model", style="chatml")
-    data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(72, seed=7))
+    root, model, data = tiny_job(Path(tempfile.mkdtemp(prefix="finetune-paths-")), records=72, seed=7)
     curves, walls = {}, {}
     for name, (launch_line, preset, micro) in RUNS.items():
         out = root / name

@@ -20,6 +20,14 @@ LOOP = str(REPO / "finetune" / "loop.py")
 SFT = str(REPO / "scripts" / "sft.py")
 
 
+def tiny_job(root: Path, records: int = 72, seed: int = 7, **model: int) -> tuple[Path, Path, Path]:
+    """(root, model folder, data file): a tiny random Llama (chatml tokenizer) and synthetic chat records."""
+    from finetune import tiny
+
+    path = tiny.build(root / "model", style="chatml", **model)
+    return root, path, tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(records, seed=seed))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ from finetune.data import IGNORE_INDEX, make_collator, prepare_dataset, tokenize
 from finetune.model import load_tokenizer
 from finetune.outputs import describe_run
 from finetune.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
-from launch import LOOP, TRAIN, losses, run
+from launch import LOOP, TRAIN, losses, run, tiny_job
 
 SFT = str(Path(__file__).resolve().parent.parent / "scripts" / "sft.py")
 
@@ -231,10 +231,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def paths_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packing_paths")
-    model = tiny.build(root / "model", style="chatml")
-    data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(96, seed=11))
-    return root, model, data
+    return tiny_job(tmp_path_factory.mktemp("packing_paths"), records=96, seed=11)
 
 
 def _flags(setup, name, *extra):

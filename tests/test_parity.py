@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import tiny
-from launch import LOOP, TRAIN, launcher, losses, run
+from launch import LOOP, TRAIN, launcher, losses, run, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +41,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity")
-    model = tiny.build(root / "model", style="chatml")
-    data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(72, seed=7))
-    return root, model, data
+    return tiny_job(tmp_path_factory.mktemp("parity"), records=72, seed=7)
 
 
 _results: dict[str, tuple[Path, float, str]] = {}

@@ -23,7 +23,7 @@ from finetune.config import ConfigError
 from finetune.data import Collator
 from finetune.outputs import staging_dir
 from finetune.sampler import DistributedBatchOrder, rank_indices
-from launch import BIN, REPO, free_port, losses, run
+from launch import BIN, REPO, free_port, losses, run, tiny_job
 
 SFT = REPO / "scripts" / "sft.py"
 STEPS = 20
@@ -137,10 +137,7 @@ def test_bad_config_exits_with_every_problem(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    model = tiny.build(root / "model", style="chatml")
-    data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(72, seed=7))
-    return root, model, data
+    return tiny_job(tmp_path_factory.mktemp("sft"), records=72, seed=7)
 
 
 def common_flags(setup, out: Path) -> list[str]:
