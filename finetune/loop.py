@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
     )
     world = accelerator.num_processes
+    zero_stage = accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     resume = resume_or_exit(cfg, path="loop", world_size=world)
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             if step % max(int(args.logging_steps), 1) == 0:
                 rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
             if save_every and step % save_every == 0 and step < max_steps:
-                save_checkpoint(accelerator, args.output_dir, {
+                save_checkpoint(accelerator, args.output_dir, zero_stage, {
                     "global_step": step, "epoch": epoch, "micro_batches_done": micro_done, "log_history": log_history})
         epoch += 1
 
@@ -152,9 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(staging)
         write_json_atomic(staging / "trainer_state.json", {"global_step": step, "log_history": log_history})
     # Under ZeRO-3 each rank holds a slice, so the gathered state dict is the reference; else the model itself.
-    zero3 = accelerator.state.deepspeed_plugin is not None and accelerator.state.deepspeed_plugin.zero_stage == 3
     try:
-        verify_staged(staging, state_dict if zero3 else unwrapped, is_main=accelerator.is_main_process)
+        verify_staged(staging, state_dict if zero_stage == 3 else unwrapped, is_main=accelerator.is_main_process)
     except VerificationError as e:
         exit_with(str(e))
     if accelerator.is_main_process:
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 POSITION = "finetune_position.json"
 
 
-def save_checkpoint(accelerator, output_dir, position: dict) -> None:
+def save_checkpoint(accelerator, output_dir, zero_stage: int, position: dict) -> None:
     """accelerate's save_state (model, optimizer, schedule; the engine's own checkpoint under DeepSpeed), this
     rank's RNG states, and where the data stands; then the completion marker once every rank is done."""
     folder = checkpoint.folder_for(output_dir, position["global_step"])
@@ -175,8 +175,7 @@ def save_checkpoint(accelerator, output_dir, position: dict) -> None:
     checkpoint.save_rng(folder, accelerator.process_index)
     if accelerator.is_main_process:
         write_json_atomic(folder / POSITION, position)
-    stage = accelerator.state.deepspeed_plugin.zero_stage if accelerator.distributed_type.value == "DEEPSPEED" else 0
-    checkpoint.mark_complete(folder, path="loop", world_size=accelerator.num_processes, zero_stage=stage,
+    checkpoint.mark_complete(folder, path="loop", world_size=accelerator.num_processes, zero_stage=zero_stage,
                              global_step=position["global_step"])
 
 
