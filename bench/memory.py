@@ -178,8 +178,8 @@ def worker(argv: list[str]) -> None:
     from transformers import Trainer, TrainerCallback
 
     from finetune import config as C
-    from finetune.data import Collator
-    from finetune.model import load_model
+    from finetune.data.prepare import Collator
+    from finetune.models.load import load_model
 
     cfg = C.parse(argv + ["--max_steps", str(steps), "--disable_tqdm", "true", "--save_strategy", "no"], check_paths=False)
     args = cfg.training
@@ -365,7 +365,7 @@ def step_counts(rank_result: dict) -> dict[str, int]:
 def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
             lora_r: int = 16, lora_dropout: float = 0.05):
     """The planner's Job for a measured run (full-length records: no padding mask)."""
-    from finetune import plan
+    from finetune.plan import planner as plan
 
     return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
@@ -408,7 +408,7 @@ def grid(nprocs=(1, 2, 4), methods=("full", "lora"), presets=PRESETS, work: Path
 
 def compare(work: Path) -> list[dict]:
     """Predicted (this checkout's planner) against measured, for every cell found under WORK."""
-    from finetune import plan
+    from finetune.plan import planner as plan
 
     model = work / "model"
     rows = []

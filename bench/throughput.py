@@ -67,7 +67,7 @@ OPTIMIZER = ("adam", "_foreach", "optimizer")
 
 def mixed_records(n: int, max_tokens: int, seed: int = 0) -> list[dict]:
     """Chat records whose token lengths are log-uniform over [19, max_tokens] (a 20x+ spread at 512)."""
-    from finetune.tiny import WORDS
+    from finetune.models.tiny import WORDS
 
     rng = random.Random(seed)
     out = []
@@ -88,7 +88,7 @@ def build_assets(work: Path, preset: dict) -> tuple[Path, dict[str, Path]]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune import tiny
+    from finetune.models import tiny
 
     model_dir = work / "model"
     tok = tiny.build_tokenizer(model_dir, style="chatml")
@@ -174,8 +174,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     import torch
 
     from finetune import config as C
-    from finetune.data import make_collator, prepare_dataset
-    from finetune.model import load_model, load_tokenizer
+    from finetune.data.prepare import make_collator, prepare_dataset
+    from finetune.models.load import load_model, load_tokenizer
 
     torch.manual_seed(0)
     if not gpu:
@@ -191,7 +191,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     profile = None
 
     if name.startswith("ft_"):
-        from finetune.trainer import Trainer
+        from finetune.training.trainer import Trainer
 
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
         counting = Counting(make_collator(cfg, tokenizer))
@@ -230,7 +230,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     else:  # bare: the ft_packed batches through forward, backward, clip, AdamW
         from transformers import Trainer as HFTrainer
 
-        from finetune.sampler import distributed_dataloader
+        from finetune.data.sampler import distributed_dataloader
 
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
         counting = Counting(make_collator(cfg, tokenizer))
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers  # noqa: F401
     import trl  # noqa: F401
 
-    import finetune.trainer  # noqa: F401
+    import finetune.training.trainer  # noqa: F401
 
     p = dict(PRESETS[args.preset or ("gpu" if args.gpu else "cpu")])
     if args.gpu:

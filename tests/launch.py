@@ -22,7 +22,7 @@ SFT = str(REPO / "scripts" / "sft.py")
 
 def tiny_job(root: Path, records: int = 72, seed: int = 7, **model: int) -> tuple[Path, Path, Path]:
     """(root, model folder, data file): a tiny random Llama (chatml tokenizer) and synthetic chat records."""
-    from finetune import tiny
+    from finetune.models import tiny
 
     path = tiny.build(root / "model", style="chatml", **model)
     return root, path, tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(records, seed=seed))

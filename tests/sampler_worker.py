@@ -7,7 +7,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from finetune.sampler import distributed_dataloader
+from finetune.data.sampler import distributed_dataloader
 
 
 def main(out_dir: str, batch: int, epochs: int, lengths: list[int]) -> None:

@@ -15,8 +15,8 @@ import throughput as T  # noqa: E402
 
 
 def test_mixed_set_spreads_over_20x(tiny_chatml):
-    from finetune.data import tokenize_record
-    from finetune.model import load_tokenizer
+    from finetune.data.prepare import tokenize_record
+    from finetune.models.load import load_tokenizer
 
     tok = load_tokenizer(SimpleNamespace(model_name_or_path=str(tiny_chatml), trust_remote_code=False))
     records = T.mixed_records(300, 512, seed=0)

@@ -1,4 +1,4 @@
-"""finetune.data: loss masks token by token, file formats, truncation, bad input, caching, ranks.
+"""finetune.data.prepare: loss masks token by token, file formats, truncation, bad input, caching, ranks.
 
 Expected token ids and labels are built independently of data.py's span logic: each conversation is
 written out by hand as (text, trained?) segments following the chat template, every segment is encoded
@@ -20,10 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune import data
+from finetune.data import prepare as data
 from finetune.config import DataConfig
-from finetune.data import IGNORE_INDEX, Collator, DataError, prepare_dataset, tokenize_record
-from finetune.model import load_tokenizer
+from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, prepare_dataset, tokenize_record
+from finetune.models.load import load_tokenizer
 
 CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # The classic Alpaca prompts, written out here rather than imported from data.py.

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from finetune import export as E
-from finetune import tiny
-from finetune.verify import VerificationError, fixed_input, logits_of, verify_saved
+from finetune.convert import export as E
+from finetune.models import tiny
+from finetune.models.verify import VerificationError, fixed_input, logits_of, verify_saved
 from launch import launcher, run
 
 # Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.
@@ -243,7 +243,7 @@ def test_verify_adapter_against_peft_model_and_state_dicts(files):
 def test_verify_quantized_reference(files, tmp_path):
     """A QLoRA adapter is verified on a base reloaded with the same quantization (logits equal)."""
     from finetune.config import ModelConfig
-    from finetune.model import load_model
+    from finetune.models.load import load_model
 
     model = load_model(ModelConfig(model_name_or_path=str(files["model"]), use_peft=True, load_in_4bit=True, lora_r=4))
     with torch.no_grad():

@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from finetune import generate as G
-from finetune import tiny
+from finetune.inference import generate as G
+from finetune.models import tiny
 from launch import BIN, run
 
 # Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.
@@ -193,7 +193,7 @@ def test_entry_points_write_the_same_jsonl(files, unsharded, tmp_path, monkeypat
     assert re.search(r"model\.layers\.3\s+-> disk", result.output)
     out = tmp_path / "m.jsonl"
     monkeypatch.setattr(sys, "argv", ["python -m finetune.generate", *common, "--output", str(out)])
-    runpy.run_module("finetune.generate", run_name="__main__", alter_sys=True)
+    runpy.run_module("finetune.inference.generate", run_name="__main__", alter_sys=True)
     assert _ids(json.loads(line) for line in out.read_text().splitlines()) == _ids(unsharded["base"])
 
 

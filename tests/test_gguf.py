@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import gguf as G
-from finetune import tiny
+from finetune.convert import gguf_import as G
+from finetune.models import tiny
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
 

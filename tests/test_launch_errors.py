@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from finetune import tiny
+from finetune.models import tiny
 from launch import launcher, run
 
 pytestmark = pytest.mark.slow

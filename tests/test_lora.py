@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from finetune import tiny
+from finetune.models import tiny
 from launch import launcher, losses, run
 
 pytestmark = pytest.mark.slow

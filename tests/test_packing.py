@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import tiny
+from finetune.models import tiny
 from finetune.config import DataConfig
-from finetune.data import IGNORE_INDEX, make_collator, prepare_dataset, tokenize_record
-from finetune.model import load_tokenizer
-from finetune.outputs import describe_run
-from finetune.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
+from finetune.data.prepare import IGNORE_INDEX, make_collator, prepare_dataset, tokenize_record
+from finetune.models.load import load_tokenizer
+from finetune.training.outputs import describe_run
+from finetune.data.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
 from launch import LOOP, TRAIN, losses, run, tiny_job
 
 SFT = str(Path(__file__).resolve().parent.parent / "scripts" / "sft.py")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune import config as C
-from finetune import plan
+from finetune.plan import planner as plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -276,7 +276,7 @@ def test_sizes():
 def test_cli_lists_plan():
     from finetune.cli import COMMANDS
 
-    assert COMMANDS["plan"][0] == "finetune.plan"
+    assert COMMANDS["plan"][0] == "finetune.plan.planner"
 
 
 # ----------------------------------------------------------------------------------------------

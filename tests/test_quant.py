@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import tiny
+from finetune.models import tiny
 from finetune.config import ConfigError, ModelConfig, parse
-from finetune.model import load_model, quantization_config
+from finetune.models.load import load_model, quantization_config
 from launch import launcher, losses, run
 
 # Tiny models: one thread avoids OpenMP spin-waiting when the 2 cores are shared.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import quickstart as Q
+from finetune.apps import quickstart as Q
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "quickstart"

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune import checkpoint, tiny
+from finetune.training import checkpoint
+from finetune.models import tiny
 from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, run_and_kill_rank
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.sampler import DistributedBatchOrder, rank_indices
+from finetune.data.sampler import DistributedBatchOrder, rank_indices
 from launch import launcher, run
 from torch.utils.data import DistributedSampler
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from finetune import loop, train
+from finetune.training import loop
+from finetune.training import trainer as train
 
 REPO = Path(__file__).resolve().parent.parent
 

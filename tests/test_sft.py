@@ -18,25 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import tiny
+from finetune.models import tiny
+from finetune.training import engine as sft  # scripts/sft.py is its launcher file
 from finetune.config import ConfigError
-from finetune.data import Collator
-from finetune.outputs import staging_dir
-from finetune.sampler import DistributedBatchOrder, rank_indices
+from finetune.data.prepare import Collator
+from finetune.training.outputs import staging_dir
+from finetune.data.sampler import DistributedBatchOrder, rank_indices
 from launch import BIN, REPO, free_port, losses, run, tiny_job
 
 SFT = REPO / "scripts" / "sft.py"
 STEPS = 20
-
-
-def load_sft():
-    spec = importlib.util.spec_from_file_location("finetune_sft_script", SFT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sft = load_sft()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,7 +230,7 @@ def test_sft_lora_adapter_reloads(setup):
     # The reloaded adapter is the trained one: it scores the training data better than the base model does.
     from transformers import AutoTokenizer
 
-    from finetune.data import tokenize_record
+    from finetune.data.prepare import tokenize_record
 
     tokenizer = AutoTokenizer.from_pretrained(setup[1])
     records = tiny.synthetic_records(72, seed=7)[:16]

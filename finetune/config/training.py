@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 
 # Parallelism presets: the name a user types -> the DeepSpeed JSON it stands for (None = plain DDP).
@@ -574,7 +574,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append(f"bnb_4bit_compute_dtype: '{model.bnb_4bit_compute_dtype}' is not one of {', '.join(DTYPES)}")
     if (model.load_in_8bit or model.load_in_4bit) and not model.use_peft:
         problems.append("load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)")
-    if (model.load_in_8bit or model.load_in_4bit) and (launch.config.startswith("zero3") or _zero_stage(launch.config) == 3):
+    if (model.load_in_8bit or model.load_in_4bit) and (launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3):
         problems.append(
             f"--config {launch.config}: a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
         )
@@ -595,7 +595,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     return problems
 
 
-def _zero_stage(config: str) -> int | None:
+def zero_stage_of(config: str) -> int | None:
     """The ZeRO stage of a preset or DeepSpeed JSON (0 for ddp); None if the file cannot be read."""
     path = resolve_preset(config)
     if path is None:
@@ -606,13 +606,13 @@ def _zero_stage(config: str) -> int | None:
         return None
 
 
-def _uses_nvme(ds_path: Path | None) -> bool:
+def uses_nvme(ds_path: Path | None) -> bool:
     return ds_path is not None and ds_path.is_file() and NVME_PLACEHOLDER in ds_path.read_text()
 
 
 def _check_nvme(launch: LaunchConfig) -> list[str]:
     ds_path = resolve_preset(launch.config) if launch.config in PRESETS or launch.config.endswith(".json") else None
-    if not _uses_nvme(ds_path):
+    if not uses_nvme(ds_path):
         return []
     problems = []
     if not launch.nvme_path:
@@ -666,7 +666,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -676,7 +676,7 @@ def _free_port() -> int:
 
 def deepspeed_config(ds_path: Path, nvme_path: str | None = None) -> str | dict:
     """The DeepSpeed config to use: the file itself, or (for NVMe offload) its dict with the swap folder filled in."""
-    if not _uses_nvme(ds_path):
+    if not uses_nvme(ds_path):
         return str(ds_path)
     folder = Path(nvme_path).resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -697,7 +697,7 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_
             # `python finetune/train.py --config zero2`: DeepSpeed needs a process group even for one process,
             # and without a launcher it would look for MPI. Describe a world of one on loopback instead.
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
             # DeepSpeed's config check (train_batch_size = micro x accum x world) runs when TrainingArguments
             # is built; if the process group does not exist yet it uses world size 1 and asserts. Start it first.

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
@@ -66,7 +64,7 @@ class QuietProgress(ProgressCallback):
 def main(argv: list[str] | None = None) -> None:
     import transformers.trainer
 
-    from finetune import train
+    from finetune.training import trainer as train
 
     # The Trainer reads this module attribute when it is built: our bar replaces the default one.
     transformers.trainer.DEFAULT_PROGRESS_CALLBACK = QuietProgress

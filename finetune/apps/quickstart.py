@@ -27,10 +27,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = REPO  # the folder holding the finetune package (the checkout, or site-packages)
 DEFAULT_TRAIN = REPO / "data" / "quickstart" / "train.jsonl"
 DEFAULT_EVAL = REPO / "data" / "quickstart" / "heldout.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "models"
@@ -175,7 +174,7 @@ def field_accuracy(completion: str, reference: str) -> float:
 
 def read_eval_records(path: str, limit: int) -> list[dict]:
     """'messages' records whose last turn is the assistant's reference answer."""
-    from finetune.data import DataError, read_records
+    from finetune.data.prepare import DataError, read_records
 
     try:
         records, where = read_records(path)
@@ -201,8 +200,8 @@ def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_
     import torch
     from tqdm.auto import tqdm
 
-    from finetune.data import Collator, tokenize_record
-    from finetune.generate import LoadOptions, _offload_hooks, generate, load_for_inference, render
+    from finetune.data.prepare import Collator, tokenize_record
+    from finetune.inference.generate import LoadOptions, _offload_hooks, generate, load_for_inference, render
 
     model, tokenizer, _ = load_for_inference(LoadOptions(model_name_or_path=model_dir, adapter=adapter), log=lambda *a: None)
     if adapter and not _offload_hooks(model.get_base_model()):
@@ -260,7 +259,7 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
     is the file's name, size and content hash: a different file (or version) is a different folder."""
     import hashlib
 
-    from finetune import gguf as G
+    from finetune.convert import gguf_import as G
 
     if cfg.model_dir:
         return cfg.model_dir, {"source": "folder", "path": str(Path(cfg.model_dir).resolve()), "cached": True}
@@ -305,7 +304,7 @@ def launch_plan(processes: int | None) -> tuple[int, int, bool]:
 
 def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     nproc, threads, on_gpu = launch_plan(cfg.processes)
-    worker = str(REPO / "finetune" / "quickstart_worker.py")
+    worker = ["-m", "finetune.apps.quickstart_worker"]
     if nproc > 1:
         import socket
 
@@ -316,9 +315,9 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         # --multi_gpu also starts N CPU processes; `--cpu --num_processes N` silently starts one.
         cmd = [str(accelerate) if accelerate.exists() else "accelerate", "launch", "--multi_gpu",
                "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_ip", "127.0.0.1", "--main_process_port", port, worker]
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port, *worker]
     else:
-        cmd = [sys.executable, worker]
+        cmd = [sys.executable, *worker]
     lr = cfg.learning_rate or DEFAULT_LR[cfg.method]
     cmd += [
         "--model_name_or_path", model_dir, "--dataset", cfg.train_file, "--output_dir", str(run_dir),
@@ -331,7 +330,7 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     cmd += cfg.extra_train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                QUICKSTART_DEADLINE=str(time.time() + cfg.max_minutes * 60))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
     if not on_gpu:
         env.update(OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
     where = f"{nproc} GPU process(es)" if on_gpu else f"{nproc} CPU process(es) x {threads} thread(s)"
@@ -471,7 +470,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from finetune.data import read_records
+    from finetune.data.prepare import read_records
 
     started = time.time()
     load_start = _load()

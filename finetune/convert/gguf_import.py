@@ -20,8 +20,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 # GGUF architectures whose tensors transformers maps onto a Llama-style decoder (LlamaForCausalLM; Mistral
 # files say "llama" too and load as MistralForCausalLM, the same layout).
@@ -159,7 +157,7 @@ def plain_copy(gguf_model):
 def write_folder(gguf_model, tokenizer, out_dir: str | Path, *, overwrite: bool = False, log=print) -> Path:
     """Save, verify and rename into place. The staging folder sits next to OUT_DIR (same file system: the rename
     is atomic), and a crash leaves only `.OUT_DIR.staging-PID`, never a half-written OUT_DIR."""
-    from finetune.verify import VerificationError, verify_saved
+    from finetune.models.verify import VerificationError, verify_saved
 
     out = Path(out_dir).resolve()
     if out.exists() and not overwrite:

@@ -25,10 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune.verify import DEFAULT_ATOL, VerificationError, fixed_input, logits_of, verify_saved  # noqa: E402
+from finetune.models.verify import DEFAULT_ATOL, VerificationError, fixed_input, logits_of, verify_saved  # noqa: E402
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -96,8 +94,8 @@ def merge_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.generate import GenerationError, check_adapter, empty_model
-    from finetune.model import resolve_dtype
+    from finetune.inference.generate import GenerationError, check_adapter, empty_model
+    from finetune.models.load import resolve_dtype
 
     adapter, output_dir = Path(adapter), Path(output_dir)
     if not (adapter / "adapter_config.json").is_file():
@@ -189,7 +187,7 @@ def convert_zero_checkpoint(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from finetune.model import resolve_dtype
+    from finetune.models.load import resolve_dtype
 
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
     ckpt_dir, _ = _find_zero_checkpoint(checkpoint, tag)

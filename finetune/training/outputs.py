@@ -35,13 +35,13 @@ def exit_with(message: str) -> NoReturn:
 def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     """--resume_from_checkpoint -> the folder to resume from (None: start at step 0). Checked before anything heavy
     loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do."""
-    from finetune import checkpoint
+    from finetune.training import checkpoint
     from finetune import config as C
 
     try:
         return checkpoint.resolve(cfg.training.resume_from_checkpoint, cfg.training.output_dir, path=path,
-                                  world_size=world_size, zero_stage=C._zero_stage(cfg.launch.config) or 0,
-                                  nvme=C._uses_nvme(cfg.deepspeed_config))
+                                  world_size=world_size, zero_stage=C.zero_stage_of(cfg.launch.config) or 0,
+                                  nvme=C.uses_nvme(cfg.deepspeed_config))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
@@ -49,8 +49,8 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
 def data_or_exit(cfg, local_rank: int):
     """(tokenizer, tokenized data set, stats): tokenized once per node (local rank 0) and cached; a bad record stops
     every rank with its file and line; rank 0 prints the data summary."""
-    from finetune.data import DataError, prepare_dataset
-    from finetune.model import load_tokenizer
+    from finetune.data.prepare import DataError, prepare_dataset
+    from finetune.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     try:
@@ -65,7 +65,7 @@ def plan_or_exit(cfg) -> None:
     """--plan_check: refuse (exit 2, every rank alike) a run the planner predicts will not fit, unless --force."""
     if not cfg.launch.plan_check:
         return
-    from finetune.plan import plan_check
+    from finetune.plan.planner import plan_check
 
     if problem := plan_check(cfg):
         if not cfg.launch.force:
@@ -143,7 +143,7 @@ def verify_staged(staging: Path, reference, *, is_main: bool) -> None:
     raises if the main process found a fault, so no rank reports success for a save that is not the model."""
     import torch.distributed as dist
 
-    from finetune.verify import VerificationError, verify_saved
+    from finetune.models.verify import VerificationError, verify_saved
 
     verdict = [None]
     if is_main:

@@ -1,7 +1,7 @@
 """Check what a save wrote: no empty or non-finite tensors, the folder reloads with `from_pretrained`, and the reloaded
 model's logits on a fixed input match the model that was saved.
 
-    from finetune.verify import verify_saved
+    from finetune.models.verify import verify_saved
     report = verify_saved(folder, model)              # the in-memory model (full model or PeftModel)
     report = verify_saved(folder, state_dict)         # or its consolidated state dict (ZeRO-3: the gathered one)
     print(report)                                     # raises VerificationError when anything is off
@@ -296,7 +296,7 @@ def verify_saved(
     if quant is not None:
         # On AVX512-BF16 CPUs bitsandbytes serves eval-mode 4-bit forwards from a repacked bf16 layout (up to ~3e-2
         # off the fp32 path) unless guarded; compare both models on the exact layout training uses.
-        from .model import guard_4bit_training
+        from finetune.models.load import guard_4bit_training
 
         guard_4bit_training(model)
         guard_4bit_training(reference)

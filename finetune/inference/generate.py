@@ -31,8 +31,6 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 PRESET_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -362,7 +360,7 @@ def load_for_inference(opts: LoadOptions, log=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.config import check_model_folder
-    from finetune.model import ensure_pad_token, quantization_config, resolve_dtype
+    from finetune.models.load import ensure_pad_token, quantization_config, resolve_dtype
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
     problems = check_model_folder(opts.model_name_or_path, allow_pickle=False)
@@ -397,7 +395,7 @@ def load_for_inference(opts: LoadOptions, log=None):
                     "(disk offload works for unquantized weights) or keep every layer on cpu/GPUs"
                 )
         elif opts.device_map is None and opts.max_memory is None:
-            from finetune.model import quantized_device_map
+            from finetune.models.load import quantized_device_map
 
             device_map = quantized_device_map()
         else:

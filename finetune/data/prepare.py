@@ -447,7 +447,7 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
     dataset = datasets.load_from_disk(str(final))
     stats.padding_free = bool(getattr(cfg, "padding_free", False))
     if getattr(cfg, "packing", False):
-        from finetune.packing import pack_dataset
+        from finetune.data.packing import pack_dataset
 
         # Packed after the cache (the packer is deterministic and cheap, so every rank packs the same rows itself
         # and the cache stays the same with and without --packing), before sampling: rows are the items.
@@ -514,7 +514,7 @@ def make_collator(cfg, tokenizer):
 
     `cfg`: the FinetuneConfig (or its DataConfig; the attention kernel then counts as sdpa).
     """
-    from finetune.packing import PackedCollator, collator_layout
+    from finetune.data.packing import PackedCollator, collator_layout
 
     data_cfg = getattr(cfg, "data", cfg)
     attn = getattr(getattr(cfg, "model", None), "attn_implementation", "sdpa")

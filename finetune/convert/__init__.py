@@ -1,0 +1,1 @@
+"""Conversions between formats: LoRA merge and ZeRO consolidation (export), GGUF import."""

@@ -1,0 +1,1 @@
+"""Inference: generation with adapters, quantized bases and device_map sharding."""

@@ -1,0 +1,1 @@
+"""Models: loading tokenizers and Llama-style models (dtype, quantization, LoRA), verifying saves, tiny test models."""

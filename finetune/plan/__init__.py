@@ -1,0 +1,1 @@
+"""Memory planning: predict per-device memory from config.json alone and pick what fits."""

@@ -1,0 +1,99 @@
+"""The HF Trainer path (`finetune train`, finetune/train.py): the Trainer with narrow overrides (DistributedSampler
+data order, resumable step checkpoints) and the entry point that reads config, model, data, trainer, train, save.
+
+The stock Trainer deals whole batches of one seeded permutation round-robin over the ranks; the
+prepare() loop and the DeepSpeed script use DistributedSampler's order. One order for all three paths
+(finetune.data.sampler) is what lets their losses agree step for step.
+
+Checkpoints: the Trainer writes them; we add the completion marker once every rank is done
+(finetune.training.checkpoint), and make a resumed DeepSpeed optimizer continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from finetune.training import checkpoint
+from finetune import config as C
+from finetune.data.prepare import make_collator
+from finetune.models.load import load_model
+from finetune.training.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
+from finetune.models.verify import VerificationError
+from finetune.data.sampler import distributed_dataloader
+
+
+class Trainer(transformers.Trainer):
+    def get_train_dataloader(self):
+        args = self.args
+        loader = distributed_dataloader(
+            self.train_dataset, self.data_collator, world=self.accelerator.num_processes,
+            batch_size=self._train_batch_size, shuffle=True,
+            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    def zero_stage(self) -> int:
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
+                                 zero_stage=self.zero_stage(), global_step=self.state.global_step)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
+        # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).
+        super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if checkpoint_dir is not None and self.is_deepspeed_enabled:
+            checkpoint.restore_after_load(self.model_wrapped, checkpoint_dir)
+
+
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
+    # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
+    # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
+    cfg = C.load_or_exit(argv)
+    args = cfg.training
+    plan_or_exit(cfg)
+
+    # Resume: `latest` is the newest complete checkpoint; one saved for another world size or ZeRO stage is refused.
+    resume = resume_or_exit(cfg, path="trainer", world_size=args.world_size)
+
+    # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
+    tokenizer, train_dataset, stats = data_or_exit(cfg, args.local_process_index)
+
+    # Model (and LoRA).
+    model = load_model(cfg.model, args)
+    rank0_print(describe_run(cfg, stats, model))
+
+    # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
+    # the whole global batch (average_tokens_across_devices), so how the batch is split does not matter.
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=make_collator(cfg, tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
+    )
+    if args.process_index == 0:
+        C.save_resolved(cfg, args.output_dir)
+
+    # Train.
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+    # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
+    try:
+        save_final(trainer, args.output_dir)
+    except VerificationError as e:
+        exit_with(str(e))
+    rank0_print(f"saved to {args.output_dir}")
+    checkpoint.end_process_group()
+
+
+if __name__ == "__main__":
+    main()
