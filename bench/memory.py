@@ -4,7 +4,7 @@
     .venv/bin/python bench/memory.py --quick         # a smaller grid (2 processes only)
     accelerate launch ... bench/memory.py worker OUT.json -- TRAINING FLAGS   # one measured run (per rank)
 
-The worker builds the run the way finetune/train.py does (finetune.config.parse -> model.load_model ->
+The worker builds the run the way finetune/train.py does (finetune.config.parse -> models.load.load_model ->
 transformers Trainer) on fixed-length random-token records (so every micro-batch has exactly
 per_device_train_batch_size x max_seq_length tokens), trains a few steps and, at the second step:
 
