@@ -488,7 +488,8 @@ class Command:
             entries = [f for f in self.flags.values() if f.section == name and not f.meta.get("positional")]
             if not entries:
                 continue
-            title = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
+            doc = (cls.__doc__ or "").strip()
+            title = doc.splitlines()[0].rstrip(".") if doc and not doc.startswith(cls.__name__ + "(") else ""
             lines += ["", f"{cls.__name__} flags" + (f": {title}" if title else "") + ":"]
             for f in entries:
                 names = ", ".join(f"--{n}" for n in [f.name, *reverse.get(f.name, [])])
@@ -497,6 +498,8 @@ class Command:
                 default = f.default
                 if f.required:
                     help_ += " (required)"
+                elif f.is_bool and default is True:
+                    help_ += f" (default: true; --no_{f.name} turns it off)"
                 elif default is not dataclasses.MISSING and default not in (None, "", [], False):
                     help_ += f" (default: {_plain(default)})"
                 if f.meta.get("repeat"):
@@ -539,14 +542,16 @@ def exit_with_problems(error: ConfigError) -> typing.NoReturn:
 
 def _help_entry(names: str, help_: str, width: int) -> list[str]:
     head = f"  {names}"
-    body = textwrap.wrap(help_, width - 8) if help_ else []
-    if len(head) <= 30 and body:
-        return [f"{head:<32}{body[0]}"] + [" " * 32 + line for line in textwrap.wrap(" ".join(body[1:]), width - 32)]
-    return [head] + [" " * 8 + line for line in body]
+    if len(head) <= 30 and help_:
+        body = textwrap.wrap(help_, width - 32)
+        return [f"{head:<32}{body[0]}"] + [" " * 32 + line for line in body[1:]]
+    return [head] + [" " * 8 + line for line in textwrap.wrap(help_, width - 8)]
 
 
 def _type_name(tp: Any) -> str:
     members, _ = _type_parts(tp) if not isinstance(tp, str) else ([tp], False)
+    if str in members and any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
+        members = [m for m in members if m is not str]  # as convert() reads it
     names = []
     for m in members:
         if typing.get_origin(m) is list:
@@ -554,7 +559,8 @@ def _type_name(tp: Any) -> str:
         elif typing.get_origin(m) is typing.Literal:
             names.append("{" + ",".join(map(str, typing.get_args(m))) + "}")
         elif isinstance(m, type) and issubclass(m, enum.Enum):
-            names.append("{" + ",".join(str(v.value) for v in m) + "}")
+            choices = [str(v.value) for v in m]
+            names.append("{" + ",".join(choices[:6]) + (",..." if len(choices) > 6 else "") + "}")
         elif m in (int, float, str, bool):
             names.append(m.__name__.upper())
         else:

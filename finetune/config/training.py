@@ -212,14 +212,18 @@ def _same_ds_config(a: str, b: str) -> bool:
     return where(a) == where(b)
 
 
-def command(prog: str = "finetune train") -> Command:
+def command(prog: str = "finetune train", extra: dict[str, type] | None = None, description: str | None = None) -> Command:
     """The training flags: LaunchConfig, ModelConfig, DataConfig and TrainingArguments (its `deepspeed` field is
-    --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works)."""
+    --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections."""
     from transformers import TrainingArguments
 
+    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig}
+    # A command's own flags come before TrainingArguments' (a name in both is the command's).
+    sections.update(extra or {})
+    sections["training"] = TrainingArguments
     return Command(
-        prog, {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "training": TrainingArguments},
-        description="Fine-tune a Llama-style causal LM. Flags: defaults < --recipe YAML < command line.",
+        prog, sections,
+        description=description or "Fine-tune a Llama-style causal LM. Flags: defaults < --recipe YAML < command line.",
         defaults=TRAINING_DEFAULTS, reserved=RESERVED_TRAINING_KEYS,
     )
 
@@ -240,11 +244,12 @@ def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train") ->
         exit_with_problems(e)
 
 
-def parse_sections(argv: list[str] | None = None, prog: str = "finetune train"):
+def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", extra: dict[str, type] | None = None):
     """The training flags converted and merged, before any check: (model, data, launch, training values, sources,
-    problems). For commands that take the training flags and check them their own way (`finetune plan`)."""
+    problems, extra) where extra holds the instances of the command's `extra` sections. For commands that take
+    the training flags and check them their own way (`finetune plan`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    got = command(prog).collect(argv)
+    got = command(prog, extra).collect(argv)
     values, sources, problems = got.values, got.sources, got.problems
     if "save_steps" in sources and "save_strategy" not in sources:
         # Asking for a checkpoint every N steps is asking for step checkpoints (our default save_strategy is no).
@@ -252,12 +257,13 @@ def parse_sections(argv: list[str] | None = None, prog: str = "finetune train"):
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
-    return model, data, launch, values["training"], sources, problems
+    extras = {name: cls(**values[name]) for name, cls in (extra or {}).items()}
+    return model, data, launch, values["training"], sources, problems, extras
 
 
 def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:
     """Parse and validate. Raises ConfigError listing every problem found."""
-    model, data, launch, training_values, sources, problems = parse_sections(argv)
+    model, data, launch, training_values, sources, problems, _ = parse_sections(argv)
     # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
     problems += validate(model, data, launch, training_values, check_paths=check_paths)
