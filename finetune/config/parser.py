@@ -15,6 +15,7 @@ Field metadata the parser reads:
     conflict    the message for values that do not agree
     repeat      True: one value per occurrence, occurrences accumulate (`--prompt A --prompt B`)
     positional  True: taken from a bare argument, in declaration order (fields with a default may be left out)
+    cli         False: not a flag (set by the command itself)
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ class Command:
         for section, cls in sections.items():
             types_ = field_types(cls)
             for f in dataclasses.fields(cls):
-                if f.name in types_ and f.name not in self.flags:
+                if f.name in types_ and f.name not in self.flags and f.metadata.get("cli", True):
                     self.flags[f.name] = Flag(f.name, section, types_[f.name], f)
         self.aliases: dict[str, str] = {}
         for flag in list(self.flags.values()):

@@ -37,6 +37,24 @@ DATASET_FORMATS = ("auto", "text", "alpaca", "messages")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _same_ds_config(a: str, b: str) -> bool:
+    """Do two --config / --deepspeed values name the same DeepSpeed configuration (a preset or its file)?"""
+    def where(name: str) -> str:
+        path = resolve_preset(str(name))
+        return str(path.resolve()) if path is not None else str(name)
+
+    return where(a) == where(b)
+
+
+# Field metadata for every --config flag that takes a preset: DeepSpeed's own `--deepspeed FILE` and
+# `--deepspeed_config FILE` are the same flag (its tutorials pass `--deepspeed --deepspeed_config ds.json`: the bare
+# switch names nothing), and two spellings naming different configurations are refused.
+CONFIG_ALIASES: dict[str, Any] = {
+    "aliases": ("deepspeed", "deepspeed_config"), "bare_aliases_ignored": True,
+    "same": _same_ds_config, "conflict": "these name different DeepSpeed configurations",
+}
+
+
 @dataclass
 class ModelConfig:
     """Which model to load and how (flag names follow TRL's ModelConfig)."""
@@ -115,9 +133,7 @@ class LaunchConfig:
         metadata={
             "help": f"Parallelism preset ({', '.join(PRESETS)}) or a path to a DeepSpeed JSON file. "
                     "--deepspeed FILE and --deepspeed_config FILE (DeepSpeed's own flags) are the same flag.",
-            # DeepSpeed's tutorials pass `--deepspeed --deepspeed_config ds.json`: the bare switch names nothing.
-            "aliases": ("deepspeed", "deepspeed_config"), "bare_aliases_ignored": True,
-            "same": lambda a, b: _same_ds_config(a, b), "conflict": "these name different DeepSpeed configurations",
+            **CONFIG_ALIASES,
         },
     )
     recipe: str | None = field(default=None, metadata={"help": "YAML file with any of these keys; the command line wins."})
@@ -201,15 +217,6 @@ def _training_field_defaults(cls) -> dict[str, Any]:
         else:
             out[f.name] = None
     return out
-
-
-def _same_ds_config(a: str, b: str) -> bool:
-    """Do two --config / --deepspeed values name the same DeepSpeed configuration (a preset or its file)?"""
-    def where(name: str) -> str:
-        path = resolve_preset(str(name))
-        return str(path.resolve()) if path is not None else str(name)
-
-    return where(a) == where(b)
 
 
 def command(prog: str = "finetune train", extra: dict[str, type] | None = None, description: str | None = None) -> Command:
