@@ -343,7 +343,7 @@ class Command:
                 values = [inline]
             else:
                 values = []
-                while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2):
+                while i < len(argv) and not (argv[i].startswith("--") and (len(argv[i]) > 2 or self.passthrough)):
                     if by_positional or repeat:
                         # With positionals, a flag takes one value (a list all of them), and a switch only a
                         # true/false word: `--overwrite FILE OUT` leaves FILE and OUT to the positionals.
@@ -477,7 +477,8 @@ class Command:
         width = 100
         lines = [f"usage: {self.usage()}"]
         if self.description:
-            lines += ["", self.description.strip()]
+            text = self.description.strip()
+            lines += ["", textwrap.fill(text, width) if "\n" not in text else text]
         if self.positionals:
             lines += ["", "arguments:"]
             for f in self.positionals:
@@ -501,7 +502,7 @@ class Command:
                     help_ += " (required)"
                 elif f.is_bool and default is True:
                     help_ += f" (default: true; --no_{f.name} turns it off)"
-                elif default is not dataclasses.MISSING and default not in (None, "", [], False):
+                elif not f.is_bool and default is not dataclasses.MISSING and default is not None and default not in ("", []):
                     help_ += f" (default: {_plain(default)})"
                 if f.meta.get("repeat"):
                     help_ += " (repeatable)"
