@@ -200,3 +200,41 @@ def test_rank_0_prints_the_problems_and_every_rank_exits_2(capsys, monkeypatch):
     monkeypatch.setitem(os.environ, "RANK", "1")
     code, out, err = finetune(capsys, "generate", "--max_new_token", "5")
     assert code == 2 and err == "" and out == ""
+
+
+# ----------------------------------------------------------------------------------------------
+# The parser's forms: positionals, repeatable flags, aliases, required flags.
+
+
+def test_positionals_and_switches():
+    from finetune.config.parser import ConfigError
+    from finetune.convert import gguf_import
+
+    cmd = gguf_import.command()
+    args = cmd.parse(["--smollm2", "out"]).args  # a switch does not swallow the positional after it
+    assert (args.smollm2, args.gguf_file, args.output_dir) == (True, None, "out")
+    args = cmd.parse(["m.gguf", "out", "--overwrite"]).args
+    assert (args.gguf_file, args.output_dir, args.overwrite) == ("m.gguf", "out", True)
+    args = cmd.parse(["--overwrite", "false", "m.gguf", "--output_dir", "out"]).args  # a positional given as a flag
+    assert (args.gguf_file, args.output_dir, args.overwrite) == ("m.gguf", "out", False)
+    with pytest.raises(ConfigError) as e:
+        cmd.parse([])
+    assert e.value.problems == ["OUTPUT_DIR: required (The Hugging Face folder to write (must not exist unless --overwrite))"]
+
+
+def test_repeatable_flag_and_alias():
+    from finetune.config.parser import ConfigError
+    from finetune.inference import generate
+
+    cmd = generate.command()
+    args = cmd.parse(["--model", "m", "--prompt", "a b", "--prompt", "c", "--no_chat", "--with_ids"]).args
+    assert (args.model_name_or_path, args.prompt, args.chat, args.with_ids) == ("m", ["a b", "c"], False, True)
+    with pytest.raises(ConfigError) as e:
+        cmd.parse(["--model", "m", "--prompt", "a", "b"])
+    assert e.value.problems == ["unexpected argument 'b': options look like --key value"]
+    with pytest.raises(ConfigError) as e:
+        cmd.parse(["--model", "m", "--model_name_or_path", "n", "--prompt", "a"])
+    assert e.value.problems == ["--model m and --model_name_or_path n: both set 'model_name_or_path'; give one"]
+    with pytest.raises(ConfigError) as e:
+        cmd.parse(["--prompt", "a"])
+    assert e.value.problems == ["--model_name_or_path: required (Local base model folder)"]
