@@ -1,7 +1,9 @@
-"""Typed configuration: defaults < YAML recipe < command line, validated in one pass.
+"""The training flags: defaults < YAML recipe < command line, validated in one pass.
 
 All three training paths (the Trainer script, the DeepSpeed launcher script and the accelerate
-loop) parse their flags here, so a flag means the same thing everywhere.
+loop) and `finetune plan` parse their flags here, so a flag means the same thing everywhere. The
+generic machinery (types, flag forms, recipes, did-you-mean, help) is finetune.config.parser; this
+module adds the sections, presets, validation and the TrainingArguments built from them.
 """
 
 from __future__ import annotations
