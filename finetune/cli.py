@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-        print("usage: finetune [--version] COMMAND [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        print("usage: finetune [--version] COMMAND [flags]\n\ncommands:\n" + "\n".join(lines)
+              + "\n\n`finetune COMMAND --help` lists a command's flags.", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             import difflib
 

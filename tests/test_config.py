@@ -252,7 +252,7 @@ def test_recipe_file_problems(tmp_path):
         (["--max_seq_length"], "--max_seq_length: max_seq_length: needs a value"),
         (["--lora_r", "4", "8"], "--lora_r takes one value, got 2: 4 8"),
         (["model_dir"], "unexpected argument 'model_dir': options look like --key value"),
-        (["--deepspeed", "ds.json"], "--deepspeed: 'deepspeed' is set by finetune; use --config"),
+        (["--fsdp", "full_shard"], "--fsdp: 'fsdp' is set by finetune; use --config (FSDP is not a preset yet)"),
         (["--max_seq_length", "1"], "max_seq_length: must be at least 2, got 1"),
         (["--lora_r", "0"], "lora_r: must be positive, got 0"),
         (["--lora_dropout", "1"], "lora_dropout: must be in [0, 1), got 1.0"),
@@ -335,6 +335,43 @@ def test_json_path_config(tmp_path, out):
     broken.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}\n')
     (problem,) = problems_of(["--config", broken])
     assert problem.startswith(f"--config {broken}:4: not valid JSON")
+
+
+ZERO3_FILE = str(C.DS_CONFIG_DIR / "zero3_offload.json")
+
+
+@pytest.mark.parametrize("argv, config, training", [
+    (["--deepspeed", "ds_configs/zero2.json", "--seed", "1"], "ds_configs/zero2.json", {"seed": 1}),
+    (["--deepspeed=ds_configs/zero2.json"], "ds_configs/zero2.json", {}),
+    (["--deepspeed_config", "x.json"], "x.json", {}),
+    (["--deepspeed", "--deepspeed_config", "x.json"], "x.json", {}),  # DeepSpeed tutorials' flag pair
+    (["--config", "zero3", "--local_rank=1"], "zero3", {"local_rank": 1}),
+    (["--config", "zero3", "--deepspeed", ZERO3_FILE], ZERO3_FILE, {}),  # the preset and its own file agree
+    (["--local_rank=0", "--lr_scheduler_type", "cosine"], "ddp", {"local_rank": 0, "lr_scheduler_type": "cosine"}),
+])
+def test_deepspeed_flag_is_config(argv, config, training):
+    model, data, launch, values, sources, problems, _ = C.parse_sections(argv)
+    assert problems == []
+    assert launch.config == config
+    assert {k: values[k] for k in training} == training
+    assert "deepspeed" not in values  # never TrainingArguments' own field: the preset is resolved by finetune
+
+
+def test_deepspeed_flag_is_config_end_to_end(tmp_path, out):
+    cfg = parse(["--deepspeed", "zero2", "--output_dir", out])
+    assert cfg.launch.config == "zero2" and cfg.deepspeed_config == C.resolve_preset("zero2")
+    assert cfg.training.deepspeed == str(C.resolve_preset("zero2"))
+    recipe = write(tmp_path / "recipe.yaml", "deepspeed: zero2\n")
+    assert parse(["--recipe", recipe, "--output_dir", out]).launch.config == "zero2"
+
+
+def test_conflicting_deepspeed_and_config_are_refused():
+    problems = problems_of(["--config", "zero2", "--deepspeed", ZERO3_FILE, "--max_steps", "x"])
+    assert problems[0] == (f"--config zero2 and --deepspeed {ZERO3_FILE}: these name different DeepSpeed "
+                           "configurations; give one")
+    assert any("max_steps: expected an integer" in p for p in problems)  # with the other problems, in one run
+    (problem,) = problems_of(["--deepspeed_config", "zero2", "--deepspeed", "zero3"])
+    assert "--deepspeed_config zero2 and --deepspeed zero3: these name different DeepSpeed configurations" in problem
 
 
 def test_unknown_preset():

@@ -234,3 +234,29 @@ def test_load_model_refuses_quantized_under_zero3_from_python(setup):
     finally:
         del ds
         unset_hf_deepspeed_config()
+
+
+def test_one_set_of_quantization_rules(tmp_path):
+    """finetune.models.quant holds the rules; training's validation, `finetune generate` and load_model all use them."""
+    from finetune.inference import generate as G
+    from finetune.models import quant
+
+    bad = dict(load_in_8bit=True, load_in_4bit=True, bnb_4bit_quant_type="int4", bnb_4bit_compute_dtype="fp8")
+    expected = [
+        "load_in_8bit and load_in_4bit: choose one",
+        "bnb_4bit_quant_type: 'int4' is not one of nf4, fp4",
+        "bnb_4bit_compute_dtype: 'fp8' is not one of auto, float32, bfloat16, float16",
+    ]
+    assert quant.problems(SimpleNamespace(**bad)) == expected
+    flags = ["--load_in_8bit", "--load_in_4bit", "--bnb_4bit_quant_type", "int4", "--bnb_4bit_compute_dtype", "fp8"]
+    with pytest.raises(ConfigError) as err:
+        parse([*flags, "--config", "zero3"], check_paths=False)
+    assert err.value.problems == expected + [quant.NEEDS_LORA, f"--config zero3: {quant.NOT_UNDER_ZERO3}"]
+    with pytest.raises(ConfigError) as err:
+        G.command().parse(["--model", "m", "--prompt", "hi", *flags], G.check_args)
+    assert err.value.problems == expected  # inference: no LoRA needed, no ZeRO
+    with pytest.raises(ValueError, match="load_in_8bit and load_in_4bit: choose one"):
+        quant.quantization_config(SimpleNamespace(**bad), torch.float32)
+    assert quant.quantization_config(SimpleNamespace(load_in_8bit=False, load_in_4bit=False), torch.float32) is None
+    assert quant.problems(SimpleNamespace(load_in_4bit=True, use_peft=False), training=True) == [quant.NEEDS_LORA]
+    assert quant.problems(SimpleNamespace(load_in_4bit=True, use_peft=True), training=True) == []

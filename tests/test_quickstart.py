@@ -71,7 +71,7 @@ def test_bad_flags_exit_2(argv, fragment, capsys):
 def test_every_problem_reported_at_once():
     with pytest.raises(Q.QuickstartError) as e:
         Q.parse(["--method", "x", "--max_steps", "0", "--processes", "0"])
-    assert {"--method", "--max_steps", "--processes"} <= {line.split(":")[0] for line in str(e.value).splitlines()}
+    assert {"--method", "--max_steps", "--processes"} <= {p.split(":")[0] for p in e.value.problems}
 
 
 def test_report_files(tmp_path):

@@ -20,7 +20,6 @@ import torch
 
 from finetune.models import tiny
 from finetune.training import engine as sft  # scripts/sft.py is its launcher file
-from finetune.config import ConfigError
 from finetune.data.prepare import Collator
 from finetune.training.outputs import staging_dir
 from finetune.data.sampler import DistributedBatchOrder, rank_indices
@@ -72,24 +71,6 @@ def test_data_seed_wins_over_seed():
                            dataloader_num_workers=0, dataloader_pin_memory=False)
     loader = sft.build_loader(_dataset(20), Collator(0), args, 2, 1)
     assert list(loader.sampler) == rank_indices(20, 2, 1, True, 7, False, 0)
-
-
-@pytest.mark.parametrize("argv, expected", [
-    (["--deepspeed", "ds_configs/zero2.json", "--seed", "1"], ["--seed", "1", "--config", "ds_configs/zero2.json"]),
-    (["--deepspeed=ds_configs/zero2.json"], ["--config", "ds_configs/zero2.json"]),
-    (["--deepspeed_config", "x.json"], ["--config", "x.json"]),
-    (["--deepspeed", "--deepspeed_config", "x.json"], ["--config", "x.json"]),  # DeepSpeed tutorials' flag pair
-    (["--config", "zero3", "--local_rank=1"], ["--local_rank=1", "--config", "zero3"]),
-    (["--config", "zero3", "--deepspeed", "ds_configs/zero3_offload.json"], ["--config", "ds_configs/zero3_offload.json"]),
-    (["--local_rank=0", "--lr_scheduler_type", "cosine"], ["--local_rank=0", "--lr_scheduler_type", "cosine"]),
-])
-def test_deepspeed_flag_is_config(argv, expected):
-    assert sft.map_deepspeed_flags(argv) == expected
-
-
-def test_conflicting_deepspeed_and_config_are_refused():
-    with pytest.raises(ConfigError, match="different DeepSpeed configurations"):
-        sft.map_deepspeed_flags(["--config", "zero2", "--deepspeed", "ds_configs/zero3_offload.json"])
 
 
 def test_flags_it_cannot_honour_are_refused():

@@ -16,7 +16,6 @@ Inference in (2) and (4) is finetune/generate.py's path (load_for_inference + ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -26,6 +25,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from finetune.config.parser import ConfigError
+from finetune.config.training import CONFIG_ALIASES
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,81 +45,76 @@ class QuickstartError(Exception):
     """A bad flag or input: one message naming the flag and the fix; exit 2."""
 
 
+class QuickstartFlagsError(ConfigError, QuickstartError):
+    """The flags' problems, every one at once (reported as every command reports them)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__(problems, prog="finetune quickstart")
+
+
+def _flag(default=None, help: str = "", **meta):
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, **meta}, **factory)
+
+
 @dataclass
 class QuickstartConfig:
-    model_dir: str | None = None  # a local HF folder; default: the imported SmolLM2 (cached)
-    gguf: str | None = None  # another GGUF file to import instead of SmolLM2's
-    train_file: str = str(DEFAULT_TRAIN)
-    eval_file: str = str(DEFAULT_EVAL)
-    method: str = "lora"
-    config: str = "ddp"  # parallelism preset of finetune train
-    max_steps: int = 50
-    max_minutes: float = 6.0  # training time bound (the evaluations and import come on top)
-    per_device_train_batch_size: int = 4
-    learning_rate: float | None = None
-    eval_examples: int = 80
-    eval_batch_size: int = 16
-    max_new_tokens: int | None = None  # default: the longest reference answer + 8 tokens
-    processes: int | None = None  # default: every GPU, or 2 CPU processes
-    eval_threads: int | None = None  # CPU threads for evaluation; default: see eval_threads()
-    output_dir: str = "outputs/quickstart"
-    cache_dir: str = str(DEFAULT_CACHE)
-    seed: int = 0
-    extra_train_args: list[str] = field(default_factory=list)
+    """What to fine-tune on what, for how long, and how it is evaluated"""
+
+    model_dir: str | None = _flag(help="A local Llama-style HF folder to fine-tune instead of SmolLM2-135M-Instruct.")
+    gguf: str | None = _flag(help="A GGUF file to import (cached) and fine-tune instead of SmolLM2's.")
+    train_file: str = _flag(str(DEFAULT_TRAIN), help="Training data (any format finetune train reads).")
+    eval_file: str = _flag(str(DEFAULT_EVAL), help="Held-out 'messages' records; the last turn is the answer.")
+    method: str = _flag("lora", help="lora (default) or full (every weight).")
+    config: str = _flag("ddp", help="Parallelism preset of finetune train (ddp, zero2, zero3, ...) or a DeepSpeed JSON; "
+                                    "--deepspeed FILE is the same flag.", **CONFIG_ALIASES)
+    max_steps: int = _flag(50, help="Training steps (at most).")
+    # The training time bound (the evaluations and import come on top).
+    max_minutes: float = _flag(6.0, help="Training time bound in minutes.")
+    per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full.")
+    eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
+    eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
+    max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
+    processes: int | None = _flag(help="Training processes (default: every GPU, or 2 on CPU).")
+    eval_threads: int | None = _flag(
+        help="CPU threads for evaluation (default: every core, or 1 when the machine is already busy).")
+    output_dir: str = _flag("outputs/quickstart", help="Run folder; the report goes to OUTPUT_DIR/report.")
+    cache_dir: str = _flag(str(DEFAULT_CACHE), help="Where imported GGUF models are cached.")
+    seed: int = _flag(0, help="Seed of training and sampling.")
+    # The arguments after `--`, passed to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
+    extra_train_args: list[str] = _flag(list, cli=False)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = QuickstartConfig()
-    ap = argparse.ArgumentParser(
-        prog="finetune quickstart", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
-    ap.add_argument("--model_dir", help="A local Llama-style HF folder to fine-tune instead of SmolLM2-135M-Instruct.")
-    ap.add_argument("--gguf", help="A GGUF file to import (cached) and fine-tune instead of SmolLM2's.")
-    ap.add_argument("--train_file", default=d.train_file, help="Training data (any format finetune train reads).")
-    ap.add_argument("--eval_file", default=d.eval_file, help="Held-out 'messages' records; the last turn is the answer.")
-    ap.add_argument("--method", default=d.method, help="lora (default) or full (every weight).")
-    ap.add_argument("--config", default=d.config, help="Parallelism preset of finetune train (ddp, zero2, zero3, ...).")
-    ap.add_argument("--max_steps", type=int, default=d.max_steps, help="Training steps (at most).")
-    ap.add_argument("--max_minutes", type=float, default=d.max_minutes, help="Training time bound in minutes.")
-    ap.add_argument("--per_device_train_batch_size", type=int, default=d.per_device_train_batch_size)
-    ap.add_argument("--learning_rate", type=float, help="Default: 1e-3 for lora, 3e-5 for full.")
-    ap.add_argument("--eval_examples", type=int, default=d.eval_examples, help="Held-out records evaluated (the first N).")
-    ap.add_argument("--eval_batch_size", type=int, default=d.eval_batch_size)
-    ap.add_argument("--max_new_tokens", type=int, help="Greedy tokens per answer (default: longest reference + 8).")
-    ap.add_argument("--processes", type=int, help="Training processes (default: every GPU, or 2 on CPU).")
-    ap.add_argument("--eval_threads", type=int,
-                    help="CPU threads for evaluation (default: every core, or 1 when the machine is already busy).")
-    ap.add_argument("--output_dir", default=d.output_dir, help="Run folder; the report goes to OUTPUT_DIR/report.")
-    ap.add_argument("--cache_dir", default=d.cache_dir, help="Where imported GGUF models are cached.")
-    ap.add_argument("--seed", type=int, default=d.seed)
-    return ap
+def command():
+    from finetune.config.parser import Command
+
+    return Command("finetune quickstart", {"args": QuickstartConfig}, description=__doc__.split("\n\n")[0],
+                   epilog=__doc__.split("\n\n", 1)[1] + "\n\nArguments after `--` go to finetune train unchanged "
+                   "(e.g. -- --lora_r 8 --gradient_checkpointing).", passthrough=True)
 
 
 def parse(argv: list[str]) -> QuickstartConfig:
-    """Flags -> config; every problem at once, each naming its flag and the fix."""
-    # `--` passes the rest to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
-    args = build_parser().parse_args(argv)
-    cfg = QuickstartConfig(**{k: v for k, v in vars(args).items() if v is not None or k in ("model_dir", "gguf")})
-    cfg.extra_train_args = extra
-    problems = validate(cfg)
-    if problems:
-        raise QuickstartError("\n".join(problems))
+    """Flags -> config; every problem at once, each naming its flag and the fix (QuickstartFlagsError)."""
+    try:
+        parsed = command().parse(argv, lambda p: validate(p.args))
+    except ConfigError as e:
+        raise QuickstartFlagsError(e.problems) from None
+    cfg = parsed.args
+    cfg.extra_train_args = parsed.rest
     return cfg
 
 
 def validate(cfg: QuickstartConfig) -> list[str]:
     from finetune.config import PRESETS, check_model_folder
+    from finetune.config.parser import did_you_mean
 
     problems = []
     if cfg.method not in METHODS:
-        problems.append(f"--method: '{cfg.method}' is not one of {', '.join(METHODS)}")
+        problems.append(f"--method: '{cfg.method}' is not one of {', '.join(METHODS)}{did_you_mean(cfg.method, list(METHODS))}")
     if cfg.config not in PRESETS and not cfg.config.endswith(".json"):
-        problems.append(f"--config: unknown preset '{cfg.config}' (presets: {', '.join(PRESETS)}, or a DeepSpeed .json)")
+        problems.append(f"--config: unknown preset '{cfg.config}'{did_you_mean(cfg.config, list(PRESETS))} "
+                        f"(presets: {', '.join(PRESETS)}, or a DeepSpeed .json)")
     if cfg.max_steps < 1:
         problems.append(f"--max_steps: must be at least 1, got {cfg.max_steps}")
     if not cfg.max_minutes > 0:
@@ -533,8 +530,17 @@ def headline(metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from finetune.config.parser import exit_with_problems, wants_help
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv, passthrough=True):
+        print(command().help())
+        return
     try:
-        cfg = parse(sys.argv[1:] if argv is None else argv)
+        cfg = parse(argv)
+    except QuickstartFlagsError as e:
+        exit_with_problems(e)
+    try:
         metrics = run(cfg)
     except QuickstartError as e:
         print(f"finetune quickstart: {e}", file=sys.stderr)

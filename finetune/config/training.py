@@ -1,22 +1,24 @@
-"""Typed configuration: defaults < YAML recipe < command line, validated in one pass.
+"""The training flags: defaults < YAML recipe < command line, validated in one pass.
 
 All three training paths (the Trainer script, the DeepSpeed launcher script and the accelerate
-loop) parse their flags here, so a flag means the same thing everywhere.
+loop) and `finetune plan` parse their flags here, so a flag means the same thing everywhere. The
+generic machinery (types, flag forms, recipes, did-you-mean, help) is finetune.config.parser; this
+module adds the sections, presets, validation and the TrainingArguments built from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import enum
 import json
 import os
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from finetune.config.parser import (Command, ConfigError, Setting, convert, did_you_mean, exit_with_problems,  # noqa: F401
+                                    read_recipe, wants_help)
+from finetune.config.parser import _plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -37,17 +39,22 @@ DATASET_FORMATS = ("auto", "text", "alpaca", "messages")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class ConfigError(Exception):
-    """Every problem found in the configuration, reported together."""
+def _same_ds_config(a: str, b: str) -> bool:
+    """Do two --config / --deepspeed values name the same DeepSpeed configuration (a preset or its file)?"""
+    def where(name: str) -> str:
+        path = resolve_preset(str(name))
+        return str(path.resolve()) if path is not None else str(name)
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+    return where(a) == where(b)
 
-    def __str__(self) -> str:
-        lines = [f"finetune: {len(self.problems)} configuration problem(s):"]
-        lines += [f"  - {p}" for p in self.problems]
-        return "\n".join(lines)
+
+# Field metadata for every --config flag that takes a preset: DeepSpeed's own `--deepspeed FILE` and
+# `--deepspeed_config FILE` are the same flag (its tutorials pass `--deepspeed --deepspeed_config ds.json`: the bare
+# switch names nothing), and two spellings naming different configurations are refused.
+CONFIG_ALIASES: dict[str, Any] = {
+    "aliases": ("deepspeed", "deepspeed_config"), "bare_aliases_ignored": True,
+    "same": _same_ds_config, "conflict": "these name different DeepSpeed configurations",
+}
 
 
 @dataclass
@@ -125,7 +132,11 @@ class LaunchConfig:
 
     config: str = field(
         default="ddp",
-        metadata={"help": f"Parallelism preset ({', '.join(PRESETS)}) or a path to a DeepSpeed JSON file."},
+        metadata={
+            "help": f"Parallelism preset ({', '.join(PRESETS)}) or a path to a DeepSpeed JSON file. "
+                    "--deepspeed FILE and --deepspeed_config FILE (DeepSpeed's own flags) are the same flag.",
+            **CONFIG_ALIASES,
+        },
     )
     recipe: str | None = field(default=None, metadata={"help": "YAML file with any of these keys; the command line wins."})
     nvme_path: str | None = field(
@@ -152,7 +163,8 @@ TRAINING_DEFAULTS: dict[str, Any] = {
 }
 
 # Keys the project sets itself; a user value would break an invariant, so they are refused.
-RESERVED_TRAINING_KEYS = {"deepspeed": "use --config", "fsdp": "use --config (FSDP is not a preset yet)"}
+# (TrainingArguments' `deepspeed` is not among them: --deepspeed FILE is an alias of --config.)
+RESERVED_TRAINING_KEYS = {"fsdp": "use --config (FSDP is not a preset yet)"}
 
 
 @dataclass
@@ -195,18 +207,6 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _training_field_defaults(cls) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(cls):
@@ -221,291 +221,66 @@ def _training_field_defaults(cls) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Type conversion: one function for YAML values and command-line strings.
+def command(prog: str = "finetune train", extra: dict[str, type] | None = None, description: str | None = None) -> Command:
+    """The training flags: LaunchConfig, ModelConfig, DataConfig and TrainingArguments (its `deepspeed` field is
+    --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections."""
+    from transformers import TrainingArguments
 
-
-def _type_parts(tp: Any) -> tuple[list[Any], bool]:
-    """Split a field type into its non-None members and whether None is allowed."""
-    if isinstance(tp, str):
-        raise TypeError(tp)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = list(typing.get_args(tp))
-        return [a for a in args if a is not type(None)], type(None) in args
-    return [tp], False
-
-
-_TRUE = {"true", "1", "yes", "y", "on"}
-_FALSE = {"false", "0", "no", "n", "off"}
-
-
-def convert(value: Any, tp: Any) -> Any:
-    """Convert a YAML value or a command-line string to `tp`; raises ValueError with a readable reason."""
-    members, nullable = _type_parts(tp)
-    if str in members and any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
-        # `SchedulerType | str` (lr_scheduler_type, optim, save_strategy, ...): the str only lets Python callers pass
-        # the value; TrainingArguments accepts enum members only, so a typo is reported here with the other problems.
-        members = [m for m in members if m is not str]
-    # The string "none" means None only where a string is not itself valid (report_to takes "none").
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and nullable and str not in members):
-        if nullable:
-            return None
-        raise ValueError("may not be empty")
-    errors = []
-    # Try the specific members first, str last: "3" for `int | str` must become 3.
-    for member in sorted(members, key=lambda m: m is str):
-        try:
-            return _convert_one(value, member)
-        except (ValueError, TypeError) as e:
-            errors.append(str(e))
-    raise ValueError("; ".join(dict.fromkeys(errors)))
-
-
-def _convert_one(value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
-        raise ValueError(f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ValueError(f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ValueError(f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"expected a string, got {type(value).__name__}")
-        return str(value)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value).value
-        except ValueError:
-            choices = ", ".join(str(m.value) for m in tp)
-            raise ValueError(f"{value!r} is not one of: {choices}") from None
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        items = value if isinstance(value, list) else _split_list(value)
-        return [convert(v, inner) for v in items]
-    if origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return value
-        if isinstance(value, str):
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError:
-                raise ValueError(f"expected a JSON object, got {value!r}") from None
-            if isinstance(parsed, dict):
-                return parsed
-        raise ValueError(f"expected a mapping, got {value!r}")
-    if origin is typing.Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ValueError(f"expected one of {typing.get_args(tp)}, got {value!r}")
-    # Types we do not convert (e.g. accelerate's ParallelismConfig) are set from Python, not flags.
-    raise TypeError(f"cannot be set from a recipe or the command line ({tp})")
-
-
-def _split_list(value: Any) -> list[Any]:
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return [value]
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading the command line and the recipe.
-
-
-@dataclass
-class _Setting:
-    value: Any
-    where: str  # "--key" or "recipe.yaml:12"
-
-
-def split_cli(argv: list[str], list_keys: set[str], bool_keys: set[str]) -> tuple[dict[str, _Setting], list[str]]:
-    """HfArgumentParser-style flags: `--key value`, `--key=value`, `--flag`, `--no_flag`, `--list a b c`."""
-    settings: dict[str, _Setting] = {}
-    problems: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--") or token == "--":
-            problems.append(f"unexpected argument {token!r}: options look like --key value")
-            i += 1
-            continue
-        key, eq, inline = token[2:].partition("=")
-        key = key.replace("-", "_")
-        i += 1
-        if eq:
-            values = [inline]
-        else:
-            values = []
-            while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2):
-                values.append(argv[i])
-                i += 1
-        if not values:
-            if key.startswith("no_") and key[3:] in bool_keys:
-                settings[key[3:]] = _Setting("false", f"--{key}")
-            else:
-                # A bare flag is `true` for booleans; for anything else the missing value is reported later.
-                settings[key] = _Setting("true" if key in bool_keys else None, f"--{key}")
-            continue
-        if len(values) > 1 and key not in list_keys:
-            problems.append(f"--{key} takes one value, got {len(values)}: {' '.join(values)}")
-        # `--key=a,b` is one string that convert() splits; `--key a b` is already a list.
-        settings[key] = _Setting(values if key in list_keys and not eq else values[0], f"--{key}")
-    return settings, problems
-
-
-def read_recipe(path: str) -> tuple[dict[str, _Setting], list[str]]:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        return {}, [f"--recipe {path}: no such file"]
-    try:
-        root = yaml.compose(p.read_text())
-    except yaml.YAMLError as e:
-        return {}, [f"{path}: not valid YAML: {e}"]
-    if root is None:
-        return {}, []
-    if not isinstance(root, yaml.MappingNode):
-        return {}, [f"{path}: a recipe is a mapping of key: value, got {root.tag.rsplit(':', 1)[-1]}"]
-    # Values are built node by node: a key YAML reads as a non-string (`1:`, `on:`) is reported, not a KeyError.
-    loader = yaml.SafeLoader("")
-    settings, problems = {}, []
-    for key_node, value_node in root.value:
-        where = f"{path}:{key_node.start_mark.line + 1}"
-        if not isinstance(key_node, yaml.ScalarNode):
-            problems.append(f"{where}: a recipe key must be a plain name")
-            continue
-        settings[key_node.value] = _Setting(loader.construct_object(value_node, deep=True), where)
-    loader.dispose()
-    return settings, problems
-
-
-def _did_you_mean(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig}
+    # A command's own flags come before TrainingArguments' (a name in both is the command's).
+    sections.update(extra or {})
+    sections["training"] = TrainingArguments
+    return Command(
+        prog, sections,
+        description=description or "Fine-tune a Llama-style causal LM. Flags: defaults < --recipe YAML < command line.",
+        defaults=TRAINING_DEFAULTS, reserved=RESERVED_TRAINING_KEYS,
+    )
 
 
 def help_text(prog: str = "finetune train") -> str:
-    from transformers import HfArgumentParser, TrainingArguments
-
-    parser = HfArgumentParser((LaunchConfig, ModelConfig, DataConfig, TrainingArguments), prog=prog)
-    return parser.format_help()
+    return command(prog).help()
 
 
 def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train") -> FinetuneConfig:
     """parse() for a training entry point: --help prints the flags; a ConfigError exits 2 with every problem."""
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
+    if wants_help(argv):
         print(help_text(prog))
         raise SystemExit(0)
     try:
         return parse(argv)
     except ConfigError as e:
-        # Every rank finds the same problems (no rank waits on a collective), so all exit; rank 0 prints.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(str(e), file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_problems(e)
+
+
+def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", extra: dict[str, type] | None = None):
+    """The training flags converted and merged, before any check: (model, data, launch, training values, sources,
+    problems, extra) where extra holds the instances of the command's `extra` sections. For commands that take
+    the training flags and check them their own way (`finetune plan`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    got = command(prog, extra).collect(argv)
+    values, sources, problems = got.values, got.sources, got.problems
+    if "save_steps" in sources and "save_strategy" not in sources:
+        # Asking for a checkpoint every N steps is asking for step checkpoints (our default save_strategy is no).
+        values["training"]["save_strategy"] = "steps"
+    model = ModelConfig(**values["model"])
+    data = DataConfig(**values["data"])
+    launch = LaunchConfig(**values["launch"])
+    extras = {name: cls(**values[name]) for name, cls in (extra or {}).items()}
+    return model, data, launch, values["training"], sources, problems, extras
 
 
 def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:
     """Parse and validate. Raises ConfigError listing every problem found."""
-    from transformers import TrainingArguments
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig}
-    types_by_key: dict[str, Any] = {}
-    owner: dict[str, str] = {}
-    for name, cls in sections.items():
-        for key, tp in _field_types(cls).items():
-            types_by_key[key], owner[key] = tp, name
-    for key, tp in _field_types(TrainingArguments).items():
-        if key not in types_by_key:
-            types_by_key[key], owner[key] = tp, "training"
-    valid = sorted(types_by_key)
-    list_keys = {k for k, t in types_by_key.items() if "list" in str(t)}
-    bool_keys = {k for k, t in types_by_key.items() if t is bool or str(t) in ("bool | None", "str | bool")}
-
-    cli, problems = split_cli(argv, list_keys, bool_keys)
-    recipe: dict[str, _Setting] = {}
-    if "recipe" in cli and cli["recipe"].value:
-        recipe, recipe_problems = read_recipe(str(cli["recipe"].value))
-        problems += recipe_problems
-        recipe.pop("recipe", None)
-
-    merged: dict[str, _Setting] = {}
-    sources: dict[str, str] = {}
-    for key, value in TRAINING_DEFAULTS.items():
-        merged[key] = _Setting(value, "default")
-    for origin, settings in (("recipe", recipe), ("cli", cli)):
-        for key, setting in settings.items():
-            if key not in types_by_key:
-                problems.append(f"{setting.where}: unknown key '{key}'{_did_you_mean(key, valid)}")
-                continue
-            if key in RESERVED_TRAINING_KEYS:
-                problems.append(f"{setting.where}: '{key}' is set by finetune; {RESERVED_TRAINING_KEYS[key]}")
-                continue
-            merged[key] = setting
-            sources[key] = origin
-
-    values: dict[str, dict[str, Any]] = {name: {} for name in (*sections, "training")}
-    for key, setting in merged.items():
-        try:
-            if setting.value is None and setting.where.startswith("--"):
-                raise ValueError("needs a value")
-            values[owner[key]][key] = convert(setting.value, types_by_key[key])
-        except (ValueError, TypeError) as e:
-            problems.append(f"{setting.where}: {key}: {e}")
-
-    if "save_steps" in sources and "save_strategy" not in sources:
-        # Asking for a checkpoint every N steps is asking for step checkpoints (our default save_strategy is no).
-        values["training"]["save_strategy"] = "steps"
-
-    model = ModelConfig(**values["model"])
-    data = DataConfig(**values["data"])
-    launch = LaunchConfig(**values["launch"])
+    model, data, launch, training_values, sources, problems, _ = parse_sections(argv)
     # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
-    problems += validate(model, data, launch, values["training"], check_paths=check_paths)
+    problems += validate(model, data, launch, training_values, check_paths=check_paths)
     ds_path = resolve_preset(launch.config)
 
     training = None
     if not problems:
-        training, more = build_training_arguments(values["training"], ds_path, launch.nvme_path)
+        training, more = build_training_arguments(training_values, ds_path, launch.nvme_path)
         problems += more
     if problems:
         raise ConfigError(problems)
@@ -547,7 +322,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     problems = []
     if launch.config not in PRESETS and not launch.config.endswith(".json"):
         problems.append(
-            f"--config: unknown preset '{launch.config}'{_did_you_mean(launch.config, list(PRESETS))} "
+            f"--config: unknown preset '{launch.config}'{did_you_mean(launch.config, list(PRESETS))} "
             f"(presets: {', '.join(PRESETS)}; or give a path to a DeepSpeed .json)"
         )
     elif launch.config not in PRESETS:
@@ -558,7 +333,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     if data.dataset_format not in DATASET_FORMATS:
         problems.append(
             f"dataset_format: '{data.dataset_format}' is not one of {', '.join(DATASET_FORMATS)}"
-            f"{_did_you_mean(data.dataset_format, list(DATASET_FORMATS))}"
+            f"{did_you_mean(data.dataset_format, list(DATASET_FORMATS))}"
         )
     if data.max_seq_length < 2:
         problems.append(f"max_seq_length: must be at least 2, got {data.max_seq_length}")
@@ -566,18 +341,10 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append(f"lora_r: must be positive, got {model.lora_r}")
     if not 0.0 <= model.lora_dropout < 1.0:
         problems.append(f"lora_dropout: must be in [0, 1), got {model.lora_dropout}")
-    if model.load_in_8bit and model.load_in_4bit:
-        problems.append("load_in_8bit and load_in_4bit: choose one")
-    if model.bnb_4bit_quant_type not in ("nf4", "fp4"):
-        problems.append(f"bnb_4bit_quant_type: '{model.bnb_4bit_quant_type}' is not one of nf4, fp4")
-    if model.bnb_4bit_compute_dtype not in DTYPES:
-        problems.append(f"bnb_4bit_compute_dtype: '{model.bnb_4bit_compute_dtype}' is not one of {', '.join(DTYPES)}")
-    if (model.load_in_8bit or model.load_in_4bit) and not model.use_peft:
-        problems.append("load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)")
-    if (model.load_in_8bit or model.load_in_4bit) and (launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3):
-        problems.append(
-            f"--config {launch.config}: a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
-        )
+    from finetune.models import quant
+
+    zero3 = quant.is_quantized(model) and (launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3)
+    problems += quant.problems(model, training=True, zero3=zero3, config=launch.config)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if key in training and training[key] < 1:
             problems.append(f"{key}: must be at least 1, got {training[key]}")

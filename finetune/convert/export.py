@@ -18,11 +18,11 @@ the output folder is not written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -243,31 +243,53 @@ def _is_tied(model, key: str) -> bool:
 # Command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="finetune export", description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--adapter", help="LoRA adapter folder to merge into its base.")
-    src.add_argument("--zero_checkpoint", help="DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN).")
-    ap.add_argument("--output_dir", required=True, help="Where the HF folder is written.")
-    ap.add_argument("--base_model", help="Base model folder (default: the adapter's base_model_name_or_path; for a "
-                    "ZeRO checkpoint, the folder with config.json and tokenizer when the checkpoint lacks them).")
-    ap.add_argument("--tag", help="ZeRO checkpoint tag (global_stepN; default: the 'latest' file).")
-    ap.add_argument("--torch_dtype", default="float32", help="Dtype of the written weights: float32, bfloat16, float16.")
-    ap.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="Largest logit difference verification accepts.")
-    ap.add_argument("--max_shard_size", default="5GB")
-    ap.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output_dir.")
-    return ap
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ExportArgs:
+    """What to export (one of --adapter or --zero_checkpoint), where, and how it is checked"""
+
+    adapter: str | None = field(default=None, metadata={"help": "LoRA adapter folder to merge into its base."})
+    zero_checkpoint: str | None = field(
+        default=None, metadata={"help": "DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN)."})
+    output_dir: str | None = field(default=None, metadata={"help": "Where the HF folder is written.", "required": True})
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "Base model folder (default: the adapter's base_model_name_or_path; for a ZeRO checkpoint, "
+                          "the folder with config.json and tokenizer when the checkpoint lacks them)."})
+    tag: str | None = field(default=None, metadata={"help": "ZeRO checkpoint tag (global_stepN; default: the 'latest' file)."})
+    torch_dtype: str = field(default="float32", metadata={"help": "Dtype of the written weights: float32, bfloat16, float16."})
+    atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Largest logit difference verification accepts."})
+    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard written."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
+
+
+def command():
+    from finetune.config.parser import Command
+
+    return Command("finetune export", {"args": ExportArgs},
+                   description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder.",
+                   epilog=__doc__.split("\n\n", 1)[1])
+
+
+def check_args(parsed) -> list[str]:
+    args: ExportArgs = parsed.args
+    problems = []
+    if bool(args.adapter) == bool(args.zero_checkpoint):
+        problems.append("--adapter and --zero_checkpoint: give exactly one (a LoRA adapter to merge, or a ZeRO checkpoint)")
+    if args.torch_dtype not in EXPORT_DTYPES:
+        problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of {', '.join(EXPORT_DTYPES)}")
+    if not args.atol >= 0:
+        problems.append(f"--atol: must not be negative, got {args.atol}")
+    if args.tag and not args.zero_checkpoint:
+        problems.append("--tag: names a ZeRO checkpoint tag; it goes with --zero_checkpoint")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args: ExportArgs = command().parse_or_exit(argv, check_args).args
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.torch_dtype not in ("float32", "bfloat16", "float16"):
-        print(f"finetune export: --torch_dtype: '{args.torch_dtype}' is not one of float32, bfloat16, float16", file=sys.stderr)
-        raise SystemExit(2)
     common = dict(torch_dtype=args.torch_dtype, atol=args.atol, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     try:
         if args.adapter:

@@ -13,11 +13,10 @@ then renamed into place, so OUT_DIR either is complete or does not exist.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -194,23 +193,37 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool =
     return write_folder(model, tokenizer, out_dir, overwrite=overwrite, log=log)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="finetune import-gguf", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("gguf_file", nargs="?", help="The .gguf file (a Llama-style model).")
-    ap.add_argument("output_dir", help="The Hugging Face folder to write (must not exist unless --overwrite).")
-    ap.add_argument("--smollm2", action="store_true", help=f"Import the GGUF file of the {SMOLLM2_PACKAGE} package.")
-    ap.add_argument("--overwrite", action="store_true", help="Replace OUT_DIR if it exists (atomically).")
-    return ap
+@dataclass
+class ImportArgs:
+    """What to import and where"""
+
+    gguf_file: str | None = field(default=None, metadata={"help": "The .gguf file (a Llama-style model).", "positional": True})
+    output_dir: str | None = field(
+        default=None,
+        metadata={"help": "The Hugging Face folder to write (must not exist unless --overwrite).", "positional": True,
+                  "required": True})
+    smollm2: bool = field(default=False, metadata={"help": f"Import the GGUF file of the {SMOLLM2_PACKAGE} package."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace OUT_DIR if it exists (atomically)."})
+
+
+def command():
+    from finetune.config.parser import Command
+
+    return Command("finetune import-gguf", {"args": ImportArgs}, description=__doc__.split("\n\n")[0],
+                   epilog=__doc__.split("\n\n", 1)[1], recipe=False)
+
+
+def check_args(parsed) -> list[str]:
+    args: ImportArgs = parsed.args
+    if args.smollm2 == bool(args.gguf_file):
+        return ["give either FILE.gguf or --smollm2 (usage: finetune import-gguf FILE.gguf OUT_DIR)"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = build_parser()
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args: ImportArgs = command().parse_or_exit(argv, check_args).args
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        if args.smollm2 == bool(args.gguf_file):
-            raise GGUFImportError("give either FILE.gguf or --smollm2 (usage: finetune import-gguf FILE.gguf OUT_DIR)")
         source = smollm2_file() if args.smollm2 else Path(args.gguf_file)
         out = import_gguf(source, args.output_dir, overwrite=args.overwrite)
     except GGUFImportError as e:

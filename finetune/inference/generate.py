@@ -20,7 +20,6 @@ one piece (tests/test_generate.py checks it token for token).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -354,13 +354,12 @@ def load_for_inference(opts: LoadOptions, log=None):
 
     Every user mistake raises GenerationError before the weights are read.
     """
-    from types import SimpleNamespace
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.config import check_model_folder
-    from finetune.models.load import ensure_pad_token, quantization_config, resolve_dtype
+    from finetune.models.load import ensure_pad_token, resolve_dtype
+    from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
     problems = check_model_folder(opts.model_name_or_path, allow_pickle=False)
@@ -370,13 +369,9 @@ def load_for_inference(opts: LoadOptions, log=None):
         dtype = resolve_dtype(opts.torch_dtype)
     except KeyError:
         raise GenerationError(f"--torch_dtype: '{opts.torch_dtype}' is not one of auto, float32, bfloat16, float16") from None
-    quant_flags = SimpleNamespace(
-        load_in_8bit=opts.load_in_8bit, load_in_4bit=opts.load_in_4bit, bnb_4bit_quant_type=opts.bnb_4bit_quant_type,
-        use_bnb_nested_quant=opts.use_bnb_nested_quant, bnb_4bit_compute_dtype=opts.bnb_4bit_compute_dtype,
-    )
     try:
-        quant = quantization_config(quant_flags, dtype)
-    except (ValueError, KeyError) as e:
+        quant = quantization_config(opts, dtype)  # the same rules as training's (finetune.models.quant)
+    except ValueError as e:
         raise GenerationError(str(e)) from None
 
     meta = empty_model(opts.model_name_or_path, dtype, opts.trust_remote_code)
@@ -691,43 +686,78 @@ def peak_rss_bytes() -> int:
 # Command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="finetune generate", description="Generate completions, optionally sharded with a device_map.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
-    ap.add_argument("--model_name_or_path", "--model", required=True, help="Local base model folder.")
-    ap.add_argument("--adapter", help="LoRA adapter folder (from finetune train --use_peft) to attach.")
-    ap.add_argument("--device_map", help=f"{', '.join(PRESET_MAPS)}, or a JSON file of module -> device "
-                    "(devices: GPU index, cpu, disk). Default: the whole model on one device.")
-    ap.add_argument("--max_memory", help="Per-device limits, e.g. cpu=2GiB,disk=20GiB or 0=20GiB,cpu=30GiB. "
-                    "Only the devices listed are used (name disk to allow disk offload).")
-    ap.add_argument("--offload_folder", help="Folder for weights offloaded to disk (default: a temporary folder).")
-    ap.add_argument("--prompt", action="append", help="A prompt (repeatable).")
-    ap.add_argument("--prompts", help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]}.")
-    ap.add_argument("--chat", action="store_true", help="Send plain-text prompts through the chat template as a user message.")
-    ap.add_argument("--output", help="Write JSON lines here (default: stdout).")
-    ap.add_argument("--with_ids", action="store_true", help="Add the completion token ids to each output line.")
-    ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--max_new_tokens", type=int, default=64)
-    ap.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top_p", type=float, default=1.0)
-    ap.add_argument("--top_k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--torch_dtype", default="auto", help="auto, float32, bfloat16, float16.")
-    ap.add_argument("--attn_implementation", default="sdpa")
-    ap.add_argument("--trust_remote_code", action="store_true")
-    ap.add_argument("--load_in_8bit", action="store_true", help="Quantize the base to 8-bit (bitsandbytes).")
-    ap.add_argument("--load_in_4bit", action="store_true", help="Quantize the base to 4-bit (bitsandbytes).")
-    ap.add_argument("--bnb_4bit_quant_type", default="nf4", help="nf4 or fp4.")
-    ap.add_argument("--use_bnb_nested_quant", action="store_true", help="Double quantization for 4-bit.")
-    ap.add_argument("--bnb_4bit_compute_dtype", default=None, help="float32, bfloat16, float16 (default: the model dtype).")
-    return ap
+def _flag(default: Any = None, help: str = "", **meta: Any) -> Any:
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, **meta}, **factory)
+
+
+@dataclass
+class GenerateArgs:
+    """What to load, the prompts, and how to decode"""
+
+    model_name_or_path: str | None = _flag(help="Local base model folder.", required=True, aliases=("model",))
+    adapter: str | None = _flag(help="LoRA adapter folder (from finetune train --use_peft) to attach.")
+    device_map: str | None = _flag(help=f"{', '.join(PRESET_MAPS)}, or a JSON file of module -> device (devices: GPU "
+                                        "index, cpu, disk). Default: the whole model on one device.")
+    max_memory: str | None = _flag(help="Per-device limits, e.g. cpu=2GiB,disk=20GiB or 0=20GiB,cpu=30GiB. Only the "
+                                        "devices listed are used (name disk to allow disk offload).")
+    offload_folder: str | None = _flag(help="Folder for weights offloaded to disk (default: a temporary folder).")
+    prompt: list[str] = _flag(list, help="A prompt.", repeat=True)
+    prompts: str | None = _flag(help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]}.")
+    chat: bool = _flag(False, help="Send plain-text prompts through the chat template as a user message.")
+    output: str | None = _flag(help="Write JSON lines here (default: stdout).")
+    with_ids: bool = _flag(False, help="Add the completion token ids to each output line.")
+    batch_size: int = _flag(8, help="Prompts per generate call.")
+    max_new_tokens: int = _flag(64, help="Tokens generated per prompt, at most.")
+    do_sample: bool = _flag(False, help="Sample instead of greedy decoding.")
+    temperature: float = _flag(1.0, help="Sampling temperature.")
+    top_p: float = _flag(1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability.")
+    top_k: int = _flag(0, help="Sample from the k most likely tokens (0: all).")
+    seed: int = _flag(0, help="Seed for sampling.")
+    torch_dtype: str = _flag("auto", help="auto, float32, bfloat16, float16.")
+    attn_implementation: str = _flag("sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
+    trust_remote_code: bool = _flag(False, help="Run Python code shipped with the model folder.")
+    load_in_8bit: bool = _flag(False, help="Quantize the base to 8-bit (bitsandbytes).")
+    load_in_4bit: bool = _flag(False, help="Quantize the base to 4-bit (bitsandbytes).")
+    bnb_4bit_quant_type: str = _flag("nf4", help="nf4 or fp4.")
+    use_bnb_nested_quant: bool = _flag(False, help="Double quantization for 4-bit.")
+    bnb_4bit_compute_dtype: str = _flag("auto", help="auto (the model dtype), float32, bfloat16, float16.")
+
+
+def command():
+    from finetune.config.parser import Command
+
+    return Command("finetune generate", {"args": GenerateArgs},
+                   description="Generate completions, optionally sharded with a device_map.",
+                   epilog=__doc__.split("\n\n", 1)[1])
+
+
+def check_args(parsed) -> list[str]:
+    """The flags' own problems, all at once (what needs the model or the machine is checked when loading)."""
+    from finetune.models import quant
+
+    args: GenerateArgs = parsed.args
+    problems = []
+    for key in ("batch_size", "max_new_tokens"):
+        if getattr(args, key) < 1:
+            problems.append(f"--{key}: must be at least 1, got {getattr(args, key)}")
+    if args.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of auto, float32, bfloat16, float16")
+    problems += quant.problems(args)
+    if not args.prompt and not args.prompts:
+        problems.append("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    if args.adapter and not Path(args.adapter).is_dir():
+        problems.append(f"--adapter {args.adapter}: no such folder")
+    return problems
+
+
+def parse_args(argv: list[str] | None = None) -> GenerateArgs:
+    """The command line -> GenerateArgs; --help exits 0, problems exit 2 with every one of them."""
+    return command().parse_or_exit(argv, check_args).args
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _quiet_libraries()
     try:
@@ -737,17 +767,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
-def run(args) -> list[dict]:
-    if args.batch_size < 1:
-        raise GenerationError(f"--batch_size must be at least 1, got {args.batch_size}")
-    if args.max_new_tokens < 1:
-        raise GenerationError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if args.load_in_8bit and args.load_in_4bit:
-        raise GenerationError("--load_in_8bit and --load_in_4bit: choose one")
-    if not args.prompt and not args.prompts:
-        raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-    if args.adapter and not Path(args.adapter).is_dir():
-        raise GenerationError(f"--adapter {args.adapter}: no such folder")
+def run(args: GenerateArgs) -> list[dict]:
+    problems = check_args(SimpleNamespace(args=args))
+    if problems:
+        raise GenerationError("; ".join(problems))
     opts = LoadOptions(
         model_name_or_path=args.model_name_or_path, adapter=args.adapter, device_map=args.device_map,
         max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder, torch_dtype=args.torch_dtype,

@@ -40,60 +40,14 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
-QUANT_TYPES = ("nf4", "fp4")
-
-
-def is_quantized(model_cfg) -> bool:
-    return bool(getattr(model_cfg, "load_in_8bit", False) or getattr(model_cfg, "load_in_4bit", False))
-
-
-def quantization_config(model_cfg, dtype: torch.dtype):
-    """The BitsAndBytesConfig for --load_in_8bit / --load_in_4bit, or None.
-
-    4-bit compute dtype: `bnb_4bit_compute_dtype` (float32, bfloat16, float16; "auto" or unset = the model dtype).
-    """
-    if not is_quantized(model_cfg):
-        return None
-    from transformers import BitsAndBytesConfig
-
-    if model_cfg.load_in_8bit and model_cfg.load_in_4bit:
-        raise ValueError("load_in_8bit and load_in_4bit: choose one")
-    if model_cfg.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    if model_cfg.bnb_4bit_quant_type not in QUANT_TYPES:
-        raise ValueError(f"bnb_4bit_quant_type: '{model_cfg.bnb_4bit_quant_type}' is not one of {', '.join(QUANT_TYPES)}")
-    compute = getattr(model_cfg, "bnb_4bit_compute_dtype", None)
-    if compute not in (None, "", "auto") and compute not in DTYPE_NAMES:
-        raise ValueError(f"bnb_4bit_compute_dtype: '{compute}' is not one of auto, {', '.join(DTYPE_NAMES)}")
-    compute_dtype = dtype if compute in (None, "", "auto") else DTYPE_NAMES[compute]
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=model_cfg.use_bnb_nested_quant,
-        bnb_4bit_compute_dtype=compute_dtype,
-    )
+# The quantization config and its rules live in finetune.models.quant; these names stay importable from here.
+from finetune.models.quant import QUANT_TYPES, check_quantized_setup, is_quantized, quantization_config  # noqa: E402,F401
 
 
 def quantized_device_map() -> dict:
     """Under DDP each rank keeps its own quantized copy on its own device (GPU LOCAL_RANK, or the CPU)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return {"": local_rank if torch.cuda.is_available() else "cpu"}
-
-
-def check_quantized_setup(model_cfg) -> None:
-    """Combinations that cannot work stop here with what to use instead (config.validate catches them earlier for
-    the command line; this guards Python callers)."""
-    if not is_quantized(model_cfg):
-        return
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        # transformers: "DeepSpeed Zero-3 is not compatible with passing a `device_map`."; without a device_map every
-        # rank still loads the whole quantized base (nothing is partitioned at load), so ZeRO-3 buys nothing.
-        raise ValueError(
-            "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2 "
-            "(each rank then holds its own quantized copy)"
-        )
 
 
 def load_model(model_cfg, training_args=None):

@@ -6,9 +6,9 @@ model is a randomly initialised LlamaForCausalLM from a LlamaConfig.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # SmolLM2's ChatML template (it injects a default system prompt when the conversation has none).
@@ -136,22 +136,6 @@ def write_jsonl(path: str | Path, records: list[dict]) -> Path:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Build a tiny random Llama with a local tokenizer (no downloads).")
-    ap.add_argument("out_dir")
-    ap.add_argument("--style", choices=list(STYLES), default="chatml")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    build(args.out_dir, args.style, args.seed, args.hidden, args.layers)
-    print(args.out_dir)
-
-
-if __name__ == "__main__":
-    main()
-
-
 def save_random_adapter(base: str | Path, out: str | Path, *, r: int = 8, seed: int = 0) -> Path:
     """A LoRA adapter on every linear layer of `base` with random (non-zero) A and B, so that it changes the logits."""
     import torch
@@ -165,3 +149,48 @@ def save_random_adapter(base: str | Path, out: str | Path, *, r: int = 8, seed: 
     )
     peft.save_pretrained(out)
     return Path(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# `finetune tiny OUT_DIR`
+
+
+@dataclass
+class TinyArgs:
+    """The tiny model to build"""
+
+    out_dir: str | None = field(default=None, metadata={"help": "Folder to write the model and tokenizer to.",
+                                                        "positional": True, "required": True})
+    style: str = field(default="chatml", metadata={"help": f"Tokenizer and chat template style: {', '.join(STYLES)}."})
+    hidden: int = field(default=64, metadata={"help": "Hidden size."})
+    layers: int = field(default=2, metadata={"help": "Decoder layers."})
+    seed: int = field(default=0, metadata={"help": "Seed of the random weights."})
+
+
+def check_args(parsed) -> list[str]:
+    from finetune.config.parser import did_you_mean
+
+    args: TinyArgs = parsed.args
+    problems = []
+    if args.style not in STYLES:
+        problems.append(f"--style: '{args.style}' is not one of {', '.join(STYLES)}{did_you_mean(args.style, list(STYLES))}")
+    if args.hidden < 8 or args.hidden % 8:
+        # 4 attention heads, and rotary embeddings need an even head size.
+        problems.append(f"--hidden: must be a positive multiple of 8, got {args.hidden}")
+    if args.layers < 1:
+        problems.append(f"--layers: must be at least 1, got {args.layers}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    from finetune.config.parser import Command
+
+    cmd = Command("finetune tiny", {"args": TinyArgs},
+                  description="Build a tiny random Llama with a local tokenizer (no downloads).")
+    args: TinyArgs = cmd.parse_or_exit(argv, check_args).args
+    build(args.out_dir, args.style, args.seed, args.hidden, args.layers)
+    print(args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

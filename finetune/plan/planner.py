@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.config.parser import ConfigError
+
 # ----------------------------------------------------------------------------------------------
 # Sizes.
 
@@ -977,109 +979,81 @@ def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = Non
 # ----------------------------------------------------------------------------------------------
 # Flags: the training flags (finetune.config) plus the plan-only ones.
 
-PLAN_FLAGS = {
-    "devices_per_node": "Devices (GPUs, or CPU processes) per node (default: the GPUs here, else 1).",
-    "num_nodes": "Nodes (default 1).",
-    "device_memory": "Memory per device, e.g. 80GB (default: this GPU's; on CPU the host memory / devices).",
-    "host_memory": "Memory per host, e.g. 2TB (default: this machine's).",
-    "accelerator": "gpu or cpu (default: gpu when --device_memory is given or a GPU is present, else cpu).",
-    "json": "Print the plan as JSON.",
-}
+@dataclass
+class PlanArgs:
+    """The machine to plan for (plan-only flags)"""
+
+    devices_per_node: int | None = field(
+        default=None, metadata={"help": "Devices (GPUs, or CPU processes) per node (default: the GPUs here, else 1)."})
+    num_nodes: int = field(default=1, metadata={"help": "Nodes."})
+    device_memory: str | None = field(
+        default=None, metadata={"help": "Memory per device, e.g. 80GB (default: this GPU's; on CPU the host memory / devices)."})
+    host_memory: str | None = field(default=None, metadata={"help": "Memory per host, e.g. 2TB (default: this machine's)."})
+    accelerator: str | None = field(
+        default=None,
+        metadata={"help": "gpu or cpu (default: gpu when --device_memory is given or a GPU is present, else cpu)."})
+    json: bool = field(default=False, metadata={"help": "Print the plan as JSON."})
 
 
-class PlanError(Exception):
-    pass
+PLAN_FLAGS = {f.name: f.metadata["help"] for f in dataclasses.fields(PlanArgs)}
+DESCRIPTION = (
+    "Predict per-device and per-host memory from the model's config.json (no weights are loaded) and recommend the "
+    "preset, micro-batch and checkpointing that fit. The training flags and recipe keys are those of `finetune train`."
+)
 
 
-def split_plan_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    plan: dict[str, str] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        key, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        key = key.replace("-", "_")
-        if key in PLAN_FLAGS:
-            if key == "json":
-                plan["json"] = value or "true"
-                i += 1
-                continue
-            if eq:
-                plan[key] = value
-                i += 1
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                plan[key] = argv[i + 1]
-                i += 2
-            else:
-                raise PlanError(f"--{key} needs a value")
-            continue
-        rest.append(token)
-        i += 1
-    return plan, rest
+class PlanError(ConfigError):
+    """A plan that cannot be made: the problems, each naming its flag (a ConfigError, reported the same way)."""
+
+    def __init__(self, problems: list[str] | str):
+        super().__init__(problems, prog="finetune plan")
 
 
-def _requested_config(rest: list[str]) -> str:
-    """The --config in force: the command line's, else the recipe's, else ddp."""
+def command():
     from finetune import config as C
 
-    value = None
-    recipe = None
-    for i, token in enumerate(rest):
-        for key in ("config", "recipe"):
-            if token == f"--{key}" and i + 1 < len(rest):
-                value, recipe = (rest[i + 1], recipe) if key == "config" else (value, rest[i + 1])
-            elif token.startswith(f"--{key}="):
-                v = token.split("=", 1)[1]
-                value, recipe = (v, recipe) if key == "config" else (value, v)
-    if value is None and recipe:
-        settings, _ = C.read_recipe(recipe)
-        if "config" in settings and settings["config"].value is not None:
-            value = str(settings["config"].value)
-    return value or "ddp"
+    return C.command("finetune plan", {"plan": PlanArgs}, description=DESCRIPTION)
 
 
 def parse_plan_args(argv: list[str]):
-    """-> (FinetuneConfig, plan flags). Training flags are parsed by finetune.config, as `finetune train` does;
-    the DeepSpeed preset is validated there too but TrainingArguments is built without it (no process group)."""
+    """-> (FinetuneConfig, PlanArgs). Training flags are parsed by finetune.config, as `finetune train` does; the
+    DeepSpeed preset is validated there too but TrainingArguments is built without it (no process group)."""
     from finetune import config as C
 
-    plan, rest = split_plan_flags(argv)
-    real = _requested_config(rest)
-    stripped = []
-    skip = False
-    for token in rest:
-        if skip:
-            skip = False
-            continue
-        if token == "--config":
-            skip = True
-            continue
-        if token.startswith("--config="):
-            continue
-        stripped.append(token)
-    # The preset is checked on its own (a DeepSpeed preset in TrainingArguments would start a process group).
-    try:
-        cfg = C.parse(stripped + ["--config", "ddp"], check_paths=False)
-    except C.ConfigError as e:
-        raise C.ConfigError(_preset_problems(C.ModelConfig(), C.DataConfig(), C.LaunchConfig(config=real)) + e.problems) from None
-    problems = _preset_problems(cfg.model, cfg.data, dataclasses.replace(cfg.launch, config=real))
-    if not cfg.model.model_name_or_path:
+    model, data, launch, values, sources, problems, extra = C.parse_sections(argv, "finetune plan", {"plan": PlanArgs})
+    flags: PlanArgs = extra["plan"]
+    problems += _preset_problems(model, data, launch, values)
+    if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
+    if flags.accelerator not in (None, "gpu", "cpu"):
+        problems.append(f"--accelerator: '{flags.accelerator}' is not gpu or cpu")
+    for key in ("devices_per_node", "num_nodes"):
+        value = getattr(flags, key)
+        if value is not None and value < 1:
+            problems.append(f"--{key}: must be at least 1, got {value}")
+    for key in ("host_memory", "device_memory"):
+        if getattr(flags, key) is not None:
+            try:
+                setattr(flags, key, parse_size(getattr(flags, key)))
+            except ValueError as e:
+                problems.append(f"--{key}: {e}")
+    training = None
+    if not problems:
+        # The preset is checked on its own (a DeepSpeed preset in TrainingArguments would start a process group).
+        training, more = C.build_training_arguments(values, None)
+        problems += more
     if problems:
-        raise C.ConfigError(problems)
-    cfg.launch.config = real
-    cfg.deepspeed_config = C.resolve_preset(real)
-    return cfg, plan
+        raise PlanError(problems)
+    return C.FinetuneConfig(model, data, launch, training, C.resolve_preset(launch.config), sources), flags
 
 
-def _preset_problems(model, data, launch) -> list[str]:
-    """finetune.config's checks of the preset (unknown name, bad JSON, quantized base under ZeRO-3), without the
+def _preset_problems(model, data, launch, training_values: dict[str, Any]) -> list[str]:
+    """finetune.config's checks (unknown preset, bad JSON, quantized base under ZeRO-3, bad values), without the
     ones about running it here (an NVMe folder, DeepSpeed's async I/O): a plan may be for another machine."""
     from finetune import config as C
 
-    problems = C.validate(model, data, launch, {}, check_paths=False)
-    run_here = getattr(C, "_check_nvme", None)
-    skip = set(run_here(launch)) if run_here else set()
+    problems = C.validate(model, data, launch, training_values, check_paths=False)
+    skip = set(C.training._check_nvme(launch))
     return [p for p in problems if p not in skip]
 
 
@@ -1123,28 +1097,18 @@ def _host_memory() -> int:
 
 
 def make_plan(argv: list[str]) -> dict[str, Any]:
+    return _make_plan(argv)[0]
+
+
+def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
     cfg, flags = parse_plan_args(argv)
     gpus, gpu_mem = _local_gpus()
-    accelerator = flags.get("accelerator") or ("gpu" if ("device_memory" in flags or gpus) else "cpu")
-    if accelerator not in ("gpu", "cpu"):
-        raise PlanError(f"--accelerator: '{accelerator}' is not gpu or cpu")
-    try:
-        per_node = int(flags.get("devices_per_node") or (gpus if accelerator == "gpu" and gpus else 1))
-        nodes = int(flags.get("num_nodes") or 1)
-    except ValueError as e:
-        raise PlanError(f"--devices_per_node/--num_nodes: {e}") from None
-    if per_node < 1 or nodes < 1:
-        raise PlanError("--devices_per_node and --num_nodes must be at least 1")
-    sizes = {}
-    for key in ("host_memory", "device_memory"):
-        if key in flags:
-            try:
-                sizes[key] = parse_size(flags[key])
-            except ValueError as e:
-                raise PlanError(f"--{key}: {e}") from None
-    host = sizes.get("host_memory") or _host_memory()
-    if "device_memory" in sizes:
-        device = sizes["device_memory"]
+    accelerator = flags.accelerator or ("gpu" if (flags.device_memory is not None or gpus) else "cpu")
+    per_node = flags.devices_per_node or (gpus if accelerator == "gpu" and gpus else 1)
+    nodes = flags.num_nodes
+    host = flags.host_memory or _host_memory()
+    if flags.device_memory is not None:
+        device = flags.device_memory
     elif accelerator == "gpu":
         if not gpu_mem:
             raise PlanError("--device_memory: required when planning for GPUs on a machine without one")
@@ -1159,7 +1123,7 @@ def make_plan(argv: list[str]) -> dict[str, Any]:
     pred = predict(job)
     ok, why = fits(pred, limits)
     rec = recommend(job, limits)
-    return _as_data(job, pred, ok, why, rec, limits)
+    return _as_data(job, pred, ok, why, rec, limits), flags
 
 
 def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
@@ -1245,39 +1209,21 @@ def render(plan: dict[str, Any]) -> str:
 
 
 def help_text() -> str:
-    lines = ["usage: finetune plan [training flags] [plan flags]", "",
-             "Predicts per-device and per-host memory from the model's config.json (no weights are loaded) and",
-             "recommends the preset, micro-batch and checkpointing that fit. Training flags are those of",
-             "`finetune train` (--model_name_or_path, --config, --use_peft, --per_device_train_batch_size,",
-             "--max_seq_length, --gradient_checkpointing, --recipe, ...).", "", "plan flags:"]
-    lines += [f"  --{k:<18}{v}" for k, v in PLAN_FLAGS.items()]
-    return "\n".join(lines)
+    return command().help()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from finetune import config as C
+    from finetune.config.parser import exit_with_problems, wants_help
 
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
+    if wants_help(argv):
         print(help_text())
         return
     try:
-        plan = make_plan(argv)
-    except C.ConfigError as e:
-        print(str(e), file=sys.stderr)
-        raise SystemExit(2) from None
-    except PlanError as e:
-        print(f"finetune plan: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if plan_json_requested(argv):
-        print(json.dumps(plan, indent=2))
-    else:
-        print(render(plan))
-
-
-def plan_json_requested(argv: list[str]) -> bool:
-    flags, _ = split_plan_flags(argv)
-    return flags.get("json", "false").lower() in ("true", "1", "yes")
+        plan, flags = _make_plan(argv)
+    except ConfigError as e:
+        exit_with_problems(e)
+    print(json.dumps(plan, indent=2) if flags.json else render(plan))
 
 
 # ----------------------------------------------------------------------------------------------

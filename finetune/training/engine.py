@@ -48,11 +48,7 @@ STAGE0_CONFIG = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Config: the project's parser; `--deepspeed PATH` is `--config PATH`; `--local_rank=N` from the launcher is accepted.
-    try:
-        argv = map_deepspeed_flags(sys.argv[1:] if argv is None else argv)
-    except C.ConfigError as e:
-        exit_with(str(e))
+    # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is accepted.
     cfg = C.load_or_exit(argv, prog="deepspeed scripts/sft.py")
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
     plan_or_exit(cfg)
@@ -168,43 +164,6 @@ def save_checkpoint(engine, args, step: int, position: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def map_deepspeed_flags(argv: list[str]) -> list[str]:
-    """`--deepspeed PATH` / `--deepspeed_config PATH` -> `--config PATH`.
-
-    A bare `--deepspeed` (the on/off flag of DeepSpeed's `add_config_arguments`) names nothing and is dropped.
-    """
-    out: list[str] = []
-    given: list[tuple[str, str]] = []
-    i = 0
-    while i < len(argv):
-        key, eq, inline = argv[i].partition("=")
-        i += 1
-        if "--" + key[2:].replace("-", "_") not in ("--deepspeed", "--deepspeed_config", "--config"):
-            out.append(argv[i - 1])
-            continue
-        if eq:
-            value = inline
-        elif i < len(argv) and not argv[i].startswith("--"):
-            value, i = argv[i], i + 1
-        elif key.startswith("--config"):
-            out.append(argv[i - 1])  # `--config` without a value: the parser reports it
-            continue
-        else:
-            continue
-        given.append((key, value))
-    if len({_same_file(v) for _, v in given}) > 1:
-        flags = " and ".join(f"{k} {v}" for k, v in given)
-        raise C.ConfigError([f"{flags}: these name different DeepSpeed configurations; give one"])
-    if given:
-        out += ["--config", given[-1][1]]
-    return out
-
-
-def _same_file(name: str) -> str:
-    path = C.resolve_preset(name)
-    return str(path.resolve()) if path is not None else name
 
 
 def unsupported(cfg) -> list[str]:
