@@ -142,6 +142,8 @@ class Job:
         """Remember the launcher's descendants now: a rank in its own session is found only while its parent lives."""
         import psutil
 
+        if self.proc.poll() is not None:  # its pid may belong to another process by now
+            return
         try:
             for p in self.root.children(recursive=True):
                 self.seen.setdefault(p.pid, p)

@@ -92,7 +92,7 @@ def in_this_process(how: str, args: list, tmp_path: Path, monkeypatch, capfd) ->
 def run(request, tmp_path, monkeypatch, capfd, isolated):
     """run(how, args) -> CompletedProcess: `how` as in in_a_process; in this process, or (slow) in a new one."""
     if request.param == "process":
-        return lambda how, args: in_a_process(how, args)
+        return lambda how, args: in_a_process(how, args, tmp_path)
     request.getfixturevalue("one_thread")
     return lambda how, args: in_this_process(how, args, tmp_path, monkeypatch, capfd)
 
