@@ -296,17 +296,7 @@ def worker(argv: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launching measured runs (tests/launch.py's helpers: loopback, a time bound, whole-group kill).
-
-
-def _launch_helpers():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("finetune_tests_launch", REPO / "tests" / "launch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+# Launching measured runs: finetune.testing (loopback, bounded waits, no process left behind).
 
 
 # The bench model: ~56M parameters with a real vocabulary (logits and the loss' buffers matter), built locally.
@@ -332,7 +322,8 @@ def build_model(folder: str | Path, **dims) -> Path:
 def measure(model: str | Path, preset: str, nproc: int, out_dir: str | Path, flags: list[str] = (),
             steps: int = 3, timeout: float = 900) -> list[dict]:
     """Launch one measured run (nproc ranks) and return each rank's result."""
-    launch = _launch_helpers()
+    from finetune import testing as launch
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result_file = out_dir / "result.json"

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))  # this checkout, before any installed copy
 
-from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, tiny_job  # noqa: E402
+from finetune.testing import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, tiny_job  # noqa: E402
 
 SECTION = "## Three training paths"
 # name -> (launch line, --config, per-device batch)

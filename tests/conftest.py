@@ -73,3 +73,24 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
 
     _, model, tokenizer = smollm2_gguf
     return G.write_folder(model, tokenizer, tmp_path_factory.mktemp("smollm2") / "hf", log=lambda *a: None)
+
+
+@pytest.fixture
+def isolated():
+    """For a test that runs an entry point in this process: whatever it leaves behind in os.environ, a process group
+    (world of one), accelerate's state or a global HfDeepSpeedConfig is undone, so later tests see none of it."""
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    saved_env = dict(os.environ)
+    yield
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if dict(os.environ) != saved_env:
+        os.environ.clear()
+        os.environ.update(saved_env)

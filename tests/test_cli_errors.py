@@ -1,15 +1,18 @@
-"""User mistakes on the real command line: exit status 2 and a message that says what to fix, never a traceback.
+"""User mistakes on the command line: exit status 2 and a message that says what to fix, never a traceback.
 
-Each test starts a fresh process (`finetune train ...` or `python finetune/train.py ...`), so the count is
-kept small; config mistakes are tested in depth, in-process, by test_config.py.
+Each test runs twice: in this process (the console script's `main()` or the launcher file run as `__main__`,
+sys.argv, cwd and environment as a shell would set them: fast), and, marked slow, as a real process
+(`finetune train ...` or `python finetune/train.py ...`); config mistakes are tested in depth by test_config.py.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ LAUNCH_ENV = (
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
 )
+SCRIPTS = {"script": "finetune/train.py", "loop": "finetune/loop.py", "sft": "scripts/sft.py"}
 
 
 def _finetune_script() -> str:
@@ -32,19 +36,65 @@ def _finetune_script() -> str:
     return found
 
 
-def run(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
-    """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo;
-    'loop' and 'sft' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
+def _environ(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", FINETUNE_CACHE=str(tmp_path / "finetune-cache"),
                PYTHONPATH=str(REPO))
+    return env
+
+
+def in_a_process(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo;
+    'loop' and 'sft' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
     args = [str(a) for a in args]
     if how == "cli":
         cmd, cwd = [_finetune_script(), "train", *args], tmp_path
     else:
-        script = {"script": "finetune/train.py", "loop": "finetune/loop.py", "sft": "scripts/sft.py"}[how]
-        cmd, cwd = [sys.executable, script, *args], REPO
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        cmd, cwd = [sys.executable, SCRIPTS[how], *args], REPO
+    return subprocess.run(cmd, cwd=cwd, env=_environ(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def in_this_process(how: str, args: list, tmp_path: Path, monkeypatch, capfd) -> subprocess.CompletedProcess:
+    """The same entry points, run here: exit status from SystemExit, and an uncaught exception printed as the
+    interpreter would (a traceback on stderr, status 1)."""
+    args = [str(a) for a in args]
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in _environ(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the launcher files set sys.path[0]
+    if how == "cli":
+        from finetune.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", ["finetune", "train", *args])
+        entry = main
+    else:
+        monkeypatch.chdir(REPO)
+        monkeypatch.setattr(sys, "argv", [SCRIPTS[how], *args])
+        entry = lambda: runpy.run_path(str(REPO / SCRIPTS[how]), run_name="__main__")  # noqa: E731
+    capfd.readouterr()
+    code = 0
+    try:
+        entry()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(sys.argv, code, out, err)
+
+
+@pytest.fixture(params=["here", pytest.param("process", marks=pytest.mark.slow)])
+def run(request, tmp_path, monkeypatch, capfd, isolated):
+    """run(how, args) -> CompletedProcess: `how` as in in_a_process; in this process, or (slow) in a new one."""
+    if request.param == "process":
+        return lambda how, args: in_a_process(how, args, tmp_path)
+    request.getfixturevalue("one_thread")
+    return lambda how, args: in_this_process(how, args, tmp_path, monkeypatch, capfd)
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *messages: str) -> None:
@@ -55,15 +105,15 @@ def assert_user_error(proc: subprocess.CompletedProcess, *messages: str) -> None
     assert "Traceback" not in proc.stderr, report
 
 
-def test_help_lists_flags(tmp_path):
-    proc = run("cli", ["--help"], tmp_path)
+def test_help_lists_flags(tmp_path, run):
+    proc = run("cli", ["--help"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for flag in ("--model_name_or_path", "--per_device_train_batch_size", "--config", "--recipe", "--dataset"):
         assert flag in proc.stdout, flag
 
 
-def test_unknown_key_cli(tmp_path):
-    proc = run("cli", ["--learning_rat", "1e-3", "--model_name_or_path", tmp_path, "--dataset", tmp_path], tmp_path)
+def test_unknown_key_cli(tmp_path, run):
+    proc = run("cli", ["--learning_rat", "1e-3", "--model_name_or_path", tmp_path, "--dataset", tmp_path])
     assert_user_error(
         proc,
         "finetune: ",
@@ -72,13 +122,13 @@ def test_unknown_key_cli(tmp_path):
     )
 
 
-def test_unknown_preset_and_missing_model_script(tmp_path):
+def test_unknown_preset_and_missing_model_script(tmp_path, run):
     # Both problems in one run: configuration problems are reported together.
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "hello"}\n')
     missing = tmp_path / "no-such-model"
     proc = run("script", ["--config", "zero4", "--model_name_or_path", missing, "--dataset", data,
-                          "--output_dir", tmp_path / "out"], tmp_path)
+                          "--output_dir", tmp_path / "out"])
     assert_user_error(
         proc,
         "finetune: 2 configuration problem(s):",
@@ -88,61 +138,61 @@ def test_unknown_preset_and_missing_model_script(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _data_run(how: str, tiny_model: Path, data: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def _data_run(run, how: str, tiny_model: Path, data: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     return run(how, [
         "--model_name_or_path", tiny_model, "--dataset", data, "--dataset_cache_dir", tmp_path / "cache",
         "--output_dir", tmp_path / "out", "--max_steps", "1", *extra,
-    ], tmp_path)
+    ])
 
 
-def test_malformed_json_line(tiny_chatml, tmp_path):
+def test_malformed_json_line(tiny_chatml, tmp_path, run):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three four"}\n{"text": "five" six}\n')
-    proc = _data_run("cli", tiny_chatml, data, tmp_path)
+    proc = _data_run(run, "cli", tiny_chatml, data, tmp_path)
     assert_user_error(proc, f"finetune: data error: {data}:3: invalid JSON")
     assert not (tmp_path / "out").exists()
 
 
-def test_empty_data_file(tiny_chatml, tmp_path):
+def test_empty_data_file(tiny_chatml, tmp_path, run):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    proc = _data_run("script", tiny_chatml, data, tmp_path)
+    proc = _data_run(run, "script", tiny_chatml, data, tmp_path)
     assert_user_error(proc, f"finetune: data error: {data}: the file holds no records")
 
 
-def test_missing_field(tiny_chatml, tmp_path):
+def test_missing_field(tiny_chatml, tmp_path, run):
     data = tmp_path / "alpaca.jsonl"
     data.write_text('{"instruction": "copy: cat", "output": "cat"}\n{"instruction": "copy: dog"}\n')
-    proc = _data_run("cli", tiny_chatml, data, tmp_path, "--dataset_format", "alpaca")
+    proc = _data_run(run, "cli", tiny_chatml, data, tmp_path, "--dataset_format", "alpaca")
     assert_user_error(proc, f"finetune: data error: {data}:2: missing field 'output' (format alpaca)")
 
 
-def test_wrong_type(tiny_chatml, tmp_path):
+def test_wrong_type(tiny_chatml, tmp_path, run):
     data = tmp_path / "chat.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 42}]}\n')
-    proc = _data_run("script", tiny_chatml, data, tmp_path)
+    proc = _data_run(run, "script", tiny_chatml, data, tmp_path)
     assert_user_error(proc, f"finetune: data error: {data}:1: messages[1].content must be a string, got int")
 
 
 @pytest.mark.parametrize("how", ["loop", "sft"])
-def test_plan_check_is_on_every_path(how, tiny_chatml, tmp_path):
+def test_plan_check_is_on_every_path(how, tiny_chatml, tmp_path, run):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "one two"}\n')
     huge = ["--per_device_train_batch_size", "100000", "--max_seq_length", "100000", "--plan_check"]
-    proc = _data_run(how, tiny_chatml, data, tmp_path, *huge)
+    proc = _data_run(run, how, tiny_chatml, data, tmp_path, *huge)
     assert_user_error(proc, "finetune: --plan_check: predicted memory does not fit", "--force")
     assert not (tmp_path / "out").exists()
 
 
-def test_plan_check_refuses_a_run_that_cannot_fit(tiny_chatml, tmp_path):
+def test_plan_check_refuses_a_run_that_cannot_fit(tiny_chatml, tmp_path, run):
     # A batch whose activations alone need far more than this machine has: refused before the model loads.
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "one two"}\n')
     huge = ["--per_device_train_batch_size", "100000", "--max_seq_length", "100000", "--plan_check"]
-    proc = _data_run("cli", tiny_chatml, data, tmp_path, *huge)
+    proc = _data_run(run, "cli", tiny_chatml, data, tmp_path, *huge)
     assert_user_error(proc, "finetune: --plan_check: predicted memory does not fit", "--force")
     assert not (tmp_path / "out").exists()
     # The same run with a batch that fits passes the check and trains.
-    ok = _data_run("cli", tiny_chatml, data, tmp_path, "--plan_check")
+    ok = _data_run(run, "cli", tiny_chatml, data, tmp_path, "--plan_check")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -135,6 +135,7 @@ def test_tiny_gguf_imports_to_same_model(tiny_folder, tmp_path, tied, one_thread
     assert greedy(folder_model, folder_tok) == greedy(gguf_model, gguf_tok)
 
 
+@pytest.mark.slow  # loads the real SmolLM2-135M (about a minute on 2 cores)
 def test_smollm2_import_greedy_equals_gguf(smollm2_gguf, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

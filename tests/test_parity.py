@@ -11,6 +11,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -44,13 +45,27 @@ def setup(tmp_path_factory):
     return tiny_job(tmp_path_factory.mktemp("parity"), records=72, seed=7)
 
 
-_results: dict[str, tuple[Path, float, str]] = {}
+class Run(NamedTuple):
+    out: Path
+    seconds: float
+    output: str
 
 
-def train(name: str, setup) -> tuple[Path, str]:
-    if name in _results:
-        out, _, text = _results[name]
-        return out, text
+@pytest.fixture(scope="module")
+def runs(setup):
+    """name -> Run: each run is trained once per module, by whichever test needs it first (any order, any subset)."""
+    done: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in done:
+            done[name] = train(name, setup)
+            _write_table(done)
+        return done[name]
+
+    return get
+
+
+def train(name: str, setup) -> Run:
     root, model, data = setup
     kind, config_file, preset, nproc, micro, accum = RUNS[name]
     out = root / name
@@ -70,21 +85,20 @@ def train(name: str, setup) -> tuple[Path, str]:
     assert tuple(map(int, m.groups())) == (micro, accum, nproc, 8), m.group(0)
     if name.startswith("loop_"):  # the preset really switched the engine (a DDP run would give the same losses)
         assert ("engine: DEEPSPEED" in result.output) == ("zero" in name), result.output[-3000:]
-    _results[name] = (out, elapsed, result.output)
-    _write_table()
-    return out, result.output
+    return Run(out, elapsed, result.output)
 
 
-def _write_table() -> None:
+def _write_table(done: dict[str, Run]) -> None:
+    """With FINETUNE_PARITY_TABLE=file: the loss curves and wall times of the runs trained so far."""
     target = os.environ.get("FINETUNE_PARITY_TABLE")
-    if not target or "single" not in _results:
+    if not target:
         return
-    names = list(_results)
-    curves = {n: losses(_results[n][0]) for n in names}
+    names = list(done)
+    curves = {n: losses(done[n].out) for n in names}
     lines = ["| step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for i in range(STEPS):
         lines.append(f"| {i + 1} | " + " | ".join(f"{curves[n][i]:.6f}" for n in names) + " |")
-    lines.append("| wall s | " + " | ".join(f"{_results[n][1]:.1f}" for n in names) + " |")
+    lines.append("| wall s | " + " | ".join(f"{done[n].seconds:.1f}" for n in names) + " |")
     Path(target).write_text("\n".join(lines) + "\n")
 
 
@@ -95,9 +109,8 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_same_run(name: str, reference: str, setup) -> None:
-    ref_out, _ = train(reference, setup)
-    out, text = train(name, setup)
+def assert_same_run(name: str, reference: str, runs) -> None:
+    ref_out, out = runs(reference).out, runs(name).out
     ref, got = losses(ref_out), losses(out)
     assert len(ref) == len(got) == STEPS
     assert ref[-1] < ref[0] - 0.5, f"loss did not fall: {ref}"  # the run really trains
@@ -112,25 +125,25 @@ def assert_same_run(name: str, reference: str, setup) -> None:
 
 
 @pytest.mark.parametrize("name", ["ddp", "ddp_yaml", "zero1", "zero2", "zero3", "zero3_offload", "single_zero3"])
-def test_parallelism_does_not_change_the_run(name, setup):
-    assert_same_run(name, "single", setup)
+def test_parallelism_does_not_change_the_run(name, runs):
+    assert_same_run(name, "single", runs)
     if name.startswith("zero3"):
-        assert "weights: partitioned across ranks at load (ZeRO-3)" in _results[name][2]
+        assert "weights: partitioned across ranks at load (ZeRO-3)" in runs(name).output
 
 
 @pytest.mark.parametrize("name", ["loop_ddp", "loop_zero2", "loop_zero3_offload"])
-def test_prepare_loop_agrees_with_trainer(name, setup):
-    assert_same_run(name, "single", setup)
+def test_prepare_loop_agrees_with_trainer(name, runs):
+    assert_same_run(name, "single", runs)
 
 
 @pytest.mark.parametrize("name", ["accum_single", "accum_ddp"])
-def test_gradient_accumulation_does_not_change_the_run(name, setup):
+def test_gradient_accumulation_does_not_change_the_run(name, runs):
     """(8 x 1), (2 x accumulation 4) and (2 processes x 2 x accumulation 2): same losses."""
-    assert_same_run(name, "single", setup)
+    assert_same_run(name, "single", runs)
 
 
-def test_outputs_are_complete(setup):
-    out, _ = train("zero3_offload", setup)
+def test_outputs_are_complete(runs):
+    out = runs("zero3_offload").out
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", "finetune_config.yaml"} <= names
     assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names), names  # pickle-free

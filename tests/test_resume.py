@@ -218,11 +218,14 @@ def command(setup, path: str, out: Path, preset: str, *extra: str, size: str = "
     ]
 
 
-_report: dict[str, dict] = {}
+@pytest.fixture(scope="module")
+def report() -> dict[str, dict]:
+    """Timings and loss differences per case, written to FINETUNE_RESUME_REPORT (when set) as they come."""
+    return {}
 
 
 @pytest.fixture(scope="module")
-def runs(setup):
+def runs(setup, report):
     """(path, size) -> (uninterrupted zero3 output, killed zero3_nvme Killed, output folder, resumed Result)."""
     cache: dict[tuple, tuple] = {}
 
@@ -241,7 +244,7 @@ def runs(setup):
         killed_s = time.time() - start
         start = time.time()
         resumed = run(cmd, timeout=600).check()
-        _report[f"{path}-{size}"] = {"reference_s": ref_s, "killed_s": killed_s, "resumed_s": time.time() - start,
+        report[f"{path}-{size}"] = {"reference_s": ref_s, "killed_s": killed_s, "resumed_s": time.time() - start,
                                      "exit_after_kill_s": killed.exit_seconds}
         cache[path, size] = (ref, killed, out, resumed)
         return cache[path, size]
@@ -251,7 +254,7 @@ def runs(setup):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path, size", CASES)
-def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs):
+def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs, report):
     ref, killed, out, resumed = runs(path, size)
     # The dead rank stopped the job: a non-zero exit, promptly, no rank left behind.
     assert killed.returncode != 0, killed.output[-3000:]
@@ -262,7 +265,7 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs):
     assert len(expected) == len(got) == STEPS, (expected, got)
     assert expected[-1] < expected[0] - 0.3, expected  # it really trains
     diff = max(abs(a - b) for a, b in zip(expected, got))
-    _report[f"{path}-{size}"]["max_loss_diff"] = diff
+    report[f"{path}-{size}"]["max_loss_diff"] = diff
     assert diff <= 1e-6, f"{path} ({size}): zero3_nvme killed and resumed vs uninterrupted zero3: max |diff| {diff}\n{expected}\n{got}"
     # What ZeRO-Infinity put on disk: the checkpoint carries each rank's swap files (fp32 weights and both Adam
     # moments) when the partition was swapped, and none when it stayed in memory.
@@ -271,7 +274,7 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs):
         names = sorted(p.name for p in (offloaded / f"rank0{rank}").iterdir())
         kinds = sorted(n.split("-")[0] if "-" in n else "weights" for n in names)
         assert kinds == (["exp_avg", "exp_avg_sq", "weights"] if size == "swapped" else []), names
-    write_report()
+    write_report(report)
 
 
 @pytest.mark.slow
@@ -287,7 +290,7 @@ def test_world_size_change_is_refused(setup, runs):
     assert "{'loss'" not in result.output  # stopped before any step
 
 
-def write_report() -> None:
+def write_report(report: dict[str, dict]) -> None:
     target = os.environ.get("FINETUNE_RESUME_REPORT")
     if target:
-        Path(target).write_text(json.dumps(_report, indent=1))
+        Path(target).write_text(json.dumps(report, indent=1))

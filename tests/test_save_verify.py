@@ -72,6 +72,7 @@ def test_corrupted_save_is_an_error_and_not_committed(path, tiny_chatml, tmp_pat
     _assert_refused(exit_info.value.code, capsys.readouterr().err, tmp_path / "out")
 
 
+@pytest.mark.slow  # a process of its own
 def test_corrupted_save_is_an_error_in_the_deepspeed_script(tiny_chatml, tmp_path):
     # scripts/sft.py starts a process group, so it runs in its own process; sitecustomize plants the damage there.
     hook = tmp_path / "hook"

@@ -1,0 +1,314 @@
+"""Start real multi-process jobs on loopback, for tests and benchmarks.
+
+Free ports, the launch lines users type, and runs in which every wait is bounded and no process is left
+behind: launchers such as torch elastic start their ranks in sessions of their own, out of reach of a kill of
+the launcher's process group, so a job's processes are tracked (descendants seen while it runs, and an
+environment tag every process of the job inherits) and killed one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+# The checkout the code comes from (this package's parent folder): its launcher files run, and PYTHONPATH points
+# at it, whichever copy `pip install -e` registered.
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TRAIN = str(REPO / "finetune" / "train.py")
+LOOP = str(REPO / "finetune" / "loop.py")
+SFT = str(REPO / "scripts" / "sft.py")
+
+# Every process of a job inherits this variable; its value lists the tags of the jobs it belongs to (nested runs).
+TAG_VAR = "FINETUNE_TESTING_JOB"
+LINGER = 5.0  # after the launcher exits: how long its processes may take to finish before they count as left behind
+DRAIN = 10.0  # after a kill: how long the output pipe may stay open
+
+
+def tiny_job(root: Path, records: int = 72, seed: int = 7, **model: int) -> tuple[Path, Path, Path]:
+    """(root, model folder, data file): a tiny random Llama (chatml tokenizer) and synthetic chat records."""
+    from finetune.models import tiny
+
+    path = tiny.build(root / "model", style="chatml", **model)
+    return root, path, tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(records, seed=seed))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(
+        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
+        # Two ranks on two cores: more threads per rank only oversubscribes (3x slower).
+        OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        e.pop(key, None)
+    e.update(extra)
+    return e
+
+
+def launcher(kind: str, nproc: int = 2, config_file: str | None = None, script: str = TRAIN) -> list[str]:
+    """The launch line a user would type, for each supported launcher."""
+    port = str(free_port())
+    if kind == "python":
+        return [sys.executable, script]
+    if kind == "accelerate":
+        cmd = [str(BIN / "accelerate"), "launch", "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        if config_file:
+            return cmd + ["--config_file", str(REPO / config_file), "--num_processes", str(nproc), script]
+        return cmd + ["--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
+                      "--mixed_precision", "no", "--dynamo_backend", "no", script]
+    if kind == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                "--master_port", port, script]
+    raise ValueError(kind)
+
+
+def deepspeed_launcher(nproc: int = 2, script: str = SFT) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script]
+
+
+def losses(output_dir: str | Path) -> list[float]:
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+    def check(self) -> "Result":
+        assert self.returncode == 0, f"exit {self.returncode}\n{self.output[-6000:]}"
+        return self
+
+
+def _running(p) -> bool:
+    """Alive and not a zombie (an orphan's exit is collected by PID 1, which may take its time)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Job:
+    """One started command: output read by a thread, its processes tracked, all of them killable."""
+
+    def __init__(self, cmd: list[str], cwd: Path, environ: dict[str, str]):
+        import psutil
+
+        self.cmd = cmd
+        self.tag = uuid.uuid4().hex
+        environ = dict(environ)
+        environ[TAG_VAR] = ",".join(filter(None, [environ.get(TAG_VAR), self.tag]))
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.root = psutil.Process(self.proc.pid)
+        self.seen: dict[int, psutil.Process] = {}
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read1(1 << 16), b""):
+            self._chunks.append(chunk)
+
+    @property
+    def output(self) -> str:
+        return b"".join(self._chunks).decode("utf-8", errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def watch(self) -> None:
+        """Remember the launcher's descendants now: a rank in its own session is found only while its parent lives."""
+        import psutil
+
+        if self.proc.poll() is not None:  # its pid may belong to another process by now
+            return
+        try:
+            for p in self.root.children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def wait(self, seconds: float, until=None) -> bool:
+        """Wait at most `seconds` for the launcher to exit (or for `until()` to be true): True if it happened."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.watch()
+            if self.proc.poll() is not None or (until is not None and until()):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.proc.wait(timeout=min(0.25, left))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def alive(self) -> list:
+        """The job's processes still running (the launcher excluded): seen descendants and tagged processes."""
+        import psutil
+
+        found = {pid: p for pid, p in self.seen.items()}
+        for p in psutil.process_iter():
+            if p.pid in found or p.pid == self.proc.pid or p.pid == os.getpid():
+                continue
+            try:
+                if self.tag in p.environ().get(TAG_VAR, "").split(","):
+                    found[p.pid] = p
+            except psutil.Error:
+                continue
+        return [p for p in found.values() if _running(p)]
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's group, then every process of the job and each one's own group; bounded waits."""
+        import psutil
+
+        self.watch()
+        own = os.getpgrp()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        procs = self.alive()
+        for p in procs:
+            try:
+                if not p.is_running():
+                    continue
+                pgid = os.getpgid(p.pid)
+                if pgid != own:
+                    os.killpg(pgid, signal.SIGKILL)
+                p.kill()
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def drain(self, seconds: float = DRAIN) -> bool:
+        """Wait at most `seconds` for the output pipe to close: True if everything was read."""
+        self._reader.join(seconds)
+        return not self._reader.is_alive()
+
+    def finish(self, linger: float = LINGER) -> list[int]:
+        """After the launcher exited: give its processes `linger` seconds to end, then kill what is left.
+
+        Returns the pids that were still running (empty when the job ended cleanly)."""
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline:
+            if not self._reader.is_alive() and not self.alive():
+                break
+            self._reader.join(0.25)
+        left = self.alive()
+        if left:
+            self.kill()
+        if not self.drain():
+            # Something outside the job's tracked processes still holds the pipe.
+            raise AssertionError(f"output of {' '.join(self.cmd)} still open {linger + DRAIN:.0f}s after it exited "
+                                 f"({self.proc.returncode})\n{self.output[-6000:]}")
+        return [p.pid for p in left]
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """On any way out (an assertion, Ctrl-C): nothing of the job keeps running."""
+        if self.proc.poll() is None or self.alive():
+            self.kill()
+            self.drain()
+
+
+def run(cmd: list[str], timeout: float = 300, cwd: Path = REPO, **extra_env: str) -> Result:
+    """Run `cmd` to its end, at most `timeout` seconds, then kill every process it started.
+
+    A process left running after the launcher exited, or anything still running at the timeout, is an error.
+    """
+    with Job(cmd, cwd, env(**extra_env)) as job:
+        if not job.wait(timeout):
+            job.kill()
+            job.drain()
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{job.output[-6000:]}")
+        left = job.finish()
+        if left:
+            raise AssertionError(f"{' '.join(cmd)} exited ({job.returncode}) leaving {len(left)} process(es) running "
+                                 f"(killed): {left}\n{job.output[-6000:]}")
+        return Result(job.returncode, job.output)
+
+
+def rank_pids(root_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes among `root_pid`'s descendants (any launcher sets RANK)."""
+    import psutil
+
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for child in children:
+        try:
+            rank = child.environ().get("RANK")
+            if rank is not None and "python" in os.path.basename(child.exe()):
+                out[int(rank)] = child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+@dataclass
+class Killed:
+    returncode: int
+    output: str
+    exit_seconds: float  # from the kill to the launcher's exit
+    survivors: list[int]  # processes of the job still running after the launcher exited (killed; should be none)
+
+
+def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float = 300, exit_bound: float = 120,
+                      **extra_env: str) -> Killed:
+    """Start `cmd`, and as soon as the file `when` exists, `kill -9` the process of one rank (not a clean stop).
+
+    Then wait, at most `exit_bound` seconds, for the launcher to exit by itself: the other ranks must not hang.
+    Every process of the job is killed on any failure, so no rank outlives the test.
+    """
+    with Job(cmd, REPO, env(**extra_env)) as job:
+        if not job.wait(timeout, until=when.exists):
+            job.kill()
+            job.drain()
+            raise AssertionError(f"{when} did not appear in {timeout}s\n{job.output[-6000:]}")
+        if job.returncode is not None and not when.exists():
+            job.finish()
+            raise AssertionError(f"exited ({job.returncode}) before {when} appeared\n{job.output[-6000:]}")
+        ranks = rank_pids(job.proc.pid)
+        assert rank in ranks, f"no process with RANK={rank} under {cmd[0]}: {ranks}"
+        os.kill(ranks[rank], signal.SIGKILL)
+        killed_at = time.time()
+        if not job.wait(exit_bound):
+            job.kill()
+            job.drain()
+            raise AssertionError(f"still running {exit_bound}s after rank {rank} was killed\n{job.output[-6000:]}")
+        exit_seconds = time.time() - killed_at
+        survivors = job.finish()
+        return Killed(job.returncode, job.output, exit_seconds, survivors)

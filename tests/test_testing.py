@@ -1,0 +1,88 @@
+"""finetune.testing cannot hang: a launcher that dies or hangs while a rank in a session of its own holds the
+output pipe (what torch elastic's workers do) ends within a bound, and that rank is dead afterwards."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import psutil
+import pytest
+
+from finetune import testing
+
+BOUND = 15  # seconds: the longest any of these may take
+
+# A stand-in launcher: starts a "rank" in a new session (out of reach of a kill of the launcher's group) that
+# inherits stdout and sleeps for 10 minutes; then the launcher sleeps argv[1] seconds and exits 0.
+LAUNCHER = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print("rank", rank.pid, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+# Two "ranks" (RANK=0, 1) in sessions of their own; writes the `when` file; exits 3 once rank 1 is gone,
+# leaving rank 0 running (a launcher that lost track of a rank).
+KILLABLE = """
+import os, pathlib, subprocess, sys, time
+ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                          env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
+for r in ranks:
+    print("rank", r.pid, flush=True)
+pathlib.Path(sys.argv[1]).write_text("ready")
+ranks[1].wait()
+sys.exit(3)
+"""
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def rank_pids_in(text: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"^rank (\d+)$", text, re.M)]
+
+
+@pytest.mark.parametrize("launcher_lives, timeout, message", [
+    (0.0, 60, "leaving 1 process(es) running"),  # exits at once: the rank is found by its environment tag
+    (1.0, 60, "leaving 1 process(es) running"),  # exits after the rank was seen as its descendant
+    (600.0, 3, "timed out after 3s"),  # hangs
+])
+def test_a_rank_in_its_own_session_cannot_hang_run(tmp_path, launcher_lives, timeout, message):
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=re.escape(message)) as e:
+        testing.run([sys.executable, str(script), str(launcher_lives)], timeout=timeout, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    [pid] = rank_pids_in(str(e.value))
+    assert elapsed < BOUND, elapsed
+    assert dead(pid), psutil.Process(pid).cmdline()
+
+
+def test_run_and_kill_rank_kills_the_rank_the_launcher_left(tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(KILLABLE)
+    when = tmp_path / "ready"
+    start = time.monotonic()
+    killed = testing.run_and_kill_rank([sys.executable, str(script), str(when)], when, rank=1, timeout=60)
+    elapsed = time.monotonic() - start
+    rank0, rank1 = rank_pids_in(killed.output)
+    assert killed.returncode == 3 and killed.exit_seconds < 5, (killed.returncode, killed.exit_seconds)
+    assert killed.survivors == [rank0] and elapsed < BOUND, (killed.survivors, elapsed)
+    assert dead(rank0) and dead(rank1)
+
+
+def test_a_clean_run_returns_at_once_with_its_output_and_exit_code(tmp_path):
+    start = time.monotonic()
+    result = testing.run([sys.executable, "-c", "import os, sys; print(os.environ['PYTHONPATH']); sys.exit(4)"],
+                         timeout=60, cwd=tmp_path)
+    assert time.monotonic() - start < 5
+    assert result.returncode == 4
+    # The checkout the code comes from is first on the path of everything a job starts.
+    assert result.output.split("\n")[0].split(":")[0] == str(testing.REPO)
