@@ -13,7 +13,6 @@ learning_rate, epoch, step) equals the one-process Trainer's on the same preset 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path

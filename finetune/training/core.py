@@ -97,6 +97,18 @@ def seed(args) -> None:
     enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
 
 
+def load_model_for_training(cfg, stats, world_size: int):
+    """The model (and LoRA) as the Trainer trains it: seeded where the Trainer seeds, gradient checkpointing on."""
+    from finetune.models.load import load_model
+    from finetune.training.outputs import describe_run
+
+    model = load_model(cfg.model, cfg.training)
+    rank0_print(describe_run(cfg, stats, model, world_size))
+    seed(cfg.training)
+    enable_gradient_checkpointing(model, cfg.training)
+    return model
+
+
 def enable_gradient_checkpointing(model, args) -> None:
     """--gradient_checkpointing, as Trainer.train applies it (use_reentrant=False unless given). For LoRA,
     finetune.models.load has already made the inputs require grads (enable_input_require_grads)."""

@@ -10,9 +10,10 @@ model and LoRA come from the shared finetune modules, so a flag means the same t
 `--deepspeed PATH` is an alias of `--config PATH` (and `--config zero2`, `zero3`, ... work too; `--config
 ddp` is DeepSpeed's plain data parallelism, ZeRO stage 0). Per-step losses equal the Trainer's:
 same data order (DistributedSampler's), same loss normalization (trained tokens of the whole global
-batch), same optimizer, schedule and clipping. Outputs: a from_pretrained-loadable model (or LoRA
-adapter) with its tokenizer, trainer_state.json (per-step log_history) and finetune_config.yaml;
-with --save_steps N, DeepSpeed checkpoints in OUTPUT_DIR/checkpoint-<step>/.
+batch), same optimizer, schedule and clipping, all from finetune.training.core (shared with loop.py).
+Outputs: a from_pretrained-loadable model (or LoRA adapter) with its tokenizer, trainer_state.json
+(log_history in the Trainer's logging windows) and finetune_config.yaml; with --save_steps N, DeepSpeed
+checkpoints in OUTPUT_DIR/checkpoint-<step>/.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from functools import partial
 
 from finetune import config as C
 from finetune.data.prepare import make_collator
-from finetune.models.load import load_model
 from finetune.training import checkpoint, core
-from finetune.training.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit
+from finetune.training.outputs import data_or_exit, exit_with, plan_or_exit, resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {
@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     max_steps = core.max_steps_of(args, len(loader))
 
     # Model (and LoRA).
-    model = load_model(cfg.model, args)
-    rank0_print(describe_run(cfg, stats, model, world))
-    core.seed(args)
-    core.enable_gradient_checkpointing(model, args)
+    model = core.load_model_for_training(cfg, stats, world)
 
     # Engine: "auto" values filled from the TrainingArguments as the Trainer does; optimizer from the DeepSpeed
     # config if it has one (DeepSpeedCPUAdam when offloaded), else the Trainer's; the Trainer's LR schedule.

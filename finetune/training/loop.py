@@ -17,9 +17,8 @@ import torch
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.data.sampler import distributed_dataloader
-from finetune.models.load import load_model
 from finetune.training import checkpoint, core
-from finetune.training.outputs import data_or_exit, describe_run, plan_or_exit, rank0_print, resume_or_exit
+from finetune.training.outputs import data_or_exit, plan_or_exit, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     max_steps = core.max_steps_of(args, micro_per_epoch)
 
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
-    model = load_model(cfg.model, args)
-    rank0_print(describe_run(cfg, stats, model, world))
-    core.seed(args)
-    core.enable_gradient_checkpointing(model, args)
+    model = core.load_model_for_training(cfg, stats, world)
     ds_config = args.hf_deepspeed_config.config if deepspeed else {}
     optimizer = core.build_optimizer(args, model, ds_config) or DummyOptim(
         core.trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
