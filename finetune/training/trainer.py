@@ -36,6 +36,17 @@ class Trainer(transformers.Trainer):
         )
         return self.accelerator.prepare(loader)
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Under DeepSpeed the engine steps the LR schedule inside backward(), before the Trainer reads the learning
+        # rate to log: it would log the next step's. Keep the one this step uses (what it logs without DeepSpeed).
+        if self.is_deepspeed_enabled:
+            self._step_learning_rate = super()._get_learning_rate()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_learning_rate(self) -> float:
+        lr = getattr(self, "_step_learning_rate", None)
+        return super()._get_learning_rate() if lr is None else lr
+
     def zero_stage(self) -> int:
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
 

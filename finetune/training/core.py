@@ -1,0 +1,399 @@
+"""What the prepare() loop (loop.py) and the DeepSpeed engine path (engine.py) share with the HF Trainer, once.
+
+The Trainer path is the reference: every function here does what transformers' Trainer does for the same
+flags (optimizer and its parameter groups, LR schedule, gradient checkpointing, loss normalization over the
+trained tokens of the whole global batch, the logging window of log_history), so that a run gives the same
+per-step losses and the same log_history on all three paths. Flags the two hand-written paths cannot honour
+are refused by name (`refused_flags`), never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from finetune.data.prepare import IGNORE_INDEX
+from finetune.training import checkpoint
+from finetune.training.outputs import (commit_staged, exit_with, rank0_print, staging_dir, verify_staged,
+                                       write_json_atomic)
+
+# --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
+# (8-bit, GaLore, LOMO, schedule-free, ...) need model hooks or a training_step of their own that only the
+# Trainer has.
+SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")
+POSITION = "finetune_position.json"
+
+
+def _value(x):
+    return getattr(x, "value", x)
+
+
+def refused_flags(cfg, script: str) -> list[str]:
+    """Flags the Trainer path honours that `script` (loop.py / sft.py) does not: each refused by name."""
+    args, problems = cfg.training, []
+
+    def flag(key: str, default=None):  # absent: the TrainingArguments default (a partial config in a test)
+        return _value(getattr(args, key, default))
+
+    ds = _ds_json(cfg)
+    optim = flag("optim", "adamw_torch_fused")
+    if "optimizer" in ds:
+        if "optim" in cfg.sources:
+            problems.append(f"optim: the DeepSpeed config {cfg.deepspeed_config} names its own optimizer "
+                            f"({ds['optimizer'].get('type')}), so --optim {optim} would be ignored; drop --optim "
+                            "or use a preset without an \"optimizer\" section (zero2, zero3_no_offload)")
+    elif optim not in SUPPORTED_OPTIMIZERS:
+        problems.append(f"optim: {script} supports --optim {', '.join(SUPPORTED_OPTIMIZERS)}, not '{optim}' "
+                        "(the Trainer path, finetune/train.py, supports it)")
+    if (strategy := flag("save_strategy", "no")) not in ("no", "steps"):
+        problems.append(f"save_strategy: {script} saves checkpoints every --save_steps only, not '{strategy}'")
+    if (strategy := flag("logging_strategy", "steps")) not in ("no", "steps"):
+        problems.append(f"logging_strategy: {script} logs every --logging_steps only, not '{strategy}'")
+    if flag("eval_strategy", "no") != "no" or flag("do_eval") or flag("do_predict"):
+        problems.append(f"eval_strategy / do_eval / do_predict: {script} does not evaluate (finetune/train.py does)")
+    if (scheduler := flag("lr_scheduler_type", "linear")) in ("reduce_lr_on_plateau", "greedy"):
+        problems.append(f"lr_scheduler_type: '{scheduler}' steps on evaluation metrics; {script} has none")
+    unsupported = {
+        "save_total_limit": flag("save_total_limit") is not None,
+        "load_best_model_at_end": flag("load_best_model_at_end"),
+        "ignore_data_skip": flag("ignore_data_skip"),
+        "torch_compile": flag("torch_compile"),
+        "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
+        "label_smoothing_factor": bool(flag("label_smoothing_factor", 0)),
+    }
+    problems += [f"{key}: not supported by {script} (finetune/train.py supports it)" for key, on in unsupported.items() if on]
+    return problems
+
+
+def check_flags_or_exit(cfg, script: str) -> None:
+    from finetune import config as C
+
+    if problems := refused_flags(cfg, script):
+        exit_with(str(C.ConfigError(problems)))
+
+
+def _ds_json(cfg) -> dict:
+    path = getattr(cfg, "deepspeed_config", None)  # the JSON as given: "auto" values are not filled yet
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Seed, data order, gradient checkpointing.
+
+
+def data_seed(args) -> int:
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
+def seed(args) -> None:
+    """Where the Trainer seeds (its __init__, after the model is built): dropout then draws the same numbers."""
+    from transformers import enable_full_determinism, set_seed
+
+    enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+
+
+def load_model_for_training(cfg, stats, world_size: int):
+    """The model (and LoRA) as the Trainer trains it: seeded where the Trainer seeds, gradient checkpointing on."""
+    from finetune.models.load import load_model
+    from finetune.training.outputs import describe_run
+
+    model = load_model(cfg.model, cfg.training)
+    rank0_print(describe_run(cfg, stats, model, world_size))
+    seed(cfg.training)
+    enable_gradient_checkpointing(model, cfg.training)
+    return model
+
+
+def enable_gradient_checkpointing(model, args) -> None:
+    """--gradient_checkpointing, as Trainer.train applies it (use_reentrant=False unless given). For LoRA,
+    finetune.models.load has already made the inputs require grads (enable_input_require_grads)."""
+    if not args.activation_checkpointing:
+        return
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer and schedule.
+
+
+def trainable_parameters(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """Trainer.create_optimizer's groups: weight decay on all but biases and norm weights."""
+    from transformers import Trainer
+
+    # get_decay_parameter_names only reads the model: call it rather than copy its name patterns.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(args, model, ds_config: dict | None = None):
+    """The Trainer's optimizer (--optim); None when the DeepSpeed config names its own. DeepSpeed then builds it
+    over trainable_parameters(model) as ONE group with the config's weight_decay (biases and norms included):
+    what the Trainer hands it too (transformers.integrations.deepspeed.deepspeed_optim_sched)."""
+    from transformers import Trainer
+
+    if ds_config and "optimizer" in ds_config:
+        return None
+    if ds_config and ds_config.get("zero_optimization", {}).get("stage", 0) > 0:
+        ds_config["zero_allow_untested_optimizer"] = True  # as deepspeed_optim_sched does for a torch optimizer
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return optimizer_cls(parameter_groups(model, args.weight_decay), **kwargs)
+
+
+def scheduler_factory(args, max_steps: int) -> Callable:
+    """Trainer.create_scheduler, as a function of the optimizer (DeepSpeed calls it with the one it built)."""
+    from transformers import get_scheduler
+
+    def make(optimizer):
+        return get_scheduler(
+            args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(max_steps),
+            num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        )
+
+    return make
+
+
+def max_steps_of(args, micro_per_epoch: int) -> int:
+    updates_per_epoch = -(-micro_per_epoch // args.gradient_accumulation_steps)
+    return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed helpers (a world of one works without a process group).
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    return _dist().get_rank() if _dist() else 0
+
+
+def world() -> int:
+    return _dist().get_world_size() if _dist() else 1
+
+
+def all_sum(tensor):
+    if _dist():
+        _dist().all_reduce(tensor)
+    return tensor
+
+
+def global_tokens(chunk: list[dict], device):
+    """The trained tokens of the whole global batch (all ranks, all micro-batches of the step): each micro-batch
+    loss is its token-loss sum over this number, the Trainer's normalization (average_tokens_across_devices)."""
+    return all_sum(sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in chunk).to(device))
+
+
+# ----------------------------------------------------------------------------------------------
+# log_history, as the Trainer writes it.
+
+
+@dataclass
+class LogWindow:
+    """The Trainer's logging window (Trainer._maybe_log_save_evaluate): every logging_steps optimizer steps one
+    entry {loss: mean of the window's step losses, grad_norm and learning_rate of its last step, epoch: fractional
+    (micro-batches done / per epoch), step}; a partial window at the end is not logged; then one summary entry.
+    Its state (history and the open window) travels in the checkpoint position, so a resumed run logs what the
+    uninterrupted run logs."""
+
+    every: int
+    enabled: bool = True
+    first_step: bool = False
+    history: list = field(default_factory=list)
+    loss: float = 0.0
+    steps: int = 0
+    session_loss: float = 0.0
+    session_steps: int = 0
+    started: float = field(default_factory=time.time)
+
+    @classmethod
+    def for_run(cls, args, max_steps: int, state: dict | None = None) -> "LogWindow":
+        every = args.logging_steps
+        every = math.ceil(max_steps * every) if every < 1 else int(every)  # a ratio of the run, as the Trainer
+        log = cls(every=max(every, 1), enabled=_value(args.logging_strategy) == "steps",
+                  first_step=args.logging_first_step)
+        if state:
+            log.history, (log.loss, log.steps) = state["log_history"], state["window"]
+        return log
+
+    def state(self) -> dict:
+        return {"log_history": self.history, "window": [self.loss, self.steps]}
+
+    def add(self, step: int, loss: float, learning_rate: float, grad_norm: float | None, epoch: float) -> dict | None:
+        self.loss, self.steps = self.loss + loss, self.steps + 1
+        self.session_loss, self.session_steps = self.session_loss + loss, self.session_steps + 1
+        if not (self.enabled and (step % self.every == 0 or (self.first_step and step == 1))):
+            return None
+        entry = {"loss": self.loss / self.steps}
+        if grad_norm is not None:
+            entry["grad_norm"] = grad_norm
+        entry.update(learning_rate=learning_rate, epoch=epoch, step=step)
+        self.history.append(entry)
+        self.loss, self.steps = 0.0, 0
+        return entry
+
+    def finish(self, step: int, epoch: float, samples_per_step: int) -> None:
+        """The Trainer's closing entry (its speed metrics and train_loss: the mean step loss of this session)."""
+        runtime, n = time.time() - self.started, self.session_steps
+        entry = {"train_runtime": round(runtime, 4)}
+        if runtime > 0:
+            entry.update(train_samples_per_second=round(n * samples_per_step / runtime, 3),
+                         train_steps_per_second=round(n / runtime, 3))
+        entry.update(train_loss=self.session_loss / max(n, 0.001), epoch=epoch, step=step)
+        self.history.append(entry)
+
+
+def trainer_state(log: LogWindow, step: int, max_steps: int) -> dict:
+    return {"global_step": step, "max_steps": max_steps, "logging_steps": log.every, "log_history": log.history}
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop: epochs of micro-batches, one optimizer step per gradient_accumulation_steps of them.
+
+
+@dataclass
+class Position:
+    """Where a run stands; saved with every checkpoint and read back at resume."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_done: int = 0  # micro-batches of `epoch` already trained (this rank)
+    log: dict | None = None
+
+    def to_json(self, args, log: LogWindow) -> dict:
+        return {"global_step": self.step, "epoch": self.epoch, "micro_batches_done_in_epoch": self.micro_done,
+                "data": {"world_size": world(), "per_device_train_batch_size": args.per_device_train_batch_size,
+                         "seed": data_seed(args), "drop_last": args.dataloader_drop_last},
+                **log.state()}
+
+    @classmethod
+    def read(cls, folder: Path | None) -> "Position":
+        if folder is None:
+            return cls()
+        p = json.loads((Path(folder) / POSITION).read_text())
+        return cls(p["global_step"], p["epoch"], p["micro_batches_done_in_epoch"],
+                   {"log_history": p["log_history"], "window": p["window"]})
+
+
+@dataclass
+class Job:
+    """What train() needs of a path: its name and ZeRO stage (checkpoint marker), and two functions.
+
+    step(chunk, n_tokens) -> (this rank's loss sum as a tensor, the learning rate the step used, grad norm): one
+    optimizer step over this rank's micro-batches. save(folder, position) writes the engine's checkpoint files."""
+
+    path: str
+    zero_stage: int
+    step: Callable
+    save: Callable
+    device: object
+
+
+def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: Path | None) -> tuple[LogWindow, Position]:
+    """Run from the resumed position (or step 0) to max_steps; checkpoints every --save_steps."""
+    pos = Position.read(resume)
+    log = LogWindow.for_run(args, max_steps, pos.log)
+    save_every = checkpoint.save_interval(args, max_steps)
+    accum, skip = args.gradient_accumulation_steps, pos.micro_done
+    while pos.step < max_steps:
+        set_epoch(loader, pos.epoch)
+        batches = iter(loader)
+        pos.micro_done = 0
+        if skip:
+            # Mid-epoch resume: the uninterrupted run's micro-batches, in its order; then its RNG states as they
+            # were after the saved step (creating the iterator above drew from the RNG once more).
+            for _ in zip(range(skip), batches):
+                pass
+            pos.micro_done, skip = skip, 0
+            checkpoint.load_rng(resume, rank())
+        while pos.micro_done < micro_per_epoch and pos.step < max_steps:
+            # The epoch's last step may have fewer micro-batches (as the Trainer's).
+            chunk = [next(batches) for _ in range(min(accum, micro_per_epoch - pos.micro_done))]
+            pos.micro_done += len(chunk)
+            loss, lr, grad_norm = job.step(chunk, global_tokens(chunk, job.device))
+            pos.step += 1
+            entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
+                            None if grad_norm is None else float(grad_norm),
+                            pos.epoch + pos.micro_done / micro_per_epoch)
+            if entry is not None:
+                rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
+            if save_every and pos.step % save_every == 0 and pos.step < max_steps:
+                save_checkpoint(args, job, pos.to_json(args, log))
+        if pos.micro_done >= micro_per_epoch:
+            pos.epoch += 1
+    log.finish(pos.step, pos.epoch + pos.micro_done / micro_per_epoch if pos.micro_done < micro_per_epoch
+               else float(pos.epoch), args.per_device_train_batch_size * accum * world())
+    return log, pos
+
+
+def set_epoch(loader, epoch: int) -> None:
+    # A prepared DataLoaderShard has set_epoch; a plain DataLoader's DistributedSampler is reached directly.
+    (loader if hasattr(loader, "set_epoch") else loader.sampler).set_epoch(epoch)
+
+
+def save_checkpoint(args, job: Job, position: dict) -> None:
+    """All ranks: the engine's files (write), this rank's RNG states and, from rank 0, the data position and log
+    window; then the completion marker once every rank is done."""
+    folder = checkpoint.folder_for(args.output_dir, position["global_step"])
+    job.save(folder, position)
+    checkpoint.save_rng(folder, rank())
+    if rank() == 0:
+        write_json_atomic(folder / POSITION, position)
+    checkpoint.mark_complete(folder, path=job.path, world_size=world(), zero_stage=job.zero_stage,
+                             global_step=position["global_step"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The final save.
+
+
+def consolidated_state_dict(ds_engine, module):
+    """Under ZeRO-3 (collective): the whole 16-bit state dict on rank 0, gathered from every rank's partition (for
+    an adapter only the trainable LoRA weights). None otherwise: the module holds its whole weights."""
+    if ds_engine is None or ds_engine.zero_optimization_stage() != 3:
+        return None
+    return ds_engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=hasattr(module, "peft_config"))
+
+
+def save_final(module, state_dict, tokenizer, output_dir, state: dict) -> None:
+    """Every rank: model (or adapter) + tokenizer + trainer_state.json written to a staging folder, verified to
+    reload to the same logits, then moved in with config.json / adapter_config.json last, so a crash never leaves a
+    folder that looks complete but is not. Under ZeRO-3 the gathered state dict is the reference, else the module."""
+    from finetune.models.verify import VerificationError
+
+    staging, main = staging_dir(output_dir), rank() == 0
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+        module.config.use_cache = True  # turned off for training; the saved model is for inference
+        module.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+        write_json_atomic(staging / "trainer_state.json", state)
+    try:
+        verify_staged(staging, state_dict if state_dict is not None else module, is_main=main)
+    except VerificationError as e:
+        exit_with(str(e))
+    if main:
+        commit_staged(staging, output_dir)
+    if _dist():
+        _dist().barrier()
+    rank0_print(f"saved to {output_dir}")
