@@ -8,7 +8,7 @@ One invocation runs every configuration on the same model, data, sequence length
 count, each in a forked child (modules imported once, peak memory per configuration):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
-  load_model -> finetune.trainer.Trainer with data.make_collator), flags as a user types them;
+  load_model -> finetune.training.trainer.Trainer with data.make_collator), flags as a user types them;
 - trl_default / trl_packing: TRL's SFTTrainer with its defaults (gradient checkpointing on, as TRL defaults),
   and with `packing=True` (its BFD packing, padding-free); *_nogc: the same with gradient checkpointing off;
 - bare: a plain PyTorch loop over the ft_packed batches: forward, backward, clip, AdamW (the Trainer's optimizer).

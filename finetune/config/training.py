@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+# Package data, so an installed finetune finds its presets; the repository's top-level ds_configs/ links here.
+DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "ds_configs"
 
 # Parallelism presets: the name a user types -> the DeepSpeed JSON it stands for (None = plain DDP).
 # `zero3` means ZeRO-3 with parameters and optimizer offloaded to CPU, the preset that fits the most.
@@ -660,10 +660,6 @@ def _check_ds_json(path: Path) -> list[str]:
     if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
         return [f"--config {path}: expected a DeepSpeed config object with a zero_optimization section"]
     return []
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def free_port() -> int:

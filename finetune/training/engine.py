@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 
+from finetune import compat
 from finetune.training import checkpoint
 from finetune import config as C
 from finetune.data.prepare import IGNORE_INDEX, make_collator
@@ -366,7 +367,7 @@ def save_final(engine, hf_ds, tokenizer, output_dir, log_history, step: int, max
     if hf_ds.is_zero3():
         # Every rank takes part in gathering the partitions; rank 0 gets the whole state dict (on CPU).
         # For an adapter only the trainable (LoRA) weights are needed.
-        state_dict = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=is_adapter)
+        state_dict = compat.zero3_consolidated_state_dict(engine, exclude_frozen_parameters=is_adapter)
     if rank0:
         model.config.use_cache = True  # turned off for training; the saved model is for inference
         model.save_pretrained(staging, state_dict=state_dict)
