@@ -46,3 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         compat.check_versions()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
+
+
+if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it
+    main()
