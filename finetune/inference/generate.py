@@ -4,7 +4,7 @@
     finetune generate --model_name_or_path MODEL --adapter ADAPTER --prompts prompts.jsonl --output out.jsonl
     finetune generate ... --device_map auto --max_memory cpu=2GiB,disk=20GiB --offload_folder /tmp/offload
     finetune generate ... --device_map my_map.json          # {"model.embed_tokens": "cpu", "model.layers.0": 0, ...}
-    python -m finetune.inference.generate ...                          # the same
+    python -m finetune.inference.generate ...               # the same
 
 Prompts: `--prompt TEXT` (repeatable; `--chat` sends each through the chat template as one user message) or
 `--prompts FILE.jsonl`, one record a line: {"prompt": TEXT} or {"text": TEXT} (plain text, `--chat` applies),
