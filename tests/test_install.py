@@ -23,8 +23,6 @@ import pytest
 
 from launch import env, free_port, tiny_job
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -51,6 +49,27 @@ def package_files(root: Path) -> set[str]:
             if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")}
 
 
+def test_the_checkout_presets_are_the_package_presets(monkeypatch):
+    """One source of truth: the top-level folders link into the package, and an accelerate file's DeepSpeed path,
+    read from the repository root as accelerate does, is the file `--config NAME` resolves to."""
+    import yaml
+
+    from finetune.config import training as C
+
+    for name in ("ds_configs", "accelerate_configs"):
+        assert (REPO / name).is_symlink() and (REPO / name).resolve() == REPO / "finetune" / "presets" / name
+    monkeypatch.chdir(REPO)
+    for preset in ("zero2", "zero3"):
+        accelerate = yaml.safe_load((REPO / "accelerate_configs" / f"{preset}.yaml").read_text())
+        file = accelerate["deepspeed_config"]["deepspeed_config_file"]
+        assert Path(file).resolve() == C.resolve_preset(preset).resolve() == C.DS_CONFIG_DIR / C.PRESETS[preset]
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", file)
+        assert C._check_accelerate_agrees(C.LaunchConfig(config=preset), config_given=True) == []
+        other = "zero3" if preset == "zero2" else "zero2"
+        assert C._check_accelerate_agrees(C.LaunchConfig(config=other), config_given=True) != []
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh environment with finetune installed from a copy of the checkout by `pip install --no-deps .`."""
@@ -73,6 +92,7 @@ def installed(tmp_path_factory) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_every_module_and_preset_is_installed(installed, tmp_path):
     code = "import finetune, pathlib; print(pathlib.Path(finetune.__file__).parent)"
     result = bounded([str(installed), "-c", code], cwd=tmp_path, timeout=60)
@@ -96,6 +116,7 @@ def test_every_module_and_preset_is_installed(installed, tmp_path):
     assert result.stdout.strip().splitlines()[-1] == str(package / "presets" / "ds_configs" / "zero3_offload.json")
 
 
+@pytest.mark.slow
 def test_zero3_trains_on_two_processes_outside_the_checkout(installed, tmp_path):
     _, model, data = tiny_job(tmp_path / "job", records=16)
     work = tmp_path / "elsewhere"
