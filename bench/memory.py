@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Pinned for every measured run. glibc otherwise serves blocks below its (dynamic) mmap threshold from the heap
-# and keeps them after free: RSS drifts from run to run and grows step after step. 1 MiB (STACK-NOTES) still left
+# and keeps them after free: RSS drifts from run to run and grows step after step. 1 MiB (the usual setting) still left
 # the bench model's 256-512 KB tensors (k/v, norms) on the heap and RSS crept ~20 MB a step; 128 KiB is flat.
 MMAP_THRESHOLD = "131072"
 MEASURE_STEP = 2  # steps 1..N; counted at this one (optimizer states exist after step 1)

@@ -15,6 +15,8 @@ COMMANDS = {
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
     "tiny": ("finetune.models.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }
+# The commands that run finetune's workarounds for other libraries' internals (finetune.compat).
+CHECKS_VERSIONS = ("train", "loop", "sft", "generate", "export", "quickstart")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,5 +41,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     import importlib
 
+    if argv[0] in CHECKS_VERSIONS:
+        from finetune import compat
+
+        compat.check_versions()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
+
+
+if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it
+    main()

@@ -13,7 +13,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from finetune.compat import check_versions
 from finetune.training.loop import main
 
 if __name__ == "__main__":
+    check_versions()
     main()

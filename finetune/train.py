@@ -14,7 +14,9 @@ if __package__ in (None, ""):
     # Run as a file: import the `finetune` package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from finetune.compat import check_versions
 from finetune.training.trainer import main
 
 if __name__ == "__main__":
+    check_versions()
     main()

@@ -14,7 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetune.compat import check_versions
 from finetune.training.engine import main
 
 if __name__ == "__main__":
+    check_versions()
     main()

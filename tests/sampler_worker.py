@@ -1,5 +1,5 @@
 """Run under `accelerate launch`: dump the index stream each rank gets through the prepare() path's
-dataloader (finetune.sampler.distributed_dataloader + accelerator.prepare + set_epoch), for a grid."""
+dataloader (finetune.data.sampler.distributed_dataloader + accelerator.prepare + set_epoch), for a grid."""
 
 import json
 import sys

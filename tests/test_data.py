@@ -1,9 +1,9 @@
 """finetune.data.prepare: loss masks token by token, file formats, truncation, bad input, caching, ranks.
 
-Expected token ids and labels are built independently of data.py's span logic: each conversation is
+Expected token ids and labels are built independently of finetune/data/prepare.py's span logic: each conversation is
 written out by hand as (text, trained?) segments following the chat template, every segment is encoded
 on its own with the tokenizer, and the concatenation must equal both the tokenization of the whole text
-and what data.py returns.
+and what prepare.py returns.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, prepare_dat
 from finetune.models.load import load_tokenizer
 
 CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-# The classic Alpaca prompts, written out here rather than imported from data.py.
+# The classic Alpaca prompts, written out here rather than imported from finetune/data/prepare.py.
 ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"

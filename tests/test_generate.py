@@ -181,7 +181,7 @@ def test_sampling_is_seeded(files, capsys, tmp_path):
 
 @pytest.mark.slow
 def test_entry_points_write_the_same_jsonl(files, unsharded, tmp_path, monkeypatch, capsys):
-    """`finetune generate` as users type it (a real process, JSON lines on stdout), and `python -m finetune.generate`."""
+    """`finetune generate` as users type it (a real process, JSON lines on stdout), and `python -m finetune.inference.generate`."""
     import runpy
     import sys
 
@@ -192,7 +192,7 @@ def test_entry_points_write_the_same_jsonl(files, unsharded, tmp_path, monkeypat
     assert _ids(lines) == _ids(unsharded["base"])
     assert re.search(r"model\.layers\.3\s+-> disk", result.output)
     out = tmp_path / "m.jsonl"
-    monkeypatch.setattr(sys, "argv", ["python -m finetune.generate", *common, "--output", str(out)])
+    monkeypatch.setattr(sys, "argv", ["python -m finetune.inference.generate", *common, "--output", str(out)])
     runpy.run_module("finetune.inference.generate", run_name="__main__", alter_sys=True)
     assert _ids(json.loads(line) for line in out.read_text().splitlines()) == _ids(unsharded["base"])
 

@@ -1,6 +1,6 @@
 """Exact resume after a crash, in all three training paths, and ZeRO-Infinity (zero3_nvme) in all three.
 
-The fast tests pin the checkpoint rules (finetune/checkpoint.py): a checkpoint cut off mid-write is never
+The fast tests pin the checkpoint rules (finetune/training/checkpoint.py): a checkpoint cut off mid-write is never
 `latest`; a ZeRO checkpoint for another world size or stage is refused with the conversion command.
 
 The slow tests, per path (Trainer: finetune/train.py under accelerate launch; the prepare() loop:
@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from finetune import compat
 from finetune.training import checkpoint
 from finetune.models import tiny
 from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, run_and_kill_rank
@@ -175,7 +176,7 @@ def test_cpu_adam_replay_is_bit_exact(one_thread):
             q.copy_(saved_p)
         opt2.load_state_dict(saved_state)
         if replay:
-            assert checkpoint.replay_cpu_adam(SimpleNamespace(optimizer=opt2)) == 30
+            assert compat.replay_cpu_adam(SimpleNamespace(optimizer=opt2)) == 30
         steps(q, opt2, 30, 40)
         return q.detach()
 

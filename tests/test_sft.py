@@ -8,7 +8,6 @@ tests/test_parity.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -44,7 +43,7 @@ def _dataset(n: int):
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_loader_order_is_distributed_samplers(n, drop_last, world):
-    """Per rank and epoch, sft.py's loader yields exactly finetune.sampler.rank_indices (DistributedSampler's stream),
+    """Per rank and epoch, sft.py's loader yields exactly finetune.data.sampler.rank_indices (DistributedSampler's stream),
     cut into micro-batches, and that is what the Trainer's batch order deals to the same rank."""
     dataset = _dataset(n)
     args = SimpleNamespace(per_device_train_batch_size=3, data_seed=None, seed=1234, dataloader_drop_last=drop_last,

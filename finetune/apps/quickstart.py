@@ -11,7 +11,7 @@ perplexity on the reference answers, and exact match of greedy completions; (3) 
 --max_minutes; (4) evaluate the fine-tuned model the same way; (5) write OUTPUT_DIR/report: metrics.json,
 loss_curve.png, examples.md (before/after on a few held-out records) and report.md.
 
-Inference in (2) and (4) is finetune/generate.py's path (load_for_inference + batched greedy generate).
+Inference in (2) and (4) is finetune/inference/generate.py's path (load_for_inference + batched greedy generate).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 
 from transformers import TrainerCallback

@@ -20,8 +20,8 @@ from finetune.config.parser import (Command, ConfigError, Setting, convert, did_
                                     read_recipe, wants_help)
 from finetune.config.parser import _plain
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+# Package data, so an installed finetune finds its presets; the repository's top-level ds_configs/ links here.
+DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "ds_configs"
 
 # Parallelism presets: the name a user types -> the DeepSpeed JSON it stands for (None = plain DDP).
 # `zero3` means ZeRO-3 with parameters and optimizer offloaded to CPU, the preset that fits the most.
@@ -427,10 +427,6 @@ def _check_ds_json(path: Path) -> list[str]:
     if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
         return [f"--config {path}: expected a DeepSpeed config object with a zero_optimization section"]
     return []
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def free_port() -> int:

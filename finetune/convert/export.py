@@ -3,7 +3,7 @@
     finetune export --adapter OUT --output_dir merged            # merge a LoRA adapter into its base
     finetune export --adapter OUT --base_model BASE --output_dir merged
     finetune export --zero_checkpoint OUT/checkpoint-500 --output_dir consolidated   # DeepSpeed ZeRO checkpoint
-    python -m finetune.export ...                                # the same
+    python -m finetune.convert.export ...                                            # the same
 
 Merge: the base is loaded in full precision (--torch_dtype, default float32), also when the adapter was trained
 on a 4-bit or 8-bit base (QLoRA): merging into quantized weights would round the update away.

@@ -142,7 +142,7 @@ def plain_copy(gguf_model):
     for name, buf in gguf_model.named_buffers():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        persistent = leaf not in getattr(module, "_non_persistent_buffers_set", set())
+        persistent = name in state  # a state dict holds exactly the persistent buffers
         module.register_buffer(leaf, buf.clone(), persistent=persistent)
     model.tie_weights()
     really_missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]

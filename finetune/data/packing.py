@@ -2,7 +2,7 @@
 
 Packing happens BEFORE sampling: the best-fit-decreasing packer turns tokenized records into rows of at
 most `max_seq_length` tokens, and the rows are the data set's items. The DistributedSampler order of
-finetune/sampler.py then shuffles and deals rows exactly as it deals records, so every path (Trainer,
+finetune/data/sampler.py then shuffles and deals rows exactly as it deals records, so every path (Trainer,
 accelerate loop, DeepSpeed script), every rank count and a resumed run see the same rows in the same order,
 and every rank gets the same token budget per micro-batch. Packing after sampling would instead make the
 number of rows per rank depend on which records it drew.

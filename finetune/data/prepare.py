@@ -191,15 +191,6 @@ def validate_record(record: dict, fmt: str, where: str) -> None:
         raise DataError(f"unknown dataset format {fmt!r}")
 
 
-def load_and_validate(path: str | Path, fmt: str = "auto") -> tuple[list[dict], str]:
-    records, where = read_records(path)
-    if fmt == "auto":
-        fmt = detect_format(records[0], where[0])
-    for record, loc in zip(records, where):
-        validate_record(record, fmt, loc)
-    return records, fmt
-
-
 # ----------------------------------------------------------------------------------------------
 # Tokenization with loss masks.
 
@@ -510,7 +501,7 @@ class Collator:
 
 
 def make_collator(cfg, tokenizer):
-    """The collator every training path uses: padded records, or packed / padding-free rows (finetune.packing).
+    """The collator every training path uses: padded records, or packed / padding-free rows (finetune.data.packing).
 
     `cfg`: the FinetuneConfig (or its DataConfig; the attention kernel then counts as sdpa).
     """

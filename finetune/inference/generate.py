@@ -4,7 +4,7 @@
     finetune generate --model_name_or_path MODEL --adapter ADAPTER --prompts prompts.jsonl --output out.jsonl
     finetune generate ... --device_map auto --max_memory cpu=2GiB,disk=20GiB --offload_folder /tmp/offload
     finetune generate ... --device_map my_map.json          # {"model.embed_tokens": "cpu", "model.layers.0": 0, ...}
-    python -m finetune.generate ...                          # the same
+    python -m finetune.inference.generate ...               # the same
 
 Prompts: `--prompt TEXT` (repeatable; `--chat` sends each through the chat template as one user message) or
 `--prompts FILE.jsonl`, one record a line: {"prompt": TEXT} or {"text": TEXT} (plain text, `--chat` applies),
@@ -194,13 +194,14 @@ def plan_device_map(model, spec: str, max_memory: dict[int | str, int] | None) -
         device_map = read_device_map_file(spec, model)
     else:
         import psutil
-        from transformers.integrations.accelerate import _get_device_map
+
+        from finetune import compat
 
         limits: dict[int | str, int] | None = None
         if max_memory is not None:
             limits = dict(max_memory)
             limits.setdefault("cpu", psutil.virtual_memory().available)
-        device_map = dict(_get_device_map(model, spec, limits, None))
+        device_map = compat.preset_device_map(model, spec, limits)
     check_memory(model, device_map, max_memory)
     return device_map
 
@@ -441,14 +442,10 @@ def load_for_inference(opts: LoadOptions, log=None):
 
 
 def _offload_hooks(model):
-    """(module name, accelerate AlignDevicesHook) for every module whose weights are fetched at forward time."""
-    out = []
-    for name, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
-            if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
-                out.append((name, module, h))
-    return out
+    """(module name, module, accelerate AlignDevicesHook) for every module whose weights are fetched at forward time."""
+    from finetune import compat
+
+    return compat.offload_hooks(model)
 
 
 class _AdapterWeightsMap(Mapping):
@@ -822,7 +819,9 @@ class _OnceFilter:
 def _quiet_libraries() -> None:
     import logging
 
-    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    from finetune import compat
+
+    logger = logging.getLogger(compat.BNB_WARNINGS_LOGGER)
     if not any(isinstance(f, _OnceFilter) for f in logger.filters):
         logger.addFilter(_OnceFilter())
 

@@ -6,6 +6,9 @@ import os
 
 import torch
 
+# The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
+from finetune.compat import guard_4bit_training  # noqa: F401
+
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -99,80 +102,6 @@ def describe_quantization(model, model_cfg, quant) -> str:
     device = next(iter(getattr(model, "hf_device_map", {"": "cpu"}).values()))
     rank = os.environ.get("RANK", "0")
     return f"rank {rank}: base loaded in {kind} by bitsandbytes on {device}: {layers} quantized linear layers"
-
-
-def _is_cpu_packed(module) -> bool:
-    state = getattr(module.weight, "quant_state", None)
-    return bool(state is not None and getattr(state, "packing_format_for_cpu", False))
-
-
-def _unpack_4bit(module) -> None:
-    """Back to the standard 4-bit layout: exactly, from the copy kept when bitsandbytes packed the weight; otherwise
-    with bitsandbytes' inverse, whose scales stay in bf16 (and, for non-nested weights, in the packed order:
-    fixed here)."""
-    stash = getattr(module, "_finetune_4bit_original", None)
-    if stash is not None:
-        data, state = stash
-        module._finetune_4bit_original = None
-    else:
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        nested = getattr(module.weight.quant_state, "original_nested", False)
-        data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, module.weight.quant_state)
-        if not nested and state.absmax.dim() == 2:
-            state.absmax = state.absmax.T.reshape(-1).to(torch.float32)
-    module.weight.data = data
-    module.weight.quant_state = state
-    if getattr(module, "quant_state", None) is not None:
-        module.quant_state = state
-
-
-def _guard_pre_forward(module, args):
-    x = args[0] if args else None
-    needs_grad = module.training or (torch.is_grad_enabled() and getattr(x, "requires_grad", False))
-    if _is_cpu_packed(module):
-        # The packed CPU layout is served by bitsandbytes' gemv_4bit, which has no autograd kernel: gradients stop at
-        # this layer (LoRA stops learning, with only a UserWarning). Restore the standard layout first.
-        if needs_grad:
-            _unpack_4bit(module)
-    elif (
-        not needs_grad
-        and getattr(module, "support_avx512bf16_for_cpu", False)
-        and getattr(x, "device", None) is not None
-        and x.device.type == "cpu"
-    ):
-        # bitsandbytes is about to pack this weight (it mutates the quant state in place): keep the original.
-        import copy
-
-        module._finetune_4bit_original = (module.weight.data, copy.copy(module.weight.quant_state))
-
-
-def guard_4bit_training(model) -> int:
-    """Guard the bitsandbytes 4-bit CPU trap (STACK-NOTES): on CPUs with AVX512-BF16, the first no-grad forward in
-    eval mode (one `generate` is enough) repacks every Linear4bit weight into an inference-only layout, and from
-    then on gradients no longer flow through the base layers, so LoRA stops learning.
-
-    For a model that will be trained: turn the repacking off (bitsandbytes' own per-module switch), and, should a
-    weight get packed all the same (the switch turned back on, weights packed before this call), restore the
-    standard layout before any forward that needs gradients (exactly, from a copy kept at packing time).
-    Idempotent; returns the number of 4-bit layers guarded.
-    """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, bnb.nn.Linear4bit):
-            continue
-        count += 1
-        if _is_cpu_packed(module):
-            _unpack_4bit(module)
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-        if getattr(module, "_finetune_4bit_guard", None) is None:
-            module._finetune_4bit_guard = module.register_forward_pre_hook(_guard_pre_forward)
-    return count
 
 
 def add_lora(model, model_cfg, seed: int):

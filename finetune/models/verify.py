@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from finetune import compat
 
 DEFAULT_ATOL = 1e-5
 
@@ -200,21 +201,6 @@ def _quantization_of(model):
     return config
 
 
-@contextmanager
-def outside_zero3():
-    """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,
-    from_pretrained would partition the reloaded copy with collectives that only rank 0 runs (a hang, or gloo's
-    "Received data size doesn't match expected size")."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
 def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, device=None, quantization=None):
     """from_pretrained on the folder: a full model, or an adapter on its base (from adapter_config.json unless
     `base_model` is given). Missing or unexpected weights are errors (from_pretrained would initialise missing
@@ -291,15 +277,10 @@ def verify_saved(
     else:
         floats = [v.dtype for v in reference.values() if hasattr(v, "is_floating_point") and v.is_floating_point()]
         dtype, device, quant = (floats[0] if floats else torch.float32), None, None
-    with outside_zero3():
+    with compat.outside_zero3():
         model, kind = reload(folder, base_model=base_model, dtype=dtype, device=device, quantization=quant)
     if quant is not None:
-        # On AVX512-BF16 CPUs bitsandbytes serves eval-mode 4-bit forwards from a repacked bf16 layout (up to ~3e-2
-        # off the fp32 path) unless guarded; compare both models on the exact layout training uses.
-        from finetune.models.load import guard_4bit_training
-
-        guard_4bit_training(model)
-        guard_4bit_training(reference)
+        compat.same_4bit_layout(model, reference)
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else model.config.vocab_size
     ids = input_ids if input_ids is not None else fixed_input(int(vocab))
     reloaded = logits_of(model, ids)

@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+from finetune import compat
+
 MARKER = "finetune_checkpoint.json"
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
@@ -185,112 +187,8 @@ def save_interval(args, max_steps: int, sources=()) -> int:
     return math.ceil(max_steps * steps) if steps < 1 else int(steps)
 
 
-# ----------------------------------------------------------------------------------------------
-
-
-def restore_after_load(engine, folder: str | Path) -> None:
-    """After a DeepSpeed engine loaded `folder`: finish what its load leaves out, so the run continues exactly.
-
-    1. NVMe optimizer offload (zero3_nvme). DeepSpeed 0.19.8's load_checkpoint then only copies the swap files
-       back and skips the ZeRO optimizer file, which loses (measured): each group's learning rate (the next step
-       ran at the optimizer's initial lr), every Adam step count, the Adam moments of swapped partitions (a fresh
-       optimizer does not know their files), and all of any partition under 1 MiB (never swapped: its weights
-       and moments live only in zero_pp_rank_*_optim_states.pt). All are restored here. That file is a pickle,
-       as every DeepSpeed checkpoint is; it is the user's own checkpoint, which DeepSpeed has just unpickled.
-    2. DeepSpeed CPU Adam's own bias-correction state (replay_cpu_adam).
-    """
-    _restore_nvme_offloaded(engine, Path(folder))
-    replay_cpu_adam(engine)
-
-
-def _restore_nvme_offloaded(engine, folder: Path) -> None:
-    import torch
-    import torch.distributed as dist
-
-    opt = getattr(engine, "optimizer", None)
-    if not getattr(opt, "swap_optimizer", False):
-        return
-    rank = dist.get_rank(group=opt.dp_process_group)
-    files = sorted(folder.rglob(f"zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"))
-    if len(files) != 1:
-        raise ResumeError(f"{folder}: expected one ZeRO optimizer file for rank {rank}, found {len(files)}")
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
-    saved_fp32, saved_states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]
-    # The saved optimizer state is indexed in the order DeepSpeed lists the fp32 sub-groups when it saves.
-    opt._set_fp32_optimizer_param_groups()
-    try:
-        index = {id(p): i for i, p in enumerate(p for g in opt.optimizer.param_groups for p in g["params"])}
-    finally:
-        opt._clear_fp32_optimizer_param_groups()
-    # Hyperparameters of each group as saved (the learning rate of the next step: a scheduler's load_state_dict
-    # does not set it on the optimizer).
-    for group, saved_group in zip(opt.optimizer.param_groups, saved["optimizer_state_dict"]["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    opt.checkpoint_event_prologue()
-    for sub_group, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
-        state, saved_state = opt.optimizer.state[fp32], saved_states.get(index[id(fp32)], {})
-        if opt._swappable_optimizer_subgroup(sub_group):
-            _restore_swapped_state(opt, sub_group, fp32, saved_state)
-            continue
-        with torch.no_grad():
-            fp32.data.copy_(saved_fp32[sub_group])
-            for key, value in saved_state.items():
-                if torch.is_tensor(value) and torch.is_tensor(state.get(key)) and state[key].shape == value.shape:
-                    state[key].copy_(value)
-                else:
-                    state[key] = value.clone() if torch.is_tensor(value) else value
-        opt._reassign_or_swap_out_partitioned_parameters(sub_group)  # fp32 master -> the 16-bit partition
-    opt.checkpoint_event_epilogue()
-
-
-def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None:
-    """A swapped sub-group: DeepSpeed copied its files back (weights and Adam moments), but a fresh optimizer
-    has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
-    the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
-    import torch
-
-    opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
-    state = opt.optimizer.state[fp32]
-    folder = Path(opt.optimizer_swapper.swap_folder)
-    for key, value in saved_state.items():
-        if not torch.is_tensor(value):
-            state[key] = value  # the step count
-            continue
-        path = folder / f"{key}-{fp32.ds_id}.tensor.swp"
-        if not path.is_file():
-            raise ResumeError(f"NVMe offload: {path} is missing; the checkpoint's offloaded_tensors are incomplete")
-        # The file holds the tensor's values, padded to the I/O alignment.
-        raw = bytearray(path.read_bytes()[: fp32.numel() * value.element_size()])
-        state[key] = torch.frombuffer(raw, dtype=value.dtype).view_as(fp32)
-    opt._release_sub_group(sub_group, set())  # the swapper now tracks the moments too
-
-
-def replay_cpu_adam(engine) -> int:
-    """Make a resumed DeepSpeedCPUAdam compute the same bias correction as an uninterrupted run.
-
-    The C++ kernel keeps beta1^t, beta2^t itself and advances them by one multiplication per step; a
-    loaded optimizer restarts that state at step 0, and its first step computes them with pow() instead,
-    which differs in the last float bits (enough to drift past 1e-6 in a few steps). Replaying the
-    increments 1..t on empty tensors rebuilds exactly the uninterrupted products and changes no weight.
-    Returns the step replayed to (0 when there is no CPU Adam).
-    """
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    optimizer = getattr(engine, "optimizer", None)
-    while optimizer is not None and not isinstance(optimizer, DeepSpeedCPUAdam):
-        optimizer = getattr(optimizer, "optimizer", None)
-    if optimizer is None:
-        return 0
-    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s, dict) and "step" in s]
-    step = max(steps) if steps else int(getattr(engine, "global_steps", 0))
-    group = optimizer.param_groups[0]
-    beta1, beta2 = group["betas"]
-    empty = torch.empty(0, dtype=torch.float32)
-    for t in range(1, step + 1):
-        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
-                                          group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
-    return step
+# What DeepSpeed's load_checkpoint leaves out, restored after it: a workaround for DeepSpeed internals.
+restore_after_load = compat.restore_after_load
 
 
 def save_rng(folder: str | Path, rank: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from finetune import compat
 from finetune.data.prepare import IGNORE_INDEX
 from finetune.training import checkpoint
 from finetune.training.outputs import (commit_staged, exit_with, rank0_print, staging_dir, verify_staged,
@@ -372,7 +373,7 @@ def consolidated_state_dict(ds_engine, module):
     an adapter only the trainable LoRA weights). None otherwise: the module holds its whole weights."""
     if ds_engine is None or ds_engine.zero_optimization_stage() != 3:
         return None
-    return ds_engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=hasattr(module, "peft_config"))
+    return compat.zero3_consolidated_state_dict(ds_engine, exclude_frozen_parameters=hasattr(module, "peft_config"))
 
 
 def save_final(module, state_dict, tokenizer, output_dir, state: dict) -> None:

@@ -1,0 +1,343 @@
+"""Every place finetune relies on another library's internals, with the upstream versions it was written for.
+
+Each workaround below names the versions it was measured on. `check_versions()` runs when a command starts and
+warns, once per package, when an installed version is outside the tested range (TESTED). One workaround refuses
+instead of warning: the DeepSpeed NVMe-offload restore (restore_after_load), which reads DeepSpeed's swap files by
+their name and layout and, should those change, would resume with wrong Adam moments and no error. Set
+FINETUNE_ALLOW_UNTESTED=1 to run it anyway.
+
+Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
+`_save_checkpoint` and `_load_optimizer_and_scheduler` (covered by the transformers range).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+ALLOW_UNTESTED = "FINETUNE_ALLOW_UNTESTED"
+
+
+@dataclass(frozen=True)
+class Tested:
+    spec: str  # a PEP 440 specifier: the versions the workarounds were measured on
+    risk: str  # what may misbehave outside it
+
+
+TESTED: dict[str, Tested] = {
+    "deepspeed": Tested(
+        ">=0.19.8,<0.20",
+        "resuming a DeepSpeed checkpoint (the NVMe-offload restore and the CPU Adam replay call private ZeRO-3 "
+        "optimizer methods and read its swap files) and the consolidated ZeRO-3 save of `finetune sft`",
+    ),
+    "bitsandbytes": Tested(
+        ">=0.50,<0.51",
+        "4-bit training on CPUs with AVX512-BF16: the guard against bitsandbytes' inference-only weight repacking "
+        "(without it LoRA silently stops learning) and the exact-layout comparison when a 4-bit save is verified",
+    ),
+    "transformers": Tested(
+        ">=5.23,<5.24",
+        "the Trainer path's checkpoint hooks (private Trainer methods), reloading for verification inside a ZeRO-3 "
+        "run, and `finetune generate --device_map auto|balanced|sequential`",
+    ),
+    "accelerate": Tested(
+        ">=1.15,<1.16",
+        "`finetune generate --adapter` on a model with offloaded layers (it rewires accelerate's offload hooks)",
+    ),
+}
+
+
+def untested(package: str) -> str | None:
+    """The message for `package` if its installed version is outside TESTED, else None (also when not installed)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    tested = TESTED[package]
+    try:
+        installed = metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+    try:
+        inside = Version(installed) in SpecifierSet(tested.spec)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return None
+    return (f"{package} {installed} is outside the range finetune was tested with ({package}{tested.spec}); "
+            f"what may misbehave: {tested.risk}")
+
+
+def check_versions(stream=None) -> list[str]:
+    """Warn (rank 0 only) about every installed package outside its tested range; returns the messages."""
+    messages = [m for m in map(untested, TESTED) if m]
+    if messages and os.environ.get("RANK", "0") == "0":
+        stream = stream or sys.stderr
+        for message in messages:
+            print(f"finetune: warning: {message}", file=stream, flush=True)
+    return messages
+
+
+def _refuse_untested(package: str, what: str) -> None:
+    message = untested(package)
+    if message and os.environ.get(ALLOW_UNTESTED) != "1":
+        from finetune.training.checkpoint import ResumeError
+
+        raise ResumeError(f"{message}. {what} would silently give wrong results if that changed; install a tested "
+                          f"version, or set {ALLOW_UNTESTED}=1 to run it anyway")
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed 0.19.8: what load_checkpoint leaves out.
+
+
+def restore_after_load(engine, folder: str | Path) -> None:
+    """After a DeepSpeed engine loaded `folder`: finish what its load leaves out, so the run continues exactly.
+
+    1. NVMe optimizer offload (zero3_nvme). DeepSpeed 0.19.8's load_checkpoint then only copies the swap files
+       back and skips the ZeRO optimizer file, which loses (measured): each group's learning rate (the next step
+       ran at the optimizer's initial lr), every Adam step count, the Adam moments of swapped partitions (a fresh
+       optimizer does not know their files), and all of any partition under 1 MiB (never swapped: its weights
+       and moments live only in zero_pp_rank_*_optim_states.pt). All are restored here. That file is a pickle,
+       as every DeepSpeed checkpoint is; it is the user's own checkpoint, which DeepSpeed has just unpickled.
+    2. DeepSpeed CPU Adam's own bias-correction state (replay_cpu_adam).
+    """
+    _restore_nvme_offloaded(engine, Path(folder))
+    replay_cpu_adam(engine)
+
+
+def _restore_nvme_offloaded(engine, folder: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from finetune.training.checkpoint import ResumeError
+
+    opt = getattr(engine, "optimizer", None)
+    if not getattr(opt, "swap_optimizer", False):
+        return
+    _refuse_untested("deepspeed", "Restoring NVMe-offloaded optimizer state (it reads DeepSpeed's swap files directly)")
+    rank = dist.get_rank(group=opt.dp_process_group)
+    files = sorted(folder.rglob(f"zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"))
+    if len(files) != 1:
+        raise ResumeError(f"{folder}: expected one ZeRO optimizer file for rank {rank}, found {len(files)}")
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    saved_fp32, saved_states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]
+    # The saved optimizer state is indexed in the order DeepSpeed lists the fp32 sub-groups when it saves.
+    opt._set_fp32_optimizer_param_groups()
+    try:
+        index = {id(p): i for i, p in enumerate(p for g in opt.optimizer.param_groups for p in g["params"])}
+    finally:
+        opt._clear_fp32_optimizer_param_groups()
+    # Hyperparameters of each group as saved (the learning rate of the next step: a scheduler's load_state_dict
+    # does not set it on the optimizer).
+    for group, saved_group in zip(opt.optimizer.param_groups, saved["optimizer_state_dict"]["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    opt.checkpoint_event_prologue()
+    for sub_group, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+        state, saved_state = opt.optimizer.state[fp32], saved_states.get(index[id(fp32)], {})
+        if opt._swappable_optimizer_subgroup(sub_group):
+            _restore_swapped_state(opt, sub_group, fp32, saved_state)
+            continue
+        with torch.no_grad():
+            fp32.data.copy_(saved_fp32[sub_group])
+            for key, value in saved_state.items():
+                if torch.is_tensor(value) and torch.is_tensor(state.get(key)) and state[key].shape == value.shape:
+                    state[key].copy_(value)
+                else:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+        opt._reassign_or_swap_out_partitioned_parameters(sub_group)  # fp32 master -> the 16-bit partition
+    opt.checkpoint_event_epilogue()
+
+
+def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None:
+    """A swapped sub-group: DeepSpeed copied its files back (weights and Adam moments), but a fresh optimizer
+    has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
+    the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
+    import torch
+
+    from finetune.training.checkpoint import ResumeError
+
+    opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
+    state = opt.optimizer.state[fp32]
+    folder = Path(opt.optimizer_swapper.swap_folder)
+    for key, value in saved_state.items():
+        if not torch.is_tensor(value):
+            state[key] = value  # the step count
+            continue
+        path = folder / f"{key}-{fp32.ds_id}.tensor.swp"
+        if not path.is_file():
+            raise ResumeError(f"NVMe offload: {path} is missing; the checkpoint's offloaded_tensors are incomplete")
+        # The file holds the tensor's values, padded to the I/O alignment.
+        raw = bytearray(path.read_bytes()[: fp32.numel() * value.element_size()])
+        state[key] = torch.frombuffer(raw, dtype=value.dtype).view_as(fp32)
+    opt._release_sub_group(sub_group, set())  # the swapper now tracks the moments too
+
+
+def replay_cpu_adam(engine) -> int:
+    """Make a resumed DeepSpeedCPUAdam (DeepSpeed 0.19.8) compute the same bias correction as an uninterrupted run.
+
+    The C++ kernel keeps beta1^t, beta2^t itself and advances them by one multiplication per step; a
+    loaded optimizer restarts that state at step 0, and its first step computes them with pow() instead,
+    which differs in the last float bits (enough to drift past 1e-6 in a few steps). Replaying the
+    increments 1..t on empty tensors rebuilds exactly the uninterrupted products and changes no weight.
+    Returns the step replayed to (0 when there is no CPU Adam).
+    """
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    optimizer = getattr(engine, "optimizer", None)
+    while optimizer is not None and not isinstance(optimizer, DeepSpeedCPUAdam):
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is None:
+        return 0
+    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s, dict) and "step" in s]
+    step = max(steps) if steps else int(getattr(engine, "global_steps", 0))
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for t in range(1, step + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
+                                          group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+    return step
+
+
+def zero3_consolidated_state_dict(engine, *, exclude_frozen_parameters: bool):
+    """The whole 16-bit state dict of a ZeRO-3 engine on rank 0 (None elsewhere); collective. DeepSpeed 0.19.8's
+    public save_16bit_model writes a file; this private method is what it calls to build the dict."""
+    return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+# ----------------------------------------------------------------------------------------------
+# bitsandbytes 0.50.2: CPU repacking of 4-bit weights.
+
+
+def _is_cpu_packed(module) -> bool:
+    state = getattr(module.weight, "quant_state", None)
+    return bool(state is not None and getattr(state, "packing_format_for_cpu", False))
+
+
+def _unpack_4bit(module) -> None:
+    """Back to the standard 4-bit layout: exactly, from the copy kept when bitsandbytes packed the weight; otherwise
+    with bitsandbytes' inverse, whose scales stay in bf16 (and, for non-nested weights, in the packed order:
+    fixed here)."""
+    import torch
+
+    stash = getattr(module, "_finetune_4bit_original", None)
+    if stash is not None:
+        data, state = stash
+        module._finetune_4bit_original = None
+    else:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        nested = getattr(module.weight.quant_state, "original_nested", False)
+        data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, module.weight.quant_state)
+        if not nested and state.absmax.dim() == 2:
+            state.absmax = state.absmax.T.reshape(-1).to(torch.float32)
+    module.weight.data = data
+    module.weight.quant_state = state
+    if getattr(module, "quant_state", None) is not None:
+        module.quant_state = state
+
+
+def _guard_pre_forward(module, args):
+    import torch
+
+    x = args[0] if args else None
+    needs_grad = module.training or (torch.is_grad_enabled() and getattr(x, "requires_grad", False))
+    if _is_cpu_packed(module):
+        # The packed CPU layout is served by bitsandbytes' gemv_4bit, which has no autograd kernel: gradients stop at
+        # this layer (LoRA stops learning, with only a UserWarning). Restore the standard layout first.
+        if needs_grad:
+            _unpack_4bit(module)
+    elif (
+        not needs_grad
+        and getattr(module, "support_avx512bf16_for_cpu", False)
+        and getattr(x, "device", None) is not None
+        and x.device.type == "cpu"
+    ):
+        # bitsandbytes is about to pack this weight (it mutates the quant state in place): keep the original.
+        import copy
+
+        module._finetune_4bit_original = (module.weight.data, copy.copy(module.weight.quant_state))
+
+
+def guard_4bit_training(model) -> int:
+    """Guard bitsandbytes' 4-bit CPU repacking (bitsandbytes 0.50): on CPUs with AVX512-BF16, the first no-grad
+    forward in eval mode (one `generate` is enough) repacks every Linear4bit weight into an inference-only layout,
+    and from then on gradients no longer flow through the base layers, so LoRA stops learning.
+
+    For a model that will be trained: turn the repacking off (bitsandbytes' own per-module switch), and, should a
+    weight get packed all the same (the switch turned back on, weights packed before this call), restore the
+    standard layout before any forward that needs gradients (exactly, from a copy kept at packing time).
+    Idempotent; returns the number of 4-bit layers guarded.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        count += 1
+        if _is_cpu_packed(module):
+            _unpack_4bit(module)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+        if getattr(module, "_finetune_4bit_guard", None) is None:
+            module._finetune_4bit_guard = module.register_forward_pre_hook(_guard_pre_forward)
+    return count
+
+
+def same_4bit_layout(*models) -> None:
+    """Before comparing 4-bit models' logits: keep them on the layout training uses. On AVX512-BF16 CPUs
+    bitsandbytes 0.50 serves eval-mode 4-bit forwards from a repacked bf16 layout (up to ~3e-2 off the fp32
+    path) unless guarded."""
+    for model in models:
+        guard_4bit_training(model)
+
+
+# bitsandbytes logs its per-call CPU warnings under this (private) module's logger.
+BNB_WARNINGS_LOGGER = "bitsandbytes.autograd._functions"
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 5.23 and accelerate 1.15.
+
+
+@contextmanager
+def outside_zero3():
+    """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,
+    from_pretrained would partition the reloaded copy with collectives that only rank 0 runs (a hang, or gloo's
+    "Received data size doesn't match expected size"). transformers keeps that registration in a private global."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def preset_device_map(model, spec: str, max_memory: dict | None) -> dict:
+    """transformers' own resolution of a device_map preset (auto, balanced, balanced_low_0, sequential) to an
+    explicit map: the private function from_pretrained uses, so the map printed is the map from_pretrained makes."""
+    from transformers.integrations.accelerate import _get_device_map
+
+    return dict(_get_device_map(model, spec, max_memory, None))
+
+
+def offload_hooks(model):
+    """(module name, module, accelerate AlignDevicesHook) for every module whose weights are fetched at forward
+    time. accelerate keeps a module's hook in its `_hf_hook` attribute (a SequentialHook holds several)."""
+    out = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
+                out.append((name, module, h))
+    return out

@@ -1,0 +1,132 @@
+"""finetune.compat: the version check (with faked installed versions) and the refusal it guards."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from finetune import compat
+from finetune.training import checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fake_versions(monkeypatch, **versions: str) -> None:
+    """Installed versions as given; a package not named keeps a version inside its tested range."""
+    inside = {"deepspeed": "0.19.8", "bitsandbytes": "0.50.2", "transformers": "5.23.0", "accelerate": "1.15.0"}
+    inside.update(versions)
+
+    def version(name: str) -> str:
+        if inside.get(name) is None:
+            raise metadata.PackageNotFoundError(name)
+        return inside[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+
+
+def test_inside_the_tested_ranges_says_nothing(monkeypatch):
+    fake_versions(monkeypatch, deepspeed="0.19.9", bitsandbytes="0.50.0", transformers="5.23.4")
+    out = io.StringIO()
+    assert compat.check_versions(out) == [] and out.getvalue() == ""
+
+
+@pytest.mark.parametrize("package, version", [
+    ("deepspeed", "0.20.0"), ("deepspeed", "0.19.7"), ("bitsandbytes", "0.51.0"), ("transformers", "5.24.0"),
+    ("transformers", "6.0.0.dev0"), ("accelerate", "1.16.0"), ("deepspeed", "not-a-version"),
+])
+def test_outside_a_range_gets_one_message_naming_package_version_range_and_risk(monkeypatch, package, version):
+    fake_versions(monkeypatch, **{package: version})
+    out = io.StringIO()
+    messages = compat.check_versions(out)
+    assert len(messages) == 1
+    spec = compat.TESTED[package].spec
+    assert messages[0].startswith(f"{package} {version} is outside the range finetune was tested with ({package}{spec})")
+    assert compat.TESTED[package].risk in messages[0]
+    assert out.getvalue() == f"finetune: warning: {messages[0]}\n"
+
+
+def test_every_package_outside_is_reported_once_and_only_rank_0_prints(monkeypatch):
+    fake_versions(monkeypatch, deepspeed="0.21.0", bitsandbytes="0.52.0", transformers="5.30.0", accelerate="2.0.0")
+    out = io.StringIO()
+    assert [m.split()[0] for m in compat.check_versions(out)] == list(compat.TESTED)
+    assert out.getvalue().count("finetune: warning:") == 4
+    monkeypatch.setenv("RANK", "1")
+    out = io.StringIO()
+    assert len(compat.check_versions(out)) == 4 and out.getvalue() == ""
+
+
+def test_a_package_not_installed_is_not_reported(monkeypatch):
+    fake_versions(monkeypatch, bitsandbytes=None)
+    assert compat.untested("bitsandbytes") is None
+
+
+def test_the_pyproject_bounds_contain_the_tested_ranges():
+    """pip must be able to install every tested version, and no package whose internals are read is unbounded."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    declared = {Requirement(r).name: Requirement(r).specifier
+                for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for package, tested in compat.TESTED.items():
+        lowest_tested = tested.spec.split(",")[0].removeprefix(">=")
+        assert lowest_tested in declared[package], (package, lowest_tested, str(declared[package]))
+        assert any(s.operator == "<" for s in declared[package]), f"{package}: no upper bound in pyproject.toml"
+
+
+class _SwappingOptimizer:
+    swap_optimizer = True
+    dp_process_group = None
+
+
+def test_nvme_restore_refuses_an_untested_deepspeed(monkeypatch, tmp_path):
+    """The one refusal: the NVMe-offload restore reads DeepSpeed's swap files by name and layout."""
+    fake_versions(monkeypatch, deepspeed="0.20.1")
+    engine = SimpleNamespace(optimizer=_SwappingOptimizer())
+    with pytest.raises(checkpoint.ResumeError) as e:
+        checkpoint.restore_after_load(engine, tmp_path)
+    assert "deepspeed 0.20.1 is outside the range" in str(e.value)
+    assert f"{compat.ALLOW_UNTESTED}=1" in str(e.value)
+
+
+def test_nvme_restore_runs_on_an_untested_deepspeed_when_allowed(monkeypatch, tmp_path):
+    fake_versions(monkeypatch, deepspeed="0.20.1")
+    monkeypatch.setenv(compat.ALLOW_UNTESTED, "1")
+    monkeypatch.setattr("torch.distributed.get_rank", lambda group=None: 0)
+    engine = SimpleNamespace(optimizer=_SwappingOptimizer())
+    # Past the version check it looks for this rank's ZeRO optimizer file (none in an empty folder).
+    with pytest.raises(checkpoint.ResumeError, match="expected one ZeRO optimizer file for rank 0, found 0"):
+        checkpoint.restore_after_load(engine, tmp_path)
+
+
+def test_without_nvme_offload_nothing_is_refused(monkeypatch, tmp_path):
+    fake_versions(monkeypatch, deepspeed="0.20.1")
+    checkpoint.restore_after_load(SimpleNamespace(optimizer=None), tmp_path)  # no optimizer: nothing to restore
+
+
+@pytest.mark.parametrize("entry", [
+    [sys.executable, "-m", "finetune.cli", "train", "--help"],
+    [sys.executable, str(REPO / "finetune" / "train.py"), "--help"],
+    [sys.executable, str(REPO / "finetune" / "loop.py"), "--help"],
+    [sys.executable, str(REPO / "scripts" / "sft.py"), "--help"],
+])
+def test_every_entry_point_checks_versions(entry):
+    """A real process with deepspeed's installed version faked (the lookup is patched before the entry point runs)."""
+    code = ("import importlib.metadata as m, runpy, sys; v = m.version; "
+            "m.version = lambda name, v=v: '0.99.0' if name == 'deepspeed' else v(name); ")
+    if entry[1] == "-m":
+        code += f"sys.argv = ['finetune', *{entry[3:]!r}]; from finetune.cli import main; main()"
+    else:
+        code += f"sys.argv = [{entry[1]!r}, *{entry[2:]!r}]; runpy.run_path({entry[1]!r}, run_name='__main__')"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("finetune: warning: deepspeed 0.99.0 is outside the range") == 1, proc.stderr[-3000:]
