@@ -125,7 +125,7 @@ def init_process_group(args) -> None:
 
 
 def build_loader(dataset, collate_fn, args, world: int, rank: int):
-    """This rank's DataLoader: torch's DistributedSampler order (finetune.sampler gives the Trainer the same)."""
+    """This rank's DataLoader: torch's DistributedSampler order (finetune.data.sampler gives the Trainer the same)."""
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
