@@ -6,7 +6,6 @@ In-process and fast: parse() builds a transformers.TrainingArguments but never l
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -22,29 +21,13 @@ LAUNCH_ENV = (
 
 
 @pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    """parse() builds TrainingArguments: keep it single-process, whatever launched pytest, and leave no state behind.
-
-    With a DeepSpeed preset, building TrainingArguments may describe a world of one in os.environ and start a
-    (gloo, world size 1) process group; none of that may leak into later tests in this pytest process.
-    """
-    import torch.distributed as dist
-
+def single_process(monkeypatch, isolated):
+    """parse() builds TrainingArguments: keep it single-process, whatever launched pytest, and leave no state behind
+    (with a DeepSpeed preset it may describe a world of one in os.environ and start a gloo process group: `isolated`
+    undoes both)."""
     for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
-    had_group = dist.is_available() and dist.is_initialized()
-    saved_env = dict(os.environ)
     yield
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()  # a ZeRO-3 preset registers a global HfDeepSpeedConfig
-    if not had_group and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        AcceleratorState._reset_state(reset_partial_state=True)
-    if dict(os.environ) != saved_env:
-        os.environ.clear()
-        os.environ.update(saved_env)
 
 
 def parse(argv, **kw):

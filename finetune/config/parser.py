@@ -89,6 +89,18 @@ def convert(value: Any, tp: Any) -> Any:
     raise ValueError("; ".join(dict.fromkeys(errors)))
 
 
+def _number(value: Any, kind: type, expected: str):
+    """int or float from a number or its string (never from a bool: `--lr true` is a mistake, not 1.0)."""
+    if isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool):
+        return kind(value)
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ValueError(f"expected {expected}, got {value!r}")
+
+
 def _convert_one(value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -100,29 +112,11 @@ def _convert_one(value: Any, tp: Any) -> Any:
             return value.lower() in _TRUE
         raise ValueError(f"expected true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
-            raise ValueError(f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ValueError(f"expected an integer, got {value!r}")
+        return _number(value, int, "an integer")
     if tp is float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"expected a number, got {value!r}")
+        return _number(value, float, "a number")
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ValueError(f"expected a string, got {type(value).__name__}")
