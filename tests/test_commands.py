@@ -238,3 +238,14 @@ def test_repeatable_flag_and_alias():
     with pytest.raises(ConfigError) as e:
         cmd.parse(["--prompt", "a"])
     assert e.value.problems == ["--model_name_or_path: required (Local base model folder)"]
+
+
+def test_version_and_unknown_command(capsys):
+    from finetune import __version__
+
+    main(["--version"])
+    assert capsys.readouterr().out.strip() == f"finetune {__version__}"
+    with pytest.raises(SystemExit) as info:
+        main(["trian"])
+    assert info.value.code == 2
+    assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
