@@ -19,6 +19,9 @@ import pytest
 
 from tests.launch import REPO, TRAIN, env, losses, run, tiny_job
 
+# Every test here runs the real commands in processes (HF_HOME and HF_ENDPOINT are read when huggingface_hub loads).
+pytestmark = pytest.mark.slow
+
 COMMIT = "a" * 8 + "0123456789abcdef0123456789abcdef"  # 40 hex digits, as the Hub names commits
 TAG_COMMIT = "b" * 8 + "0123456789abcdef0123456789abcdef"
 REPO_ID = "tinyorg/tiny-llama"

@@ -80,8 +80,6 @@ class ModelConfig:
     allow_pickle: bool = field(
         default=False, metadata={"help": "Allow loading pickle (*.bin) weights. Off by default: only safetensors are read."}
     )
-    # Set by validate() for a Hub model (finetune.models.hub.HubModel); model_name_or_path is then its snapshot folder.
-    _hub: Any = field(default=None, init=False, repr=False, compare=False)
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
@@ -198,9 +196,9 @@ class FinetuneConfig:
         out: dict[str, Any] = {}
         for section in (self.launch, self.model, self.data):
             for f in dataclasses.fields(section):
-                if f.name != "recipe" and not f.name.startswith("_"):
+                if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
-        hub = self.model._hub
+        hub = getattr(self.model, "_hub", None)
         if hub is not None:
             # The repo id and the exact commit, not the cache folder: the recipe reruns on another machine.
             out["model_name_or_path"], out["model_revision"] = hub.repo_id, hub.commit
@@ -420,11 +418,12 @@ def _check_nvme(launch: LaunchConfig) -> list[str]:
 
 
 def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) -> list[str]:
-    """A Hub repo id becomes its snapshot folder in the HF cache (model._hub records the repo and commit); then the
-    local-folder checks apply to whatever model_name_or_path now names."""
+    """A Hub repo id becomes its snapshot folder in the HF cache; then the local-folder checks apply to whatever
+    model_name_or_path now names. `model._hub` (an attribute, not a flag: finetune.models.hub.HubModel) keeps the
+    repo id and the commit for the saved config and recipe."""
     from finetune.models.hub import HubError, looks_like_repo_id as is_repo, resolve_model
 
-    if model._hub is None and is_repo(model.model_name_or_path):
+    if getattr(model, "_hub", None) is None and is_repo(model.model_name_or_path):
         try:
             model._hub = resolve_model(model.model_name_or_path, model.model_revision,
                                        allow_pickle=model.allow_pickle, config_only=config_only)

@@ -692,8 +692,7 @@ def _flag(default: Any = None, help: str = "", **meta: Any) -> Any:
 class GenerateArgs:
     """What to load, the prompts, and how to decode"""
 
-    model_name_or_path: str | None = _flag(help="Local base model folder, or a Hub repo id (org/name) fetched into the "
-                                                "HF cache (HF_HOME; HF_HUB_OFFLINE=1 reads the cache only).",
+    model_name_or_path: str | None = _flag(help="Local base model folder or Hub repo id (org/name)",
                                            required=True, aliases=("model",))
     model_revision: str = _flag(default="main", help="Branch, tag or commit of a Hub model.")
     adapter: str | None = _flag(help="LoRA adapter folder (from finetune train --use_peft) to attach.")
