@@ -376,7 +376,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems += resolve_model_or_problems(model)
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
-        elif not Path(data.dataset).exists() and not looks_like_repo_id(data.dataset):
+        elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):
             problems.append(f"dataset: {data.dataset}: no such file or folder")
     return problems
 
@@ -433,7 +433,19 @@ def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) 
     if config_only:
         ok = (Path(model.model_name_or_path) / "config.json").is_file()
         return [] if ok else [f"model_name_or_path: {model.model_name_or_path}: no such folder with a config.json"]
-    return check_model_folder(model.model_name_or_path, model.allow_pickle)
+    problems = check_model_folder(model.model_name_or_path, model.allow_pickle)
+    hub = getattr(model, "_hub", None)
+    if problems and hub is not None:
+        # A snapshot can hold part of a repo (e.g. the config.json alone that `finetune plan` fetched).
+        problems = [f"{problems[0]} (the cached snapshot of {hub.repo_id} at {hub.revision}; go online, without "
+                    "HF_HUB_OFFLINE, to fetch the rest)"]
+    return problems
+
+
+def is_hub_dataset_name(name: str) -> bool:
+    from finetune.data.sources import looks_like_repo_id as is_repo
+
+    return is_repo(name)
 
 
 def looks_like_repo_id(name: str) -> bool:

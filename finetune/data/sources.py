@@ -16,8 +16,13 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
 def looks_like_repo_id(name: str | None) -> bool:
-    return bool(name) and _REPO_ID.match(name) is not None and not Path(name).exists()
+    """org/name that is not a local path; a name ending in a data file suffix is taken for a (missing) local file."""
+    return (bool(name) and _REPO_ID.match(name) is not None and not Path(name).exists()
+            and not name.lower().endswith(LOCAL_SUFFIXES))
 
 
 class HubDataError(Exception):

@@ -75,7 +75,8 @@ def explain(error: BaseException, repo_id: str, revision: str, flag: str = "--mo
             repo_type: str = "model") -> str:
     """One line for a huggingface_hub error: what failed and the fix."""
     from huggingface_hub.errors import (
-        GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+        GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     rev_flag = "--model_revision" if repo_type == "model" else "--dataset_revision"
@@ -93,6 +94,9 @@ def explain(error: BaseException, repo_id: str, revision: str, flag: str = "--mo
     if isinstance(error, RepositoryNotFoundError):
         token_hint = "" if has_token else "; if it is private, set HF_TOKEN"
         return f"{flag} {repo_id}: no such repository on the Hub (check the spelling{token_hint}), or give a local folder"
+    if isinstance(error, IncompleteSnapshotError):
+        return (f"{flag} {repo_id}: the cached snapshot at {revision} is incomplete ({error.snapshot_path}; an "
+                "interrupted download?); go online (unset HF_HUB_OFFLINE) to complete it")
     if isinstance(error, LocalEntryNotFoundError):
         cached = cached_revisions(repo_id, repo_type)
         where = _repo_folder(repo_id, repo_type)
