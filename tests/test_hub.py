@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, TRAIN, env, losses, run, tiny_job
+from tests.launch import REPO, TRAIN, env, launcher, losses, run, tiny_job
 
 # Every test here runs the real commands in processes (HF_HOME and HF_ENDPOINT are read when huggingface_hub loads).
 pytestmark = pytest.mark.slow
@@ -27,6 +27,11 @@ TAG_COMMIT = "b" * 8 + "0123456789abcdef0123456789abcdef"
 REPO_ID = "tinyorg/tiny-llama"
 DATA_ID = "tinyorg/tiny-chat"
 DATA_COMMIT = "c" * 8 + "0123456789abcdef0123456789abcdef"
+
+
+def hf_env(hf_home: Path) -> dict[str, str]:
+    """HF_HOME and the two cache variables that would override it, should the caller's environment set them."""
+    return dict(HF_HOME=str(hf_home), HF_HUB_CACHE=str(hf_home / "hub"), HF_DATASETS_CACHE=str(hf_home / "datasets"))
 
 
 def add_snapshot(hf_home: Path, repo_id: str, folder: Path, commit: str, refs: dict[str, str]) -> Path:
@@ -61,7 +66,7 @@ def hub(tmp_path_factory):
 def cli(hf_home: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "finetune.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=env(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", FINETUNE_CACHE=str(hf_home.parent / "ft-cache")),
+        env=env(**hf_env(hf_home), HF_HUB_OFFLINE="1", FINETUNE_CACHE=str(hf_home.parent / "ft-cache")),
     )
 
 
@@ -69,11 +74,11 @@ TRAIN_FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--lear
                "--max_seq_length", "64", "--seed", "3"]
 
 
-def train(hub, out: Path, model: str, *extra: str, dataset: str | None = None) -> list[float]:
+def train(hub, out: Path, model: str, *extra: str, dataset: str | None = None, cmd: list[str] | None = None) -> list[float]:
     root, _, data, hf_home = hub
-    result = run([sys.executable, TRAIN, "--model_name_or_path", model, "--dataset", dataset or str(data),
+    result = run([*(cmd or [sys.executable, TRAIN]), "--model_name_or_path", model, "--dataset", dataset or str(data),
                   "--output_dir", str(out), *TRAIN_FLAGS, *extra], timeout=300,
-                 HF_HOME=str(hf_home), FINETUNE_CACHE=str(root / "ft-cache"))
+                 **hf_env(hf_home), FINETUNE_CACHE=str(root / "ft-cache"))
     result.check()
     return losses(out)
 
@@ -103,6 +108,14 @@ def test_revision_tag_and_commit(hub, local_losses, tmp_path, revision, commit):
     out = tmp_path / "out"
     assert train(hub, out, REPO_ID, "--model_revision", revision) == local_losses
     assert json.loads((out / "config.json").read_text())["finetune_base_revision"] == commit
+
+
+def test_two_ranks_resolve_the_repo_id(hub, tmp_path):
+    """torchrun, 2 ranks: each rank resolves org/name from the cache itself; the same losses as the folder."""
+    by_folder = train(hub, tmp_path / "folder", str(hub[1]), "--per_device_train_batch_size", "1",
+                      cmd=launcher("torchrun", 2))
+    by_id = train(hub, tmp_path / "id", REPO_ID, "--per_device_train_batch_size", "1", cmd=launcher("torchrun", 2))
+    assert len(by_id) == 3 and by_id == by_folder
 
 
 def test_unknown_revision_is_refused_naming_the_cached_ones(hub, tmp_path):
@@ -173,7 +186,7 @@ def cache_dataset(hf_home: Path, repo_id: str, data_file: Path, commit: str) -> 
         "print(b.cache_dir)\n"
     )
     r = subprocess.run([sys.executable, "-c", code, repo_id, str(data_file), commit], capture_output=True, text=True,
-                       timeout=120, env=env(HF_HOME=str(hf_home)))
+                       timeout=120, env=env(**hf_env(hf_home)))
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.strip().splitlines()[-1])
 
@@ -191,7 +204,7 @@ def test_hub_dataset_gives_the_records_of_the_local_file(hub, local_losses, tmp_
              "import json,sys\nfrom types import SimpleNamespace as N\nfrom finetune.data import prepare, sources\n"
              f"cfg = N(dataset='{DATA_ID}', dataset_config=None, dataset_split='train', dataset_revision=None)\n"
              "h = sources.load_hub(cfg)\nrecs, where = prepare.read_hub_records(h)\n"
-             "print(json.dumps([h.revision, recs, where[0]]))"], timeout=120, HF_HOME=str(hf_home))
+             "print(json.dumps([h.revision, recs, where[0]]))"], timeout=120, **hf_env(hf_home))
     r.check()
     revision, records, first = json.loads(r.output.strip().splitlines()[-1])
     assert revision == DATA_COMMIT and first == f"{DATA_ID}@{DATA_COMMIT[:12]} row 0"
@@ -264,7 +277,7 @@ def fake_hub():
 
 
 def online(fake_hub, tmp_path, *argv: str, token: str | None = None) -> subprocess.CompletedProcess:
-    e = env(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="0", HF_ENDPOINT=fake_hub[0],
+    e = env(**hf_env(tmp_path / "hf_home"), HF_HUB_OFFLINE="0", HF_ENDPOINT=fake_hub[0],
             HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10", FINETUNE_CACHE=str(tmp_path / "ft-cache"))
     e.pop("HF_TOKEN", None)
     if token:
