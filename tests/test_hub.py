@@ -58,8 +58,10 @@ def hub(tmp_path_factory):
     root, model, data = tiny_job(tmp_path_factory.mktemp("hub"), records=24)
     hf_home = root / "hf_home"
     add_snapshot(hf_home, REPO_ID, model, COMMIT, {"main": COMMIT})
-    # The tag points at a second commit holding the same files (a real repo would differ; equality is the check).
-    add_snapshot(hf_home, REPO_ID, model, TAG_COMMIT, {"v1": TAG_COMMIT})
+    # The tag points at a second commit with other weights (another seed), so loading the wrong one shows in the losses.
+    from finetune.models import tiny
+
+    add_snapshot(hf_home, REPO_ID, tiny.build(root / "model_v1", style="chatml", seed=1), TAG_COMMIT, {"v1": TAG_COMMIT})
     return root, model, data, hf_home
 
 
@@ -102,19 +104,46 @@ def test_repo_id_trains_like_the_local_folder(hub, local_losses, tmp_path):
     assert recipe["model_name_or_path"] == REPO_ID and recipe["model_revision"] == COMMIT
 
 
+@pytest.fixture(scope="module")
+def v1_losses(hub, local_losses, tmp_path_factory):
+    got = train(hub, tmp_path_factory.mktemp("local_v1") / "out", str(hub[0] / "model_v1"))
+    assert got != local_losses  # the two commits really hold different models
+    return got
+
+
 @pytest.mark.parametrize("revision, commit", [("v1", TAG_COMMIT), (TAG_COMMIT, TAG_COMMIT), (COMMIT, COMMIT)])
-def test_revision_tag_and_commit(hub, local_losses, tmp_path, revision, commit):
-    """--model_revision as a tag (refs/v1) and as a commit (snapshots/<commit>) resolve offline to that commit."""
+def test_revision_tag_and_commit(hub, local_losses, v1_losses, tmp_path, revision, commit):
+    """--model_revision as a tag (refs/v1) and as a commit (snapshots/<commit>) load that commit's files offline:
+    the losses of that commit's model given as a folder."""
     out = tmp_path / "out"
-    assert train(hub, out, REPO_ID, "--model_revision", revision) == local_losses
+    expected = v1_losses if commit == TAG_COMMIT else local_losses
+    assert train(hub, out, REPO_ID, "--model_revision", revision) == expected
     assert json.loads((out / "config.json").read_text())["finetune_base_revision"] == commit
+
+
+def test_lora_on_a_repo_id_then_export_and_generate(hub, tmp_path):
+    """A LoRA adapter trained on org/name records the commit; export merges it onto the repo id (resolved from the
+    cache again), and generate on the merged folder prints what generate on repo id + adapter prints."""
+    out = tmp_path / "adapter"
+    train(hub, out, REPO_ID, "--use_peft", "--lora_r", "4", "--model_revision", "v1")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["revision"] == TAG_COMMIT and cfg["base_model_name_or_path"].endswith(f"snapshots/{TAG_COMMIT}")
+    merged = tmp_path / "merged"
+    r = cli(hub[3], "export", "--adapter", str(out), "--base_model", REPO_ID, "--base_model_revision", "v1",
+            "--output_dir", str(merged))
+    assert r.returncode == 0, r.stderr
+    args = ["--prompt", "count: red cat dog", "--max_new_tokens", "6", "--chat", "--with_ids"]
+    with_adapter = cli(hub[3], "generate", "--model_name_or_path", REPO_ID, "--model_revision", "v1",
+                       "--adapter", str(out), *args)
+    from_merged = cli(hub[3], "generate", "--model_name_or_path", str(merged), *args)
+    assert with_adapter.returncode == 0, with_adapter.stderr
+    assert with_adapter.stdout == from_merged.stdout and "completion_ids" in from_merged.stdout
 
 
 def test_two_ranks_resolve_the_repo_id(hub, tmp_path):
     """torchrun, 2 ranks: each rank resolves org/name from the cache itself; the same losses as the folder."""
-    by_folder = train(hub, tmp_path / "folder", str(hub[1]), "--per_device_train_batch_size", "1",
-                      cmd=launcher("torchrun", 2))
-    by_id = train(hub, tmp_path / "id", REPO_ID, "--per_device_train_batch_size", "1", cmd=launcher("torchrun", 2))
+    by_folder = train(hub, tmp_path / "folder", str(hub[1]), cmd=launcher("torchrun", 2))
+    by_id = train(hub, tmp_path / "id", REPO_ID, cmd=launcher("torchrun", 2))
     assert len(by_id) == 3 and by_id == by_folder
 
 
