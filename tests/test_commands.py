@@ -237,7 +237,7 @@ def test_repeatable_flag_and_alias():
     assert e.value.problems == ["--model m and --model_name_or_path n: both set 'model_name_or_path'; give one"]
     with pytest.raises(ConfigError) as e:
         cmd.parse(["--prompt", "a"])
-    assert e.value.problems == ["--model_name_or_path: required (Local base model folder)"]
+    assert e.value.problems == ["--model_name_or_path: required (Local base model folder or Hub repo id (org/name))"]
 
 
 def test_version_and_unknown_command(capsys):

@@ -413,7 +413,7 @@ def _model_problems(argv, tmp_path) -> list[str]:
 
 def test_model_folder_missing(tmp_path):
     assert _model_problems(["--model_name_or_path", tmp_path / "nope"], tmp_path) == [
-        f"model_name_or_path: {tmp_path / 'nope'}: no such folder (the Hugging Face hub is not used: give a local folder)"
+        f"model_name_or_path: {tmp_path / 'nope'}: no such folder (not a local folder, nor a Hub repo id org/name)"
     ]
     assert _model_problems([], tmp_path) == ["model_name_or_path: required (a local model folder)"]
 

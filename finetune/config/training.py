@@ -62,7 +62,14 @@ class ModelConfig:
     """Which model to load and how (flag names follow TRL's ModelConfig)."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Local folder of a Llama-style causal LM (config.json + safetensors)."}
+        default=None,
+        metadata={"help": "Local folder of a Llama-style causal LM (config.json + safetensors), or a Hugging Face Hub "
+                          "repo id (org/name), fetched into the HF cache (HF_HOME; HF_HUB_OFFLINE=1 reads the cache only)."},
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "Branch, tag or commit of a Hub model (--model_name_or_path org/name); the commit it resolves "
+                          "to is recorded in the saved config.json (finetune_base_revision)."},
     )
     torch_dtype: str = field(
         default="auto",
@@ -97,7 +104,15 @@ class DataConfig:
 
     dataset: str | None = field(
         default=None,
-        metadata={"help": "Local .jsonl/.json/.csv/.parquet file, or a folder written by datasets.save_to_disk."},
+        metadata={"help": "Local .jsonl/.json/.csv/.parquet file, a folder written by datasets.save_to_disk, or a Hugging "
+                          "Face Hub data set id (org/name), read with datasets.load_dataset."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration (subset) name of a Hub data set, where it has several."}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of a Hub data set to train on."})
+    dataset_revision: str | None = field(
+        default=None, metadata={"help": "Branch, tag or commit of a Hub data set (default: its main branch)."}
     )
     dataset_format: str = field(
         default="auto",
@@ -183,6 +198,10 @@ class FinetuneConfig:
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
+        hub = getattr(self.model, "_hub", None)
+        if hub is not None:
+            # The repo id and the exact commit, not the cache folder: the recipe reruns on another machine.
+            out["model_name_or_path"], out["model_revision"] = hub.repo_id, hub.commit
         # Absolute paths, so the saved recipe works from any directory.
         for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config", "nvme_path"):
             if out.get(key) and Path(out[key]).exists():
@@ -354,10 +373,10 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         if not model.model_name_or_path:
             problems.append("model_name_or_path: required (a local model folder)")
         else:
-            problems += check_model_folder(model.model_name_or_path, model.allow_pickle)
+            problems += resolve_model_or_problems(model)
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
-        elif not Path(data.dataset).exists():
+        elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):
             problems.append(f"dataset: {data.dataset}: no such file or folder")
     return problems
 
@@ -398,10 +417,47 @@ def _check_nvme(launch: LaunchConfig) -> list[str]:
     return problems
 
 
+def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) -> list[str]:
+    """A Hub repo id becomes its snapshot folder in the HF cache; then the local-folder checks apply to whatever
+    model_name_or_path now names. `model._hub` (an attribute, not a flag: finetune.models.hub.HubModel) keeps the
+    repo id and the commit for the saved config and recipe."""
+    from finetune.models.hub import HubError, looks_like_repo_id as is_repo, resolve_model
+
+    if getattr(model, "_hub", None) is None and is_repo(model.model_name_or_path):
+        try:
+            model._hub = resolve_model(model.model_name_or_path, model.model_revision,
+                                       allow_pickle=model.allow_pickle, config_only=config_only)
+        except HubError as e:
+            return [str(e)]
+        model.model_name_or_path = model._hub.folder
+    if config_only:
+        ok = (Path(model.model_name_or_path) / "config.json").is_file()
+        return [] if ok else [f"model_name_or_path: {model.model_name_or_path}: no such folder with a config.json"]
+    problems = check_model_folder(model.model_name_or_path, model.allow_pickle)
+    hub = getattr(model, "_hub", None)
+    if problems and hub is not None:
+        # A snapshot can hold part of a repo (e.g. the config.json alone that `finetune plan` fetched).
+        problems = [f"{problems[0]} (the cached snapshot of {hub.repo_id} at {hub.revision}; go online, without "
+                    "HF_HUB_OFFLINE, to fetch the rest)"]
+    return problems
+
+
+def is_hub_dataset_name(name: str) -> bool:
+    from finetune.data.sources import looks_like_repo_id as is_repo
+
+    return is_repo(name)
+
+
+def looks_like_repo_id(name: str) -> bool:
+    from finetune.models.hub import looks_like_repo_id as is_repo
+
+    return is_repo(name)
+
+
 def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
     p = Path(path)
     if not p.is_dir():
-        hint = " (the Hugging Face hub is not used: give a local folder)" if "/" in path and not p.exists() else ""
+        hint = " (not a local folder, nor a Hub repo id org/name)" if "/" in path and not p.exists() else ""
         return [f"model_name_or_path: {path}: no such folder{hint}"]
     if not (p / "config.json").is_file():
         return [f"model_name_or_path: {path}: no config.json in this folder; is it a Hugging Face model folder?"]

@@ -256,8 +256,11 @@ class ExportArgs:
     output_dir: str | None = field(default=None, metadata={"help": "Where the HF folder is written.", "required": True})
     base_model: str | None = field(
         default=None,
-        metadata={"help": "Base model folder (default: the adapter's base_model_name_or_path; for a ZeRO checkpoint, "
-                          "the folder with config.json and tokenizer when the checkpoint lacks them)."})
+        metadata={"help": "Base model folder or Hub repo id (default: the adapter's base_model_name_or_path; for a ZeRO "
+                          "checkpoint, the folder with config.json and tokenizer when the checkpoint lacks them)."})
+    base_model_revision: str | None = field(
+        default=None, metadata={"help": "Branch, tag or commit of a Hub --base_model (default: the adapter's recorded "
+                                        "revision, else main)."})
     tag: str | None = field(default=None, metadata={"help": "ZeRO checkpoint tag (global_stepN; default: the 'latest' file)."})
     torch_dtype: str = field(default="float32", metadata={"help": "Dtype of the written weights: float32, bfloat16, float16."})
     atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Largest logit difference verification accepts."})
@@ -287,11 +290,29 @@ def check_args(parsed) -> list[str]:
     return problems
 
 
+def _resolve_base(args: ExportArgs) -> str | None:
+    """A Hub base (given, or recorded in adapter_config.json) -> its snapshot folder in the HF cache."""
+    from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
+
+    base, revision = args.base_model, args.base_model_revision
+    if base is None and args.adapter and (Path(args.adapter) / "adapter_config.json").is_file():
+        cfg = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
+        if looks_like_repo_id(cfg.get("base_model_name_or_path")):
+            base, revision = cfg["base_model_name_or_path"], revision or cfg.get("revision")
+    if not looks_like_repo_id(base):
+        return args.base_model
+    try:
+        return resolve_model(base, revision or "main", flag="--base_model").folder
+    except HubError as e:
+        raise ExportError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args: ExportArgs = command().parse_or_exit(argv, check_args).args
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     common = dict(torch_dtype=args.torch_dtype, atol=args.atol, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     try:
+        args.base_model = _resolve_base(args)
         if args.adapter:
             merge_adapter(args.adapter, args.output_dir, base_model=args.base_model, **common)
         else:

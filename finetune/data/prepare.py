@@ -1,4 +1,4 @@
-"""Local data files -> validated records -> tokenized examples with loss masks -> padded batches.
+"""Local data files or Hub data sets (sources.py) -> validated records -> tokenized examples with loss masks -> padded batches.
 
 Formats: `text` ({"text"}), `alpaca` ({"instruction", "input"?, "output"}) and `messages`
 ({"messages": [{"role", "content"}, ...]}, rendered with the tokenizer's chat template).
@@ -136,6 +136,27 @@ def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
     if not records:
         raise DataError(f"{p}: the data set holds no records")
     return records, [f"{p} row {i}" for i in range(len(records))]
+
+
+def _load_hub(cfg):
+    """A Hub data set (`--dataset org/name`), loaded on every rank (memory-mapped from the datasets cache), or None."""
+    from finetune.data import sources
+
+    if not sources.is_hub_dataset(cfg):
+        return None
+    try:
+        return sources.load_hub(cfg)
+    except sources.HubDataError as e:
+        raise DataError(str(e)) from None
+
+
+def read_hub_records(hub) -> tuple[list[dict], list[str]]:
+    from finetune.data import sources
+
+    records, where = sources.records_of(hub)
+    if not records:
+        raise DataError(f"{where[0] if where else hub.repo_id}: the data set holds no records")
+    return records, where
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,18 +390,22 @@ def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max
 # Tokenize once per node, cache, and let the other ranks wait on the cache (no collective, so no timeout).
 
 
-def _fingerprint(cfg, tokenizer) -> str:
+def _fingerprint(cfg, tokenizer, hub=None) -> str:
     h = hashlib.sha256()
     h.update(DATA_VERSION.encode())
     for key in ("dataset_format", "max_seq_length", "drop_long_sequences", "completion_only_loss"):
         h.update(f"{key}={getattr(cfg, key)};".encode())
-    p = Path(cfg.dataset)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    for f in files:
-        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+    if hub is not None:
+        # A Hub data set: the repo, what was asked for, the commit it came from and datasets' hash of the data.
+        h.update(repr((hub.repo_id, cfg.dataset_config, cfg.dataset_split, hub.revision, hub.fingerprint)).encode())
+    else:
+        p = Path(cfg.dataset)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
@@ -399,13 +424,14 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
 
     root = cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    key = _fingerprint(cfg, tokenizer)
+    hub = _load_hub(cfg)
+    key = _fingerprint(cfg, tokenizer, hub)
     final, error_file = root / key, root / f"{key}.error"
     if local_rank == 0:
         if not (final / "stats.json").is_file():
             error_file.unlink(missing_ok=True)
             try:
-                records, where = read_records(cfg.dataset)
+                records, where = read_hub_records(hub) if hub is not None else read_records(cfg.dataset)
                 fmt = cfg.dataset_format
                 if fmt == "auto":
                     fmt = detect_format(records[0], where[0])

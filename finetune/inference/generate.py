@@ -692,7 +692,9 @@ def _flag(default: Any = None, help: str = "", **meta: Any) -> Any:
 class GenerateArgs:
     """What to load, the prompts, and how to decode"""
 
-    model_name_or_path: str | None = _flag(help="Local base model folder.", required=True, aliases=("model",))
+    model_name_or_path: str | None = _flag(help="Local base model folder or Hub repo id (org/name)",
+                                           required=True, aliases=("model",))
+    model_revision: str = _flag(default="main", help="Branch, tag or commit of a Hub model.")
     adapter: str | None = _flag(help="LoRA adapter folder (from finetune train --use_peft) to attach.")
     device_map: str | None = _flag(help=f"{', '.join(PRESET_MAPS)}, or a JSON file of module -> device (devices: GPU "
                                         "index, cpu, disk). Default: the whole model on one device.")
@@ -768,6 +770,13 @@ def run(args: GenerateArgs) -> list[dict]:
     problems = check_args(SimpleNamespace(args=args))
     if problems:
         raise GenerationError("; ".join(problems))
+    from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
+
+    if looks_like_repo_id(args.model_name_or_path):
+        try:  # before any weights are read: the snapshot folder is then loaded like any local folder
+            args.model_name_or_path = resolve_model(args.model_name_or_path, args.model_revision).folder
+        except HubError as e:
+            raise GenerationError(str(e)) from None
     opts = LoadOptions(
         model_name_or_path=args.model_name_or_path, adapter=args.adapter, device_map=args.device_map,
         max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder, torch_dtype=args.torch_dtype,

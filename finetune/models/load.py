@@ -73,6 +73,9 @@ def load_model(model_cfg, training_args=None):
         use_safetensors=not model_cfg.allow_pickle,
         **kwargs,
     )
+    from finetune.models.hub import stamp_config
+
+    stamp_config(model.config, getattr(model_cfg, "_hub", None))
     gradient_checkpointing = bool(training_args and training_args.gradient_checkpointing)
     if quant is not None:
         from peft import prepare_model_for_kbit_training
@@ -118,4 +121,6 @@ def add_lora(model, model_cfg, seed: int):
     )
     # Seed here: LoRA's A matrices are drawn at creation, and every rank (and every resumed run) must draw the same.
     set_seed(seed)
-    return get_peft_model(model, config)
+    hub = getattr(model_cfg, "_hub", None)
+    # A Hub base: adapter_config.json records the commit (base_model_name_or_path is the snapshot folder).
+    return get_peft_model(model, config, revision=hub.commit if hub else None)

@@ -1025,6 +1025,9 @@ def parse_plan_args(argv: list[str]):
     problems += _preset_problems(model, data, launch, values)
     if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
+    elif C.looks_like_repo_id(model.model_name_or_path):
+        # A Hub model: only its config.json is fetched (hf_hub_download), which is all a plan reads.
+        problems += C.training.resolve_model_or_problems(model, config_only=True)
     if flags.accelerator not in (None, "gpu", "cpu"):
         problems.append(f"--accelerator: '{flags.accelerator}' is not gpu or cpu")
     for key in ("devices_per_node", "num_nodes"):
