@@ -269,3 +269,31 @@ def test_smollm2_f32_and_q8_0(smollm2_dir, tmp_path, capsys):
         assert diff <= bound and report.logit_diff == pytest.approx(diff, rel=1e-3, abs=1e-9)
         assert (out.parent / "Modelfile").read_text().count('PARAMETER stop "<|im_end|>"') == 1
         assert seconds < 300
+
+
+def test_quickstart_export_flag(models, tmp_path):
+    """`finetune quickstart --export gguf`: the flag parses, a wrong value is refused, and the step it runs after
+    training (a LoRA run: the run folder holds the adapter) writes a verified GGUF of the merged model."""
+    from finetune.apps import quickstart as Q
+
+    base = models[("chatml", True)]
+    data = ["--model_dir", str(base), "--train_file", str(tiny.write_jsonl(tmp_path / "t.jsonl", tiny.synthetic_records(4))),
+            "--eval_file", str(tmp_path / "t.jsonl")]
+    cfg = Q.parse(data + ["--export", "gguf", "--gguf_type", "f32"])
+    assert cfg.export == "gguf" and cfg.gguf_type == "f32"
+    with pytest.raises(Q.QuickstartFlagsError) as e:
+        Q.parse(data + ["--export", "onnx", "--gguf_type", "q4"])
+    assert any("--export: 'onnx'" in p for p in e.value.problems) and any("--gguf_type: 'q4'" in p for p in e.value.problems)
+
+    run_dir = tiny.save_random_adapter(base, tmp_path / "run" / "model", seed=6)
+    lines = []
+    path = Q.export_gguf(cfg, str(base), run_dir, tmp_path / "run" / "gguf" / "model.gguf", lines.append)
+    assert path.endswith("model.gguf") and "ollama create my-model -f" in lines[0]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reference = PeftModel.from_pretrained(hf(base), str(run_dir)).eval()
+    out = tmp_path / "run" / "gguf"
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32).eval()
+    ids = fixed_input(loaded.config.vocab_size)
+    assert (logits_of(loaded, ids) - logits_of(reference, ids)).abs().max().item() <= 1e-5
