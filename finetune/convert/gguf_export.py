@@ -85,7 +85,7 @@ def permute(weights, n_head: int, n_head_kv: int | None = None):
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def _tensor_type(gguf_type: str, name: str, array):
+def _tensor_type(gguf_type: str, array):
     """The GGML type a tensor is stored in: 1-D tensors (norms) stay F32, as llama.cpp keeps them; Q8_0 needs rows
     that are a multiple of its 32-value block (llama.cpp falls back to F16 otherwise)."""
     from gguf import GGMLQuantizationType as Q
@@ -98,24 +98,34 @@ def _tensor_type(gguf_type: str, name: str, array):
 
 
 def _encode(array, qtype):
-    """(data for GGUFWriter.add_tensor, the fp32 values it stands for)."""
+    """The data GGUFWriter.add_tensor takes for an fp32 array stored as `qtype`."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
     array = np.ascontiguousarray(array, dtype=np.float32)
     if qtype == Q.F32:
-        return array, array
+        return array
     if qtype == Q.F16:
-        data = array.astype(np.float16)
-        return data, data.astype(np.float32)
-    data = quants.quantize(array, qtype)
-    return data, quants.dequantize(data, qtype).reshape(array.shape)
+        return array.astype(np.float16)
+    return quants.quantize(array, qtype)
+
+
+def _decode(data, qtype, shape):
+    """The fp32 values stored data stands for (what a reader must get back)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    if qtype in (Q.F32, Q.F16):
+        return data.astype(np.float32).reshape(shape)
+    return quants.dequantize(data, qtype).reshape(shape)
 
 
 def gguf_tensors(model, gguf_type: str):
-    """[(gguf name, data, qtype, expected HF-layout fp32 values)] for every weight of a LlamaForCausalLM."""
+    """[(gguf name, data, qtype, HF name)] for every weight of a LlamaForCausalLM."""
     import gguf
+    import torch
 
     config = model.config
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
@@ -130,14 +140,13 @@ def gguf_tensors(model, gguf_type: str):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ExportError(f"weight {hf_name} has no GGUF name for the llama architecture")
-        array = tensor.detach().to("cpu", dtype=__import__("torch").float32).numpy()
+        array = tensor.detach().to("cpu", dtype=torch.float32).numpy()
         if hf_name.endswith("self_attn.q_proj.weight"):
             array = permute(array, n_head, n_head)
         elif hf_name.endswith("self_attn.k_proj.weight"):
             array = permute(array, n_head, n_kv)
-        qtype = _tensor_type(gguf_type, name, array)
-        data, values = _encode(array, qtype)
-        out.append((name, data, qtype, hf_name, values))
+        qtype = _tensor_type(gguf_type, array)
+        out.append((name, _encode(array, qtype), qtype, hf_name))
     return out
 
 
@@ -280,13 +289,13 @@ def modelfile_text(gguf_name: str, tokenizer) -> tuple[str, str | None]:
 # Writing and verifying
 
 
-def write_gguf(model, model_dir: Path, path: Path, gguf_type: str) -> tuple[list, dict]:
+def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str) -> tuple[list, dict]:
     import gguf
 
     config = model.config
     rope = _rope_parameters(config)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-    writer.add_name(getattr(config, "_name_or_path", "") and Path(config._name_or_path).name or model_dir.name)
+    writer.add_name(name)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -307,7 +316,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str) -> tuple[list
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tok = add_tokenizer(writer, model_dir, config.vocab_size)
     tensors = gguf_tensors(model, gguf_type)
-    for name, data, qtype, _, _ in tensors:
+    for name, data, qtype, _ in tensors:
         writer.add_tensor(name, data, raw_dtype=qtype if qtype not in (gguf.GGMLQuantizationType.F32,
                                                                          gguf.GGMLQuantizationType.F16) else None)
     writer.write_header_to_file()
@@ -332,8 +341,9 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     # Every weight must be exactly what we meant to store (the HF weight rounded to the file's type): this is what
     # proves the Q/K permutation and the name mapping, whatever the type.
     weight_diff = 0.0
-    for name, _, _, hf_name, values in tensors:
-        expected = torch.from_numpy(values)
+    hf_state = model.state_dict()
+    for name, data, qtype, hf_name in tensors:
+        expected = torch.from_numpy(_decode(data, qtype, tuple(hf_state[hf_name].shape)))
         if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             n_kv = model.config.num_attention_heads if "q_proj" in hf_name else model.config.num_key_value_heads
             expected = _unpermute(expected, model.config.num_attention_heads, n_kv)
@@ -353,9 +363,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     sample = "Hello world! 123 45678 the quick brown fox\n  jumped <|im_end|> äöü 日本"
     if gguf_tok(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
         raise VerificationError("the GGUF tokenizer (as transformers builds it) encodes a sample differently from the HF one")
-    weight_diff_vs_hf = max(
-        (state[hf].float() - model.state_dict()[hf].float()).abs().max().item() for _, _, _, hf, _ in tensors
-    )
+    weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for *_, hf in tensors)
     return diff, bound, weight_diff_vs_hf
 
 
@@ -398,7 +406,7 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
     try:
-        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type)
+        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem)
         logit_diff, bound, weight_diff = verify_gguf(tmp, model, tok["tokenizer"], tensors, gguf_type)
         style = None
         if modelfile:
