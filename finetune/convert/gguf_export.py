@@ -219,7 +219,7 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
     writer.add_token_types(types)
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
     if not special.merges:
-        raise ExportError(f"{tok_file}: no merges in the BPE model")
+        raise ExportError(f"{model_dir}/tokenizer.json: no merges in the BPE model")
     if special.chat_template is None and getattr(tokenizer, "chat_template", None):
         special.chat_template = tokenizer.chat_template
     special.add_to_gguf(writer, quiet=True)
@@ -314,15 +314,17 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str) ->
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tok = add_tokenizer(writer, model_dir, config.vocab_size)
-    tensors = gguf_tensors(model, gguf_type)
-    for name, data, qtype, _ in tensors:
-        writer.add_tensor(name, data, raw_dtype=qtype if qtype not in (gguf.GGMLQuantizationType.F32,
-                                                                         gguf.GGMLQuantizationType.F16) else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        tok = add_tokenizer(writer, model_dir, config.vocab_size)
+        tensors = gguf_tensors(model, gguf_type)
+        plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)  # numpy dtype says it
+        for tensor_name, data, qtype, _ in tensors:
+            writer.add_tensor(tensor_name, data, raw_dtype=None if qtype in plain else qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
     return tensors, tok
 
 
