@@ -275,14 +275,15 @@ class ExportArgs:
     torch_dtype: str = field(default="float32", metadata={"help": "Dtype of the written weights: float32, bfloat16, float16."})
     atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Largest logit difference verification accepts."})
     max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard written."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir (or an existing .gguf file)."})
 
 
 def command():
     from finetune.config.parser import Command
 
     return Command("finetune export", {"args": ExportArgs},
-                   description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder.",
+                   description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder, or write a GGUF file "
+                               "for llama.cpp and Ollama (--to gguf).",
                    epilog=__doc__.split("\n\n", 1)[1])
 
 
