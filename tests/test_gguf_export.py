@@ -297,3 +297,22 @@ def test_quickstart_export_flag(models, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32).eval()
     ids = fixed_input(loaded.config.vocab_size)
     assert (logits_of(loaded, ids) - logits_of(reference, ids)).abs().max().item() <= 1e-5
+
+
+def test_pre_tokenizer_names(tmp_path):
+    """tokenizer.json pre-tokenizers -> llama.cpp's names (the structures of GPT-2, SmolLM2 and Llama-3 files)."""
+    from finetune.convert.export import ExportError
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    cases = {
+        "gpt-2": byte_level,
+        "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]},
+        "llama-bpe": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": X.LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+            dict(byte_level, use_regex=False)]},
+    }
+    for name, pre in cases.items():
+        assert X.pre_tokenizer_name({"pre_tokenizer": pre}, tmp_path) == name
+    with pytest.raises(ExportError, match="is not one finetune can name for llama.cpp"):
+        X.pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\s+"}}, dict(byte_level, use_regex=False)]}}, tmp_path)
