@@ -10,7 +10,7 @@ COMMANDS = {
     "sft": ("finetune.training.engine", "fine-tune driving the DeepSpeed engine directly (same as scripts/sft.py)"),
     "plan": ("finetune.plan.planner", "predict per-device memory (no weights loaded) and pick the preset that fits"),
     "generate": ("finetune.inference.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
-    "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder"),
+    "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder, or a GGUF file"),
     "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
     "tiny": ("finetune.models.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),

@@ -147,6 +147,13 @@ def test_zero3_checkpoint_converts_to_the_trainers_model(files, zero3_run, tmp_p
         E.main([*args, "--output_dir", str(again)])
         assert load_file(again / "model.safetensors").keys() == mine.keys()
 
+    # --to gguf: consolidated into a temporary folder first, then written as GGUF; it computes the Trainer's model.
+    gguf_file = tmp_path / "gguf" / "zero3.gguf"
+    E.main(["--to", "gguf", "--zero_checkpoint", str(ckpt), str(gguf_file)])
+    assert sorted(p.name for p in gguf_file.parent.iterdir()) == ["Modelfile", "zero3.gguf"]
+    g = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    assert (logits_of(g, ids) - logits_of(b, ids)).abs().max().item() <= 1e-5
+
 
 def test_zero_checkpoint_bad_input(files, tmp_path, capsys):
     with pytest.raises(SystemExit):

@@ -82,6 +82,9 @@ class QuickstartConfig:
     output_dir: str = _flag("outputs/quickstart", help="Run folder; the report goes to OUTPUT_DIR/report.")
     cache_dir: str = _flag(str(DEFAULT_CACHE), help="Where imported GGUF models are cached.")
     seed: int = _flag(0, help="Seed of training and sampling.")
+    export: str | None = _flag(help="gguf: end with OUTPUT_DIR/gguf/model.gguf and an Ollama Modelfile "
+                                    "(the fine-tuned model, merged), verified like finetune export --to gguf.")
+    gguf_type: str = _flag("q8_0", help="Tensor type of --export gguf: f32, f16, bf16 or q8_0.")
     # The arguments after `--`, passed to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
     extra_train_args: list[str] = _flag(list, cli=False)
 
@@ -130,6 +133,10 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--eval_threads: must be at least 1, got {cfg.eval_threads}")
     if cfg.learning_rate is not None and not cfg.learning_rate > 0:
         problems.append(f"--learning_rate: must be more than 0, got {cfg.learning_rate}")
+    if cfg.export not in (None, "gguf"):
+        problems.append(f"--export: '{cfg.export}' is not a format quickstart writes (gguf)")
+    if cfg.gguf_type not in ("f32", "f16", "bf16", "q8_0"):
+        problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of f32, f16, bf16, q8_0")
     if cfg.model_dir and cfg.gguf:
         problems.append("--model_dir and --gguf: choose one (a HF folder, or a GGUF file to import)")
     elif cfg.model_dir:
@@ -499,6 +506,11 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     tuned = evaluate(str(run_dir) if cfg.method == "full" else model_dir, adapter, records, batch_size=cfg.eval_batch_size,
                      max_new_tokens=base["max_new_tokens"], label="fine-tuned", log=log)
     timings["eval_finetuned"] = time.time() - t
+    gguf_file = None
+    if cfg.export == "gguf":
+        t = time.time()
+        gguf_file = export_gguf(cfg, model_dir, run_dir, out / "gguf" / "model.gguf", log)
+        timings["export_gguf"] = time.time() - t
     timings["total"] = time.time() - started
 
     train_records = len(read_records(cfg.train_file)[0])
@@ -514,8 +526,25 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
         "config": {k: v for k, v in asdict(cfg).items()},
         "output": {"model": str(run_dir.resolve()), "report": str((out / "report").resolve())},
     }
+    if gguf_file:
+        metrics["output"]["gguf"] = gguf_file
     write_report(out / "report", metrics, records)
     return metrics
+
+
+def export_gguf(cfg: QuickstartConfig, model_dir: str, run_dir: Path, path: Path, log) -> str:
+    """The fine-tuned model as a verified GGUF file (a LoRA run is merged into its base first)."""
+    from finetune.convert.export import ExportError, export_gguf as write
+    from finetune.models.verify import VerificationError
+
+    source = dict(adapter=str(run_dir), base_model=model_dir) if cfg.method == "lora" else dict(model_dir=str(run_dir))
+    try:
+        report = write(path, gguf_type=cfg.gguf_type, overwrite=True, **source)
+    except (ExportError, VerificationError) as e:
+        raise QuickstartError(f"--export gguf: {e}") from None
+    log(f"gguf: {report.path} ({report.size_bytes / 2**20:.0f} MiB, logits vs HF max diff {report.logit_diff:.3g}); "
+        f"run it with: ollama create my-model -f {path.parent / 'Modelfile'}")
+    return report.path
 
 
 def headline(metrics: dict) -> str:
@@ -526,6 +555,7 @@ def headline(metrics: dict) -> str:
         f"perplexity {b['perplexity']:.3f} -> {t['perplexity']:.3f}; training loss {tr['first_loss']:.4f} -> "
         f"{tr['last_loss']:.4f} in {tr['steps']} steps; {metrics['timings_s']['total']:.0f} s in all\n"
         f"report: {metrics['output']['report']}/report.md   model: {metrics['output']['model']}"
+        + (f"   gguf: {metrics['output']['gguf']}" if metrics["output"].get("gguf") else "")
     )
 
 

@@ -3,6 +3,8 @@
     finetune export --adapter OUT --output_dir merged            # merge a LoRA adapter into its base
     finetune export --adapter OUT --base_model BASE --output_dir merged
     finetune export --zero_checkpoint OUT/checkpoint-500 --output_dir consolidated   # DeepSpeed ZeRO checkpoint
+    finetune export --to gguf --model_dir merged model.gguf --gguf_type q8_0          # GGUF for llama.cpp / Ollama
+    finetune export --to gguf --adapter OUT model.gguf                               # merged first, then GGUF
     python -m finetune.convert.export ...                                            # the same
 
 Merge: the base is loaded in full precision (--torch_dtype, default float32), also when the adapter was trained
@@ -13,7 +15,7 @@ the training precision; config and tokenizer come from the checkpoint folder (or
 Every export is verified before it is moved into place: no empty or non-finite tensors, the folder reloads with
 from_pretrained, and the reloaded model's logits on a fixed input match the in-memory model within --atol
 (1e-5; fp32). A merge must also match base + adapter within --atol. A failed check is an error (exit 1), and
-the output folder is not written.
+the output folder is not written. --to gguf: see finetune/convert/gguf_export.py and docs/export.md.
 """
 
 from __future__ import annotations
@@ -244,16 +246,27 @@ def _is_tied(model, key: str) -> bool:
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_FORMATS = ("hf", "gguf")
 
 
 @dataclass
 class ExportArgs:
-    """What to export (one of --adapter or --zero_checkpoint), where, and how it is checked"""
+    """What to export (one of --adapter, --zero_checkpoint or, for --to gguf, --model_dir), where, and how it is checked"""
 
+    output: str | None = field(
+        default=None, metadata={"help": "The file to write with --to gguf (OUT.gguf); the same as --output_dir.",
+                                "positional": True})
     adapter: str | None = field(default=None, metadata={"help": "LoRA adapter folder to merge into its base."})
     zero_checkpoint: str | None = field(
         default=None, metadata={"help": "DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN)."})
-    output_dir: str | None = field(default=None, metadata={"help": "Where the HF folder is written.", "required": True})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where the HF folder is written (required), or with --to gguf the .gguf file."})
+    to: str = field(default="hf", metadata={"help": "Output format: hf (a model folder) or gguf (one file for llama.cpp "
+                                                     "and Ollama, with a Modelfile beside it)."})
+    model_dir: str | None = field(
+        default=None, metadata={"help": "With --to gguf: a full HF model folder to write as GGUF."})
+    gguf_type: str = field(default="f32", metadata={"help": "With --to gguf: tensor type f32, f16, bf16 or q8_0 "
+                                                             "(norms stay f32)."})
     base_model: str | None = field(
         default=None,
         metadata={"help": "Base model folder or Hub repo id (default: the adapter's base_model_name_or_path; for a ZeRO "
@@ -265,22 +278,49 @@ class ExportArgs:
     torch_dtype: str = field(default="float32", metadata={"help": "Dtype of the written weights: float32, bfloat16, float16."})
     atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Largest logit difference verification accepts."})
     max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard written."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir (or an existing .gguf file)."})
 
 
 def command():
     from finetune.config.parser import Command
 
     return Command("finetune export", {"args": ExportArgs},
-                   description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder.",
+                   description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder, or write a GGUF file "
+                               "for llama.cpp and Ollama (--to gguf).",
                    epilog=__doc__.split("\n\n", 1)[1])
 
 
 def check_args(parsed) -> list[str]:
+    from finetune.config.parser import did_you_mean
+    from finetune.convert.gguf_export import GGUF_TYPES
+
     args: ExportArgs = parsed.args
     problems = []
-    if bool(args.adapter) == bool(args.zero_checkpoint):
-        problems.append("--adapter and --zero_checkpoint: give exactly one (a LoRA adapter to merge, or a ZeRO checkpoint)")
+    if args.to not in EXPORT_FORMATS:
+        problems.append(f"--to: '{args.to}' is not one of {', '.join(EXPORT_FORMATS)}{did_you_mean(args.to, list(EXPORT_FORMATS))}")
+    if args.output and args.output_dir and args.output != args.output_dir:
+        problems.append(f"OUTPUT and --output_dir: give one ({args.output!r} or {args.output_dir!r})")
+    if not (args.output or args.output_dir):
+        problems.append("--output_dir (or OUTPUT): required: where the export is written")
+    if args.to == "gguf":
+        if sum(map(bool, (args.adapter, args.zero_checkpoint, args.model_dir))) != 1:
+            problems.append("--model_dir, --adapter and --zero_checkpoint: give exactly one (a model folder, a LoRA adapter "
+                            "to merge, or a ZeRO checkpoint)")
+        if args.gguf_type not in GGUF_TYPES:
+            problems.append(f"--gguf_type: '{args.gguf_type}' is not one of {', '.join(GGUF_TYPES)}"
+                            f"{did_you_mean(args.gguf_type, list(GGUF_TYPES))}")
+        if args.torch_dtype != "float32":
+            problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
+        out = args.output or args.output_dir
+        if out and not out.endswith(".gguf"):
+            problems.append(f"OUTPUT: '{out}' must be a file name ending in .gguf (with --to gguf)")
+    else:
+        if bool(args.adapter) == bool(args.zero_checkpoint):
+            problems.append("--adapter and --zero_checkpoint: give exactly one (a LoRA adapter to merge, or a ZeRO checkpoint)")
+        if args.model_dir:
+            problems.append("--model_dir: goes with --to gguf (a model folder is already an HF export)")
+        if args.gguf_type != "f32":
+            problems.append("--gguf_type: goes with --to gguf")
     if args.torch_dtype not in EXPORT_DTYPES:
         problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of {', '.join(EXPORT_DTYPES)}")
     if not args.atol >= 0:
@@ -307,13 +347,44 @@ def _resolve_base(args: ExportArgs) -> str | None:
         raise ExportError(str(e)) from None
 
 
+def export_gguf(
+    output: str | Path, *, model_dir: str | None = None, adapter: str | None = None, zero_checkpoint: str | None = None,
+    base_model: str | None = None, tag: str | None = None, gguf_type: str = "f32", overwrite: bool = False,
+    atol: float = DEFAULT_ATOL, max_shard_size: str = "5GB",
+):
+    """A model folder as it is; an adapter merged or a ZeRO checkpoint consolidated into a temporary HF folder first
+    (fp32, verified as for --to hf), then written as GGUF. The temporary folder is removed whatever happens."""
+    import tempfile
+
+    from finetune.convert import gguf_export
+
+    output = Path(output).absolute()
+    gguf_export.check_output(output, overwrite)
+    if model_dir:
+        return gguf_export.export_gguf(model_dir, output, gguf_type=gguf_type, overwrite=overwrite)
+    common = dict(base_model=base_model, torch_dtype="float32", atol=atol, overwrite=False, max_shard_size=max_shard_size)
+    # Next to the output when that folder exists (same disk as the result), else in the system temp folder.
+    with tempfile.TemporaryDirectory(prefix=".finetune-gguf-", dir=output.parent if output.parent.is_dir() else None) as tmp:
+        hf_dir = Path(tmp) / "hf"
+        if adapter:
+            merge_adapter(adapter, hf_dir, **common)
+        else:
+            convert_zero_checkpoint(zero_checkpoint, hf_dir, tag=tag, **common)
+        return gguf_export.export_gguf(hf_dir, output, gguf_type=gguf_type, overwrite=overwrite)
+
+
 def main(argv: list[str] | None = None) -> None:
     args: ExportArgs = command().parse_or_exit(argv, check_args).args
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.output_dir = args.output_dir or args.output
     common = dict(torch_dtype=args.torch_dtype, atol=args.atol, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     try:
         args.base_model = _resolve_base(args)
-        if args.adapter:
+        if args.to == "gguf":
+            export_gguf(args.output_dir, model_dir=args.model_dir, adapter=args.adapter, zero_checkpoint=args.zero_checkpoint,
+                        base_model=args.base_model, tag=args.tag, gguf_type=args.gguf_type, overwrite=args.overwrite,
+                        atol=args.atol, max_shard_size=args.max_shard_size)
+        elif args.adapter:
             merge_adapter(args.adapter, args.output_dir, base_model=args.base_model, **common)
         else:
             convert_zero_checkpoint(args.zero_checkpoint, args.output_dir, tag=args.tag, base_model=args.base_model, **common)

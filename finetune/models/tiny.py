@@ -107,14 +107,14 @@ def build_tokenizer(out_dir: str | Path, style: str = "chatml", vocab_size: int 
     return fast
 
 
-def build_model(out_dir: str | Path, tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
+def build_model(out_dir: str | Path, tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, tied: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
     )
     model = LlamaForCausalLM(config)
@@ -122,10 +122,11 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0, hidden: int = 64,
     return model
 
 
-def build(out_dir: str | Path, style: str = "chatml", seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+def build(out_dir: str | Path, style: str = "chatml", seed: int = 0, hidden: int = 64, layers: int = 2,
+          tied: bool = False) -> Path:
     out = Path(out_dir)
     tok = build_tokenizer(out, style)
-    build_model(out, tok, seed=seed, hidden=hidden, layers=layers)
+    build_model(out, tok, seed=seed, hidden=hidden, layers=layers, tied=tied)
     return out
 
 

@@ -1,0 +1,433 @@
+"""A Llama-style HF folder -> one GGUF file for llama.cpp and Ollama (`finetune export --to gguf`).
+
+    finetune export --to gguf --model_dir merged out/model.gguf --gguf_type q8_0
+    finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
+    finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
+
+Written with the `gguf` package (llama.cpp's own writer): Llama metadata, the byte-level BPE tokenizer (tokens, token
+types, merges, pre-tokenizer name), special token ids and the chat template; Q and K weights permuted the way
+llama.cpp's convert_hf_to_gguf.py does. The file is written under a temporary name in the output folder, verified
+(transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
+weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.convert.export import ExportError, log
+from finetune.models.verify import VerificationError, fixed_input, logits_of
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# Largest logit difference (GGUF-loaded vs HF, fp32 compute, verify.fixed_input) accepted per type. f32 is the
+# project's 1e-5; the others are relative to the largest |logit| of the HF model (measured on SmolLM2-135M, see
+# docs/export.md: f16 0.1%, bf16 0.6%, q8_0 2.5%), with 3x or more headroom over the measurements.
+LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08}
+# Pre-tokenizers recognised from tokenizer.json, named as llama.cpp names them (tokenizer.ggml.pre).
+LLAMA3_SPLIT = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+
+
+@dataclass
+class GGUFReport:
+    path: str
+    gguf_type: str
+    size_bytes: int
+    logit_diff: float
+    logit_bound: float
+    weight_diff: float
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"wrote {self.path} ({self.gguf_type}, {self.size_bytes / 2**20:.1f} MiB, {self.seconds:.1f}s): "
+                f"transformers-loaded logits vs HF max diff {self.logit_diff:.3g} (limit {self.logit_bound:g}); "
+                f"weights vs HF max diff {self.weight_diff:.3g} (rounding to {self.gguf_type}; they load back exactly as stored)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model metadata and tensors
+
+
+def _check_architecture(config, model_dir: Path) -> None:
+    arch = getattr(config, "model_type", None)
+    if arch != "llama":
+        raise ExportError(f"{model_dir}: model_type '{arch}' cannot be written as GGUF by finetune (supported: llama)")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ExportError(f"{model_dir}: attention_bias/mlp_bias are set; finetune's GGUF export writes bias-free Llama only")
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise ExportError(
+            f"{model_dir}: rope scaling '{rope.get('rope_type')}' is not supported by finetune's GGUF export "
+            "(transformers' GGUF loader does not read it back for llama, so the file could not be verified)"
+        )
+
+
+def _rope_parameters(config) -> dict:
+    # transformers 5 keeps rope_theta and the scaling in config.rope_parameters; older configs have rope_theta.
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and "rope_type" not in rope:
+        rope.update(scaling)
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def permute(weights, n_head: int, n_head_kv: int | None = None):
+    """llama.cpp's LlamaModel.permute: HF's rotate-half layout of Q/K rows -> GGML's interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _tensor_type(gguf_type: str, array):
+    """The GGML type a tensor is stored in: 1-D tensors (norms) stay F32, as llama.cpp keeps them; Q8_0 needs rows
+    that are a multiple of its 32-value block (llama.cpp falls back to F16 otherwise)."""
+    from gguf import GGMLQuantizationType as Q
+
+    if array.ndim < 2 or gguf_type == "f32":
+        return Q.F32
+    if gguf_type == "q8_0":
+        return Q.Q8_0 if array.shape[-1] % 32 == 0 else Q.F16
+    return {"f16": Q.F16, "bf16": Q.BF16}[gguf_type]
+
+
+def _encode(array, qtype):
+    """The data GGUFWriter.add_tensor takes for an fp32 array stored as `qtype`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if qtype == Q.F32:
+        return array
+    if qtype == Q.F16:
+        return array.astype(np.float16)
+    return quants.quantize(array, qtype)
+
+
+def _decode(data, qtype, shape):
+    """The fp32 values stored data stands for (what a reader must get back)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    if qtype in (Q.F32, Q.F16):
+        return data.astype(np.float32).reshape(shape)
+    return quants.dequantize(data, qtype).reshape(shape)
+
+
+def gguf_tensors(model, gguf_type: str):
+    """[(gguf name, data, qtype, HF name)] for every weight of a LlamaForCausalLM."""
+    import gguf
+    import torch
+
+    config = model.config
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    out = []
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # no output.weight: llama.cpp and transformers use token_embd for the head
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ExportError(f"weight {hf_name} has no GGUF name for the llama architecture")
+        array = tensor.detach().to("cpu", dtype=torch.float32).numpy()
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            array = permute(array, n_head, n_head)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            array = permute(array, n_head, n_kv)
+        qtype = _tensor_type(gguf_type, array)
+        out.append((name, _encode(array, qtype), qtype, hf_name))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def pre_tokenizer_name(tokenizer_json: dict, where: Path) -> str:
+    """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer.json, recognised by its structure
+    (llama.cpp hashes a sample's encoding; the three families here are the ones finetune's models use)."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    types = [p.get("type") for p in parts]
+    if types == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if types == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm"
+    if types == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
+        if parts[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
+            return "llama-bpe"
+    raise ExportError(
+        f"{where}/tokenizer.json: pre-tokenizer {json.dumps(pre)[:160]} is not one finetune can name for llama.cpp "
+        "(known: GPT-2 byte-level, SmolLM digits + byte-level, Llama-3 split)"
+    )
+
+
+def check_tokenizer(model_dir: Path) -> str:
+    """The llama.cpp pre-tokenizer name of MODEL_DIR's tokenizer; ExportError for a vocabulary we cannot write."""
+    tok_file = model_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        what = "a SentencePiece tokenizer.model" if (model_dir / "tokenizer.model").is_file() else "no tokenizer.json"
+        raise ExportError(f"{model_dir}: {what}; finetune's GGUF export writes byte-level BPE (\"gpt2\") vocabularies only")
+    tj = json.loads(tok_file.read_text())
+    model_type = (tj.get("model") or {}).get("type")
+    byte_level = any(p.get("type") == "ByteLevel" for p in
+                     ([tj.get("pre_tokenizer") or {}] + list((tj.get("pre_tokenizer") or {}).get("pretokenizers", []))))
+    if model_type != "BPE" or not byte_level:
+        kind = "SentencePiece (\"llama\")" if model_type in ("BPE", "Unigram") else repr(model_type)
+        raise ExportError(f"{tok_file}: a {kind} vocabulary; finetune's GGUF export writes byte-level BPE (\"gpt2\") "
+                          "vocabularies only")
+    return pre_tokenizer_name(tj, model_dir)
+
+
+def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
+    """Write the BPE vocabulary, merges, special ids and chat template; return what the Modelfile needs."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    pre = check_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = tokenizer.get_vocab()
+    if len(vocab) > vocab_size:
+        raise ExportError(f"{model_dir}: the tokenizer has {len(vocab)} tokens but the model only {vocab_size} embeddings")
+    reverse = {i: t for t, i in vocab.items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(added[i].content)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    if not special.merges:
+        raise ExportError(f"{model_dir}/tokenizer.json: no merges in the BPE model")
+    if special.chat_template is None and getattr(tokenizer, "chat_template", None):
+        special.chat_template = tokenizer.chat_template
+    special.add_to_gguf(writer, quiet=True)
+    return {"tokenizer": tokenizer, "pre": pre, "chat_template": special.chat_template}
+
+
+# ----------------------------------------------------------------------------------------------
+# Ollama Modelfile
+
+
+OLLAMA_CHATML = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+)
+OLLAMA_LLAMA3 = (
+    "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>\n"
+    "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+PROBE = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
+         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+
+
+def chat_style(tokenizer) -> tuple[str | None, str | None]:
+    """('chatml' | 'llama3' | None, default system prompt or None), by rendering the template on a probe
+    conversation and comparing it with what each style writes."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None, None
+    try:
+        render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
+        text = render(PROBE)
+        bare = render(PROBE[1:])
+    except Exception:
+        return None, None
+    chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in PROBE) + "<|im_start|>assistant\n"
+    llama3 = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in PROBE)
+    llama3 += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    bos = tokenizer.bos_token or ""
+    if text == chatml:
+        style, head, tail = "chatml", "<|im_start|>system\n", "<|im_end|>\n"
+    elif text in (llama3, bos + llama3):
+        style, head, tail = "llama3", "<|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>"
+        bare = bare[len(bos):] if bos and bare.startswith(bos) else bare
+    else:
+        return None, None
+    # A template that adds a system turn when the conversation has none (SmolLM2): the Modelfile's SYSTEM.
+    system = None
+    if bare.startswith(head):
+        system = bare[len(head):bare.index(tail)]
+    return style, system
+
+
+def modelfile_text(gguf_name: str, tokenizer) -> tuple[str, str | None]:
+    style, system = chat_style(tokenizer)
+    lines = [f"FROM ./{gguf_name}"]
+    if style is None:
+        return "\n".join(lines) + "\n", None
+    template = OLLAMA_CHATML if style == "chatml" else OLLAMA_LLAMA3
+    lines.append(f'TEMPLATE """{template}"""')
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    stops = ["<|im_end|>"] if style == "chatml" else ["<|eot_id|>", "<|end_of_text|>"]
+    vocab = tokenizer.get_vocab()
+    lines += [f'PARAMETER stop "{s}"' for s in stops if s in vocab]
+    return "\n".join(lines) + "\n", style
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing and verifying
+
+
+def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str) -> tuple[list, dict]:
+    import gguf
+
+    config = model.config
+    rope = _rope_parameters(config)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer.add_name(name)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    try:
+        tok = add_tokenizer(writer, model_dir, config.vocab_size)
+        tensors = gguf_tensors(model, gguf_type)
+        plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)  # numpy dtype says it
+        for tensor_name, data, qtype, _ in tensors:
+            writer.add_tensor(tensor_name, data, raw_dtype=None if qtype in plain else qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return tensors, tok
+
+
+def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
+    """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        gguf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise VerificationError(f"transformers cannot load the written GGUF file: {type(e).__name__}: {e}") from None
+    loaded.eval()
+    state = loaded.state_dict()
+    # Every weight must be exactly what we meant to store (the HF weight rounded to the file's type): this is what
+    # proves the Q/K permutation and the name mapping, whatever the type.
+    weight_diff = 0.0
+    hf_state = model.state_dict()
+    for name, data, qtype, hf_name in tensors:
+        expected = torch.from_numpy(_decode(data, qtype, tuple(hf_state[hf_name].shape)))
+        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            n_kv = model.config.num_attention_heads if "q_proj" in hf_name else model.config.num_key_value_heads
+            expected = _unpermute(expected, model.config.num_attention_heads, n_kv)
+        got = state.get(hf_name)
+        if got is None or got.shape != expected.shape:
+            raise VerificationError(f"{name} does not load back as {hf_name} {tuple(expected.shape)}")
+        weight_diff = max(weight_diff, (got.float() - expected).abs().max().item())
+    if weight_diff != 0.0:
+        raise VerificationError(f"weights load back changed by {weight_diff:.3g} (must be exact)")
+    ids = fixed_input(model.config.vocab_size)
+    ref = logits_of(model, ids)
+    got = logits_of(loaded, ids)
+    diff = (got - ref).abs().max().item()
+    bound = LOGIT_BOUNDS[gguf_type] * (1.0 if gguf_type == "f32" else ref.abs().max().item())
+    if not diff <= bound:
+        raise VerificationError(f"GGUF-loaded logits differ from the HF model's by {diff:.3g} (limit {bound:.3g} for {gguf_type})")
+    sample = "Hello world! 123 45678 the quick brown fox\n  jumped <|im_end|> äöü 日本"
+    if gguf_tok(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
+        raise VerificationError("the GGUF tokenizer (as transformers builds it) encodes a sample differently from the HF one")
+    weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for *_, hf in tensors)
+    return diff, bound, weight_diff_vs_hf
+
+
+def _unpermute(weights, n_head: int, n_head_kv: int):
+    if n_head != n_head_kv:
+        n_head = n_head_kv
+    dim = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    if output.suffix != ".gguf":
+        raise ExportError(f"{output}: a GGUF output file name must end in .gguf")
+    if output.exists() and not overwrite:
+        raise ExportError(f"{output} already exists; pass --overwrite to replace it")
+    if output.is_dir():
+        raise ExportError(f"{output} is a folder; give a file name ending in .gguf")
+
+
+def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "f32", overwrite: bool = False,
+                modelfile: bool = True) -> GGUFReport:
+    """Write, verify and rename into place MODEL_DIR as OUTPUT (.gguf), with an Ollama Modelfile beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model_dir, output = Path(model_dir), Path(output).absolute()
+    if gguf_type not in GGUF_TYPES:
+        raise ExportError(f"--gguf_type: '{gguf_type}' is not one of {', '.join(GGUF_TYPES)}")
+    if not (model_dir / "config.json").is_file():
+        raise ExportError(f"{model_dir}: no config.json (not a model folder)")
+    check_output(output, overwrite)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    _check_architecture(config, model_dir)
+    check_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    made_parent = not output.parent.exists()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = False
+    tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
+    mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
+    try:
+        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem)
+        logit_diff, bound, weight_diff = verify_gguf(tmp, model, tok["tokenizer"], tensors, gguf_type)
+        style = None
+        if modelfile:
+            text, style = modelfile_text(output.name, tok["tokenizer"])
+            mf_tmp.write_text(text)
+        os.replace(tmp, output)
+        if modelfile:
+            os.replace(mf_tmp, output.parent / "Modelfile")
+        done = True
+    finally:
+        tmp.unlink(missing_ok=True)
+        mf_tmp.unlink(missing_ok=True)
+        if made_parent and not done and not any(output.parent.iterdir()):
+            output.parent.rmdir()
+    report = GGUFReport(str(output), gguf_type, output.stat().st_size, logit_diff, bound, weight_diff,
+                        time.perf_counter() - start)
+    log(str(report))
+    if modelfile:
+        log(f"wrote {output.parent / 'Modelfile'}"
+            + (f" (TEMPLATE for the {style} chat format)" if style else
+               " without TEMPLATE: the chat template is neither ChatML nor Llama-3; write one by hand"))
+    return report
