@@ -100,10 +100,13 @@ def seed(args) -> None:
 
 def load_model_for_training(cfg, stats, world_size: int):
     """The model (and LoRA) as the Trainer trains it: seeded where the Trainer seeds, gradient checkpointing on."""
-    from finetune.models.load import load_model
+    from finetune.models.load import WeightsError, load_model
     from finetune.training.outputs import describe_run
 
-    model = load_model(cfg.model, cfg.training)
+    try:
+        model = load_model(cfg.model, cfg.training)
+    except WeightsError as e:
+        exit_with(str(e))
     rank0_print(describe_run(cfg, stats, model, world_size))
     seed(cfg.training)
     enable_gradient_checkpointing(model, cfg.training)

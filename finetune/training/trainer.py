@@ -19,7 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from finetune.training import checkpoint
 from finetune import config as C
 from finetune.data.prepare import make_collator
-from finetune.models.load import load_model
+from finetune.models.load import WeightsError, load_model
 from finetune.training.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
 from finetune.data.sampler import distributed_dataloader
@@ -34,7 +34,15 @@ class Trainer(transformers.Trainer):
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
         )
+        self._batch_order = loader.batch_sampler
         return self.accelerator.prepare(loader)
+
+    def _run_epoch(self, *args, epoch: int, **kwargs):
+        # A mid-epoch resume wraps the prepared loader in accelerate's skip_first_batches: its SkipBatchSampler
+        # hides our batch order from the set_epoch calls that follow, which would then replay epoch 0's order in
+        # any later epoch. Set the epoch on the order itself; it is read only when the epoch's iterator is made.
+        self._batch_order.set_epoch(epoch)
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Under DeepSpeed the engine steps the LR schedule inside backward(), before the Trainer reads the learning
@@ -78,7 +86,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     tokenizer, train_dataset, stats = data_or_exit(cfg, args.local_process_index)
 
     # Model (and LoRA).
-    model = load_model(cfg.model, args)
+    try:
+        model = load_model(cfg.model, args)
+    except WeightsError as e:
+        exit_with(str(e))
     rank0_print(describe_run(cfg, stats, model))
 
     # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
