@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -69,15 +70,16 @@ def load_model(model_cfg, training_args=None):
         # Each rank keeps its own quantized copy on its own device.
         kwargs["device_map"] = quantized_device_map()
         kwargs["quantization_config"] = quant
-    model, info = AutoModelForCausalLM.from_pretrained(
-        model_cfg.model_name_or_path,
-        dtype=dtype,
-        attn_implementation=model_cfg.attn_implementation,
-        trust_remote_code=model_cfg.trust_remote_code,
-        use_safetensors=not model_cfg.allow_pickle,
-        output_loading_info=True,
-        **kwargs,
-    )
+    with quiet_load_report():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_cfg.model_name_or_path,
+            dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+            use_safetensors=not model_cfg.allow_pickle,
+            output_loading_info=True,
+            **kwargs,
+        )
     check_loading_info(info, model_cfg.model_name_or_path)
     gradient_checkpointing = bool(training_args and training_args.gradient_checkpointing)
     if quant is not None:
@@ -93,6 +95,24 @@ def load_model(model_cfg, training_args=None):
     # The KV cache is useless in training and breaks gradient checkpointing.
     model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """from_pretrained logs a table of missing / unexpected keys as a warning; check_loading_info turns any such key
+    into one error message instead, so the table would only bury it."""
+    import logging
+
+    # tensor_parallel: with unexpected keys it also lists "layers not sharded", which means nothing here.
+    loggers = [logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "distributed.tensor_parallel")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def weight_files(folder) -> str:

@@ -62,7 +62,8 @@ class Trainer(transformers.Trainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
-                                 zero_stage=self.zero_stage(), global_step=self.state.global_step)
+                                 zero_stage=self.zero_stage(), global_step=self.state.global_step,
+                                 fingerprint=getattr(self, "fingerprint", None))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
@@ -102,15 +103,14 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         processing_class=tokenizer,
         callbacks=callbacks,  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
     )
-    if args.process_index == 0:
-        C.save_resolved(cfg, args.output_dir)
+    trainer.fingerprint = cfg.fingerprint
 
     # Train.
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
     # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
     try:
-        save_final(trainer, args.output_dir)
+        save_final(trainer, args.output_dir, cfg)
     except VerificationError as e:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
