@@ -237,3 +237,25 @@ def test_weights_that_do_not_match_the_config_are_refused(case, how, tiny_chatml
     else:
         assert "transformer.h.0.attn.c_attn.weight" in proc.stderr or "transformer.wte.weight" in proc.stderr, proc.stderr
     assert "{'loss'" not in proc.stdout and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_tied_lm_head_is_not_a_missing_weight(tmp_path, tiny_chatml, one_thread):
+    """A tied lm_head (not in the file) and non-persistent buffers (rotary inv_freq) load without complaint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors import safe_open
+
+    from finetune import config as C
+    from finetune.models.load import load_model
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    shutil.copy(tiny_chatml / "tokenizer.json", tmp_path / "tied")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = C.parse(["--model_name_or_path", str(tmp_path / "tied"), "--dataset", str(data),
+                   "--output_dir", str(tmp_path / "o")])
+    model = load_model(cfg.model, cfg.training)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
