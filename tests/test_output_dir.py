@@ -175,3 +175,21 @@ def test_finetune_config_is_written_with_the_final_model(job, monkeypatch, isola
     with pytest.raises(RuntimeError, match="stopped on purpose"):
         trainer.main([str(a) for a in args(job, "--logging_steps", "2")], callbacks=[Stop()])
     assert (out / "finetune_config.yaml").read_bytes() == saved
+
+
+@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+def test_resume_after_a_lost_final_save_trains_no_extra_step(how, job, run):
+    """The final save did not happen (a crash after the last checkpoint): `latest` finishes the run at --max_steps.
+    Before, the Trainer path resumed its checkpoint-3 (global_step = max_steps) and trained a step 4."""
+    from launch import losses
+
+    out = job["out"]
+    assert run(how, args(job, "--resume_from_checkpoint", "latest")).returncode == 0
+    expected = losses(out)
+    for name in ("config.json", "model.safetensors", "trainer_state.json", "finetune_config.yaml"):
+        (out / name).unlink()
+    proc = run(how, args(job, "--resume_from_checkpoint", "latest"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: from" in proc.stderr
+    assert global_step(out) == 3
+    assert losses(out) == pytest.approx(expected, abs=1e-6)

@@ -42,6 +42,11 @@ class Trainer(transformers.Trainer):
         # hides our batch order from the set_epoch calls that follow, which would then replay epoch 0's order in
         # any later epoch. Set the epoch on the order itself; it is read only when the epoch's iterator is made.
         self._batch_order.set_epoch(epoch)
+        if self.state.global_step >= self.state.max_steps:
+            # Resumed from the checkpoint of the last step (the final save did not finish): nothing is left to train,
+            # and the Trainer would run one step past max_steps before it checks.
+            self.control.should_training_stop = True
+            return None
         return super()._run_epoch(*args, epoch=epoch, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
