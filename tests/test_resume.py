@@ -282,7 +282,8 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs, repor
 def test_world_size_change_is_refused(setup, runs):
     """A 2-process ZeRO-3 checkpoint resumed by 1 process: exit 2 and the conversion command, before training."""
     _, _, out, _ = runs("trainer", "swapped")
-    cmd = command(setup, "trainer", out, "zero3_nvme", "--resume_from_checkpoint", "latest")
+    # The checkpoint named: `latest` on this finished run would do nothing (exit 0) before any checkpoint is read.
+    cmd = command(setup, "trainer", out, "zero3_nvme", "--resume_from_checkpoint", str(out / f"checkpoint-{KILL_AFTER}"))
     script = cmd.index(TRAIN)
     result = run([sys.executable, *cmd[script:]], timeout=300)
     assert result.returncode == 2, result.output[-3000:]
