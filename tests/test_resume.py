@@ -349,3 +349,12 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     again = run(command_for(full), timeout=600).check()
     assert "already holds this run's final model (global_step 8); nothing to do" in again.output, again.output[-3000:]
     assert _files(full) == before
+    # Another run's data into that folder: refused on every rank before training (one message, exit 2, no rank left).
+    other = tiny.write_jsonl(root / "other.jsonl", tiny.synthetic_records(12, seed=8))
+    cmd = command_for(full)
+    cmd[cmd.index("--dataset") + 1] = str(other)
+    refused = run(cmd, timeout=300)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
+                                "data)") == 1, refused.output[-3000:]
+    assert "{'loss'" not in refused.output and _files(full) == before
