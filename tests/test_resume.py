@@ -354,7 +354,7 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     cmd = command_for(full)
     cmd[cmd.index("--dataset") + 1] = str(other)
     refused = run(cmd, timeout=300)
-    assert refused.returncode == 2, refused.output[-3000:]
+    assert refused.returncode != 0, refused.output[-3000:]  # each rank exits 2; the launcher reports a failure
     assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
                                 "data)") == 1, refused.output[-3000:]
     assert "{'loss'" not in refused.output and _files(full) == before
