@@ -196,3 +196,66 @@ def test_plan_check_refuses_a_run_that_cannot_fit(tiny_chatml, tmp_path, run):
     ok = _data_run(run, "cli", tiny_chatml, data, tmp_path, "--plan_check")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _renamed_weights(tiny_model: Path, out: Path) -> Path:
+    """The tiny model with every tensor name prefixed by 'module.' (a DDP / DeepSpeed state dict saved as is)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, out)
+    weights = load_file(out / "model.safetensors")
+    save_file({f"module.{k}": v.contiguous() for k, v in weights.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+def _wrong_config(tiny_model: Path, out: Path) -> Path:
+    """The tiny Llama's weights under a GPT-2 config.json of the same vocabulary."""
+    import json
+
+    from transformers import GPT2Config
+
+    shutil.copytree(tiny_model, out)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+@pytest.mark.parametrize("case", ["module_prefix", "gpt2_config"])
+def test_weights_that_do_not_match_the_config_are_refused(case, how, tiny_chatml, tmp_path, run):
+    """Before: every weight MISSING, a randomly initialised model trained, exit 0, its save 'verified'."""
+    model = (_renamed_weights if case == "module_prefix" else _wrong_config)(tiny_chatml, tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": "three four"}\n')
+    proc = _data_run(run, how, model, data, tmp_path)
+    assert_user_error(proc, f"finetune: --model_name_or_path {model}: the weights in {model / 'model.safetensors'} "
+                            "do not match its config.json", "missing keys:")
+    if case == "module_prefix":
+        assert "unexpected keys: module.lm_head.weight, module.model.embed_tokens.weight" in proc.stderr, proc.stderr
+        assert "'module.'" in proc.stderr
+    else:
+        assert "transformer.h.0.attn.c_attn.weight" in proc.stderr or "transformer.wte.weight" in proc.stderr, proc.stderr
+    assert "{'loss'" not in proc.stdout and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_tied_lm_head_is_not_a_missing_weight(tmp_path, tiny_chatml, one_thread):
+    """A tied lm_head (not in the file) and non-persistent buffers (rotary inv_freq) load without complaint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors import safe_open
+
+    from finetune import config as C
+    from finetune.models.load import load_model
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    shutil.copy(tiny_chatml / "tokenizer.json", tmp_path / "tied")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = C.parse(["--model_name_or_path", str(tmp_path / "tied"), "--dataset", str(data),
+                   "--output_dir", str(tmp_path / "o")])
+    model = load_model(cfg.model, cfg.training)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

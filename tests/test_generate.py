@@ -258,3 +258,23 @@ def test_adapter_with_matching_config_but_wrong_shapes_is_refused(files, tmp_pat
         G.main(["--model_name_or_path", str(files["model"]), "--prompt", "hi", "--adapter", str(adapter)])
     err = capsys.readouterr().err
     assert "does not fit base model" in err and "adapter expects 32 input features, the base layer has 64" in err
+
+
+def test_weights_that_do_not_match_the_config_are_refused(files, tmp_path, capsys):
+    """Tensor names with a 'module.' prefix: from_pretrained would generate from random weights (exit 0)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "renamed"
+    shutil.copytree(files["model"], model)
+    weights = load_file(model / "model.safetensors")
+    save_file({f"module.{k}": v.contiguous() for k, v in weights.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(SystemExit) as exit_:
+        G.main(["--model_name_or_path", str(model), "--prompt", "hi", "--output", str(tmp_path / "o.jsonl")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"the weights in {model / 'model.safetensors'} do not match its config.json" in err, err
+    assert "39 missing keys: lm_head.weight, model.embed_tokens.weight" in err and "module.model.embed_tokens.weight" in err, err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -282,7 +282,8 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, size, runs, repor
 def test_world_size_change_is_refused(setup, runs):
     """A 2-process ZeRO-3 checkpoint resumed by 1 process: exit 2 and the conversion command, before training."""
     _, _, out, _ = runs("trainer", "swapped")
-    cmd = command(setup, "trainer", out, "zero3_nvme", "--resume_from_checkpoint", "latest")
+    # The checkpoint named: `latest` on this finished run would do nothing (exit 0) before any checkpoint is read.
+    cmd = command(setup, "trainer", out, "zero3_nvme", "--resume_from_checkpoint", str(out / f"checkpoint-{KILL_AFTER}"))
     script = cmd.index(TRAIN)
     result = run([sys.executable, *cmd[script:]], timeout=300)
     assert result.returncode == 2, result.output[-3000:]
@@ -295,3 +296,65 @@ def write_report(report: dict[str, dict]) -> None:
     target = os.environ.get("FINETUNE_RESUME_REPORT")
     if target:
         Path(target).write_text(json.dumps(report, indent=1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: a mid-epoch resume in a later epoch, kill-free (the uninterrupted run's own checkpoint, resumed in a new
+# folder). Before: the Trainer path replayed epoch 0's data order after resuming in epoch 1 (accelerate's
+# skip_first_batches hid the batch order from set_epoch). Then the finished job re-run: nothing to do.
+
+
+@pytest.fixture(scope="module")
+def epoch_job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("later-epoch")
+    model = tiny.build(root / "model", style="chatml")
+    # 12 records, 2 ranks x 2 per device: 3 steps per epoch, so checkpoint-4 is one step into the second epoch and
+    # steps 7-8 are in the third.
+    data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(12, seed=7))
+    return root, model, data
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(PATHS))
+def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job):
+    import shutil
+
+    root, model, data = epoch_job
+
+    def command_for(out: Path) -> list[str]:
+        return PATHS[path]() + [
+            "--config", "ddp", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+            "--dataset_cache_dir", str(root / "cache"), "--max_steps", "8", "--save_steps", "4",
+            "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
+            "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
+        ]
+
+    full, resumed = root / f"{path}-full", root / f"{path}-resumed"
+    run(command_for(full), timeout=600).check()
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
+    result = run(command_for(resumed), timeout=600).check()
+    assert f"resume: from {resumed / 'checkpoint-4'}" in result.output, result.output[-3000:]
+    expected, got = losses(full), losses(resumed)
+    assert len(expected) == len(got) == 8, (expected, got)
+    diff = max(abs(a - b) for a, b in zip(expected, got))
+    assert diff <= 1e-6, f"{path}: resumed at step 4 (epoch 1) vs uninterrupted: max |diff| {diff}\n{expected}\n{got}"
+    # The finished job, re-run as it was started: nothing to do, on every rank, not a byte rewritten.
+    before = _files(full)
+    again = run(command_for(full), timeout=600).check()
+    assert "already holds this run's final model (global_step 8); nothing to do" in again.output, again.output[-3000:]
+    assert _files(full) == before
+    # Another run's data into that folder: refused on every rank before training (one message, exit 2, no rank left).
+    other = tiny.write_jsonl(root / "other.jsonl", tiny.synthetic_records(12, seed=8))
+    cmd = command_for(full)
+    cmd[cmd.index("--dataset") + 1] = str(other)
+    refused = run(cmd, timeout=300)
+    assert refused.returncode != 0, refused.output[-3000:]  # each rank exits 2; the launcher reports a failure
+    assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
+                                "data)") == 1, refused.output[-3000:]
+    assert "{'loss'" not in refused.output and _files(full) == before

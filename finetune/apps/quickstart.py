@@ -328,6 +328,8 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         "--config", cfg.config, "--max_steps", str(cfg.max_steps), "--per_device_train_batch_size",
         str(cfg.per_device_train_batch_size), "--learning_rate", str(lr), "--warmup_steps", str(min(5, cfg.max_steps // 10)),
         "--logging_steps", "1", "--seed", str(cfg.seed), "--max_seq_length", "512", "--disable_tqdm", "false",
+        # OUTPUT_DIR/model is the quickstart's own: a re-run (another method, more steps) replaces it.
+        "--overwrite_output_dir", "true",
     ]
     if cfg.method == "lora":
         cmd += ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.0"]

@@ -163,6 +163,11 @@ class LaunchConfig:
         metadata={"help": "Predict this run's memory first (as `finetune plan` does) and refuse to start if it does not fit."},
     )
     force: bool = field(default=False, metadata={"help": "Start even when --plan_check predicts that memory does not fit."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an --output_dir that holds another run's final model or checkpoints: its "
+                          "checkpoints are removed at start and its model replaced at the end (refused without this)."},
+    )
 
 
 # Our defaults for TrainingArguments fields, applied under the recipe and the command line.
@@ -190,6 +195,7 @@ class FinetuneConfig:
     training: Any  # transformers.TrainingArguments
     deepspeed_config: Path | None
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
+    fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
 
     def resolved(self) -> dict[str, Any]:
         """The flat dict of every key that is not at the HF default, reusable as a --recipe."""
@@ -374,6 +380,10 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems.append("model_name_or_path: required (a local model folder)")
         else:
             problems += resolve_model_or_problems(model)
+        if model.model_name_or_path and training.get("output_dir") and \
+                Path(training["output_dir"]).resolve() == Path(model.model_name_or_path).resolve():
+            problems.append(f"output_dir: {training['output_dir']} is the model folder (--model_name_or_path); the run "
+                            "would write over the base weights. Choose another --output_dir")
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
         elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):

@@ -97,7 +97,7 @@ def merge_adapter(
     from transformers import AutoModelForCausalLM
 
     from finetune.inference.generate import GenerationError, check_adapter, empty_model
-    from finetune.models.load import resolve_dtype
+    from finetune.models.load import WeightsError, check_loading_info, resolve_dtype
 
     adapter, output_dir = Path(adapter), Path(output_dir)
     if not (adapter / "adapter_config.json").is_file():
@@ -116,7 +116,11 @@ def merge_adapter(
         raise ExportError(str(e)) from None
 
     # Merge in fp32, where merged vs base + adapter is checked to --atol; cast to --torch_dtype afterwards.
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    base, info = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, output_loading_info=True)
+    try:
+        check_loading_info(info, base_path, flag="base model")
+    except WeightsError as e:
+        raise ExportError(str(e)) from None
     model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False).eval()
     ids = fixed_input(model.get_base_model().config.vocab_size)
     with_adapter = logits_of(model, ids)

@@ -359,7 +359,8 @@ def load_for_inference(opts: LoadOptions, log=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.config import check_model_folder
-    from finetune.models.load import ensure_pad_token, resolve_dtype
+    from finetune.models.load import (WeightsError, check_loading_info, ensure_pad_token, quiet_load_report,
+                                       resolve_dtype)
     from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -419,10 +420,14 @@ def load_for_inference(opts: LoadOptions, log=None):
     ensure_pad_token(tokenizer)
     tokenizer.padding_side = "left"
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            opts.model_name_or_path, dtype=dtype, attn_implementation=opts.attn_implementation,
-            trust_remote_code=opts.trust_remote_code, use_safetensors=True, **kwargs,
-        )
+        with quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                opts.model_name_or_path, dtype=dtype, attn_implementation=opts.attn_implementation,
+                trust_remote_code=opts.trust_remote_code, use_safetensors=True, output_loading_info=True, **kwargs,
+            )
+        check_loading_info(info, opts.model_name_or_path)
+    except WeightsError as e:
+        raise GenerationError(str(e)) from None
     except ValueError as e:
         if quant is not None and "dispatched on the CPU or the disk" in str(e):
             raise GenerationError(

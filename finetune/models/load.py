@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import guard_4bit_training  # noqa: F401
+
+class WeightsError(ValueError):
+    """The weights file does not hold the weights the config describes; the message names keys and file."""
+
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,14 +70,17 @@ def load_model(model_cfg, training_args=None):
         # Each rank keeps its own quantized copy on its own device.
         kwargs["device_map"] = quantized_device_map()
         kwargs["quantization_config"] = quant
-    model = AutoModelForCausalLM.from_pretrained(
-        model_cfg.model_name_or_path,
-        dtype=dtype,
-        attn_implementation=model_cfg.attn_implementation,
-        trust_remote_code=model_cfg.trust_remote_code,
-        use_safetensors=not model_cfg.allow_pickle,
-        **kwargs,
-    )
+    with quiet_load_report():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_cfg.model_name_or_path,
+            dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+            use_safetensors=not model_cfg.allow_pickle,
+            output_loading_info=True,
+            **kwargs,
+        )
+    check_loading_info(info, model_cfg.model_name_or_path)
     from finetune.models.hub import stamp_config
 
     stamp_config(model.config, getattr(model_cfg, "_hub", None))
@@ -90,6 +98,51 @@ def load_model(model_cfg, training_args=None):
     # The KV cache is useless in training and breaks gradient checkpointing.
     model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """from_pretrained logs a table of missing / unexpected keys as a warning; check_loading_info turns any such key
+    into one error message instead, so the table would only bury it."""
+    import logging
+
+    # tensor_parallel: with unexpected keys it also lists "layers not sharded", which means nothing here.
+    loggers = [logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "distributed.tensor_parallel")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def weight_files(folder) -> str:
+    from pathlib import Path
+
+    folder = Path(folder)
+    names = sorted(p.name for p in folder.glob("*.safetensors*")) or sorted(p.name for p in folder.glob("*.bin*"))
+    return ", ".join(str(folder / n) for n in names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "") \
+        if names else str(folder)
+
+
+def check_loading_info(info: dict, folder, flag: str = "--model_name_or_path") -> None:
+    """from_pretrained initialises weights it did not find at random and only logs it; for a full-model load any
+    missing, unexpected or mis-shaped weight means the file is not this config's model: refuse it. transformers has
+    already dropped tied weights (lm_head) and the patterns a model declares ignorable (non-persistent buffers)."""
+    problems = []
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(map(str, info.get(what) or []))
+        if keys:
+            more = f" (and {len(keys) - 5} more)" if len(keys) > 5 else ""
+            problems.append(f"{len(keys)} {what.replace('_', ' ')}: {', '.join(keys[:5])}{more}")
+    if problems:
+        raise WeightsError(
+            f"{flag} {folder}: the weights in {weight_files(folder)} do not match its config.json "
+            f"({'; '.join(problems)}); from_pretrained would give the missing ones random values. Check that config.json belongs to "
+            "these weights and that the tensor names carry no extra prefix (such as 'module.' from a DDP or "
+            "DeepSpeed state dict): rename them, or save the model with save_pretrained")
 
 
 def describe_quantization(model, model_cfg, quant) -> str:

@@ -50,7 +50,8 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage: int, global_step: int) -> None:
+def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage: int, global_step: int,
+                  fingerprint: dict | None = None) -> None:
     """Collective: call on every rank after it has written its part of `folder`.
 
     The barrier comes first: rank 0 must not vouch for partition files other ranks are still writing.
@@ -63,7 +64,7 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
         files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                  if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
         meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
-                "files": files}
+                "fingerprint": fingerprint, "files": files}
         tmp = folder / f".{MARKER}.tmp"
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)

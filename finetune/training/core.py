@@ -21,7 +21,7 @@ from finetune import compat
 from finetune.data.prepare import IGNORE_INDEX
 from finetune.training import checkpoint
 from finetune.training.outputs import (commit_staged, exit_with, rank0_print, staging_dir, verify_staged,
-                                       write_json_atomic)
+                                       write_json_atomic, write_resolved)
 
 # --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
 # (8-bit, GaLore, LOMO, schedule-free, ...) need model hooks or a training_step of their own that only the
@@ -100,10 +100,13 @@ def seed(args) -> None:
 
 def load_model_for_training(cfg, stats, world_size: int):
     """The model (and LoRA) as the Trainer trains it: seeded where the Trainer seeds, gradient checkpointing on."""
-    from finetune.models.load import load_model
+    from finetune.models.load import WeightsError, load_model
     from finetune.training.outputs import describe_run
 
-    model = load_model(cfg.model, cfg.training)
+    try:
+        model = load_model(cfg.model, cfg.training)
+    except WeightsError as e:
+        exit_with(str(e))
     rank0_print(describe_run(cfg, stats, model, world_size))
     seed(cfg.training)
     enable_gradient_checkpointing(model, cfg.training)
@@ -308,6 +311,7 @@ class Job:
     step: Callable
     save: Callable
     device: object
+    fingerprint: dict | None = None  # the run's (finetune.training.outputs.run_fingerprint), for the checkpoint marker
 
 
 def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: Path | None) -> tuple[LogWindow, Position]:
@@ -361,7 +365,7 @@ def save_checkpoint(args, job: Job, position: dict) -> None:
     if rank() == 0:
         write_json_atomic(folder / POSITION, position)
     checkpoint.mark_complete(folder, path=job.path, world_size=world(), zero_stage=job.zero_stage,
-                             global_step=position["global_step"])
+                             global_step=position["global_step"], fingerprint=job.fingerprint)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,7 +380,7 @@ def consolidated_state_dict(ds_engine, module):
     return compat.zero3_consolidated_state_dict(ds_engine, exclude_frozen_parameters=hasattr(module, "peft_config"))
 
 
-def save_final(module, state_dict, tokenizer, output_dir, state: dict) -> None:
+def save_final(module, state_dict, tokenizer, output_dir, state: dict, cfg=None) -> None:
     """Every rank: model (or adapter) + tokenizer + trainer_state.json written to a staging folder, verified to
     reload to the same logits, then moved in with config.json / adapter_config.json last, so a crash never leaves a
     folder that looks complete but is not. Under ZeRO-3 the gathered state dict is the reference, else the module."""
@@ -389,6 +393,8 @@ def save_final(module, state_dict, tokenizer, output_dir, state: dict) -> None:
         module.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         write_json_atomic(staging / "trainer_state.json", state)
+        if cfg is not None:
+            write_resolved(cfg, staging)
     try:
         verify_staged(staging, state_dict if state_dict is not None else module, is_main=main)
     except VerificationError as e:

@@ -79,8 +79,6 @@ def main(argv: list[str] | None = None) -> None:
         lr_scheduler=None if "scheduler" in ds_config else core.scheduler_factory(args, max_steps),
         config=ds_config,
     )
-    if rank == 0:
-        C.save_resolved(cfg, args.output_dir)
 
     # Resume: the engine's checkpoint (weights, ZeRO partitions, optimizer, schedule); core.train restores the rest.
     if resume is not None:
@@ -92,12 +90,14 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("sft", engine.zero_optimization_stage(), partial(train_step, engine, world), save, engine.device)
+    job = core.Job("sft", engine.zero_optimization_stage(), partial(train_step, engine, world), save, engine.device,
+                   cfg.fingerprint)
     log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     state_dict = core.consolidated_state_dict(engine, engine.module)
-    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps))
+    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps),
+                    cfg)
     checkpoint.end_process_group()
 
 

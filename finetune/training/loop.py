@@ -67,8 +67,6 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = schedule(optimizer)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     rank0_print(f"engine: {accelerator.distributed_type.value}")
-    if args.process_index == 0:
-        C.save_resolved(cfg, args.output_dir)
 
     # Resume: weights, optimizer, schedule (DeepSpeed: the engine's checkpoint); core.train restores the rest.
     if resume is not None:
@@ -100,14 +98,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train.
     model.train()
-    job = core.Job("loop", zero_stage, step, save, accelerator.device)
+    job = core.Job("loop", zero_stage, step, save, accelerator.device, cfg.fingerprint)
     log, pos = core.train(args, job, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(model)
     state_dict = core.consolidated_state_dict(model if deepspeed else None, module)
-    core.save_final(module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps))
+    core.save_final(module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps),
+                    cfg)
     checkpoint.end_process_group()
 
 

@@ -34,16 +34,178 @@ def exit_with(message: str) -> NoReturn:
 
 def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     """--resume_from_checkpoint -> the folder to resume from (None: start at step 0). Checked before anything heavy
-    loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do."""
+    loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do; so does an
+    output folder holding another run's model or checkpoints (guard_output_dir). `latest` on a run that has already
+    saved its final model exits 0 with nothing done (every rank alike)."""
     from finetune.training import checkpoint
     from finetune import config as C
 
+    args = cfg.training
+    finished = guard_output_dir(cfg)
+    if finished is not None and args.resume_from_checkpoint == "latest":
+        rank0_print(f"resume: {args.output_dir} already holds this run's final model (global_step {finished}); "
+                    "nothing to do. To train further raise --max_steps; to train it again use a new --output_dir "
+                    "or --overwrite_output_dir")
+        checkpoint.end_process_group()
+        raise SystemExit(0)
     try:
-        return checkpoint.resolve(cfg.training.resume_from_checkpoint, cfg.training.output_dir, path=path,
+        return checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path=path,
                                   world_size=world_size, zero_stage=C.zero_stage_of(cfg.launch.config) or 0,
                                   nvme=C.uses_nvme(cfg.deepspeed_config))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run fingerprint: what makes two runs the same run (model, data, and the flags that change the result). It is
+# recorded in every checkpoint marker and in the final finetune_config.yaml, so that a run never resumes from, or
+# writes over, another run's outputs.
+
+FINGERPRINT_LINE = "# finetune run fingerprint: "
+# Keys that do not change what is trained (where it is written, how often it is logged or saved, how long it runs:
+# raising --max_steps continues the same run), or that are covered by content hashes (model and data paths), or
+# that the checkpoint marker checks with a better message (preset: ZeRO stage, world size).
+_NOT_FINGERPRINTED = {
+    "model_name_or_path", "dataset", "dataset_cache_dir", "output_dir", "logging_dir", "run_name", "report_to",
+    "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs", "save_steps",
+    "save_strategy", "save_total_limit", "logging_steps", "logging_strategy", "logging_first_step", "disable_tqdm",
+    "plan_check", "force", "config", "nvme_path", "dataloader_num_workers", "dataloader_pin_memory",
+}
+_SAMPLE = 1 << 20  # bytes hashed from each end of a large file
+_WHOLE = 64 << 20  # files up to this size are hashed whole
+
+
+def _hash_file(h, f: Path) -> None:
+    size = f.stat().st_size
+    h.update(f"{f.name}:{size}:".encode())
+    with open(f, "rb") as fh:
+        if size <= _WHOLE:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        else:  # weights of a real model: both ends (header with every tensor name and shape, last tensor's values)
+            h.update(fh.read(_SAMPLE))
+            fh.seek(size - _SAMPLE)
+            h.update(fh.read(_SAMPLE))
+
+
+def _hash_path(path, patterns=("*",)) -> str:
+    import hashlib
+
+    h, p = hashlib.sha256(), Path(path)
+    if p.is_file():
+        _hash_file(h, p)
+    elif p.is_dir():
+        for f in sorted({f for pattern in patterns for f in p.rglob(pattern) if f.is_file()}):
+            h.update(str(f.relative_to(p)).encode())
+            _hash_file(h, f)
+    else:
+        h.update(str(path).encode())
+    return h.hexdigest()[:16]
+
+
+def run_fingerprint(cfg) -> dict:
+    """{"model", "data", "config"}: short hashes of the model's config and weights, the data, and the flags."""
+    import hashlib
+
+    flags = {k: v for k, v in cfg.resolved().items() if k not in _NOT_FINGERPRINTED}
+    return {
+        "model": _hash_path(cfg.model.model_name_or_path, ("config.json", "*.safetensors", "*.bin")),
+        "data": _hash_path(cfg.data.dataset),
+        "config": hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).hexdigest()[:16],
+    }
+
+
+def saved_fingerprint(output_dir) -> dict | None:
+    """The fingerprint in a final finetune_config.yaml, or None (absent: not a run of this version of finetune)."""
+    f = Path(output_dir) / "finetune_config.yaml"
+    if f.is_file():
+        for line in f.read_text().splitlines():
+            if line.startswith(FINGERPRINT_LINE):
+                try:
+                    return json.loads(line[len(FINGERPRINT_LINE):])
+                except ValueError:
+                    return None
+    return None
+
+
+def _differs(ours: dict, theirs: dict | None) -> str:
+    if not isinstance(theirs, dict):
+        return "it records no finetune run fingerprint"
+    parts = {"model": "another model", "data": "other data", "config": "other training flags"}
+    what = [text for key, text in parts.items() if theirs.get(key) != ours[key]]
+    return "it was trained on " + " and ".join(what) if what else ""
+
+
+def guard_output_dir(cfg) -> int | None:
+    """Refuse (exit 2, every rank) an --output_dir that holds another run's final model or checkpoints, unless
+    --overwrite_output_dir (which then retires them: checkpoints removed, the old model's config files removed so
+    it no longer looks finished). Returns the final model's global_step when the folder holds THIS run's finished
+    model (global_step at least --max_steps), else None."""
+    import shutil
+
+    from finetune.training import checkpoint
+
+    args, out = cfg.training, Path(cfg.training.output_dir)
+    ours = run_fingerprint(cfg)
+    cfg.fingerprint = ours
+    if not out.is_dir():
+        return None
+    foreign, stale = [], []
+    for folder in sorted(p for p in out.iterdir() if p.is_dir() and checkpoint._STEP.match(p.name)):
+        if checkpoint.problem(folder) is not None:
+            stale.append(folder)
+            continue
+        why = _differs(ours, checkpoint.read_meta(folder).get("fingerprint"))
+        if why:
+            foreign.append((folder, why))
+    final = next((out / n for n in _COMMIT_LAST if (out / n).is_file()), None)
+    final_why = _differs(ours, saved_fingerprint(out)) if final is not None else ""
+    if final_why:
+        foreign.insert(0, (out, final_why))
+    overwrite = cfg.launch.overwrite_output_dir
+    _barrier()  # every rank has looked before rank 0 removes anything
+    if foreign and not overwrite:
+        where, why = foreign[0]
+        what = "a final model" if where == out else f"the checkpoint {where.name}"
+        exit_with(f"--output_dir {out} holds {what} of another run ({why}); a run never writes over or resumes "
+                  "another run's outputs. Use a new --output_dir, or --overwrite_output_dir to replace them")
+    if foreign and overwrite:
+        if is_rank0():
+            for folder, _ in foreign:
+                if folder != out:
+                    shutil.rmtree(folder)
+            for folder in stale:
+                shutil.rmtree(folder, ignore_errors=True)
+            if final_why:
+                for name in (*_COMMIT_LAST, "finetune_config.yaml", "trainer_state.json"):
+                    (out / name).unlink(missing_ok=True)
+            print(f"--overwrite_output_dir: retired another run's outputs in {out}", file=sys.stderr, flush=True)
+        _barrier()
+        return None
+    if final is None:
+        return None
+    try:
+        state = json.loads((out / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    target = args.max_steps if args.max_steps > 0 else state.get("max_steps", 0)
+    return state["global_step"] if state.get("global_step", 0) >= max(target, 1) else None
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def write_resolved(cfg, folder) -> None:
+    """finetune_config.yaml (a recipe that reproduces the run) with the run fingerprint, into a final save's folder."""
+    from finetune import config as C
+
+    target = C.save_resolved(cfg, folder)
+    fingerprint = getattr(cfg, "fingerprint", None) or run_fingerprint(cfg)
+    target.write_text(f"{FINGERPRINT_LINE}{json.dumps(fingerprint, sort_keys=True)}\n{target.read_text()}")
 
 
 def data_or_exit(cfg, local_rank: int):
@@ -157,7 +319,7 @@ def verify_staged(staging: Path, reference, *, is_main: bool) -> None:
         raise VerificationError(f"the final save failed verification and was not committed: {verdict[0]}")
 
 
-def save_final(trainer, output_dir: str | Path) -> None:
+def save_final(trainer, output_dir: str | Path, cfg=None) -> None:
     """Trainer path: model (or adapter) + tokenizer + trainer_state.json, staged, verified, then committed."""
     staging = staging_dir(output_dir)
     if trainer.args.should_save:
@@ -176,5 +338,7 @@ def save_final(trainer, output_dir: str | Path) -> None:
     verify_staged(staging, reference, is_main=accelerator.is_main_process)
     if trainer.args.should_save:
         trainer.state.save_to_json(str(staging / "trainer_state.json"))
+        if cfg is not None:
+            write_resolved(cfg, staging)
         commit_staged(staging, output_dir)
     trainer.accelerator.wait_for_everyone()

@@ -19,7 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from finetune.training import checkpoint
 from finetune import config as C
 from finetune.data.prepare import make_collator
-from finetune.models.load import load_model
+from finetune.models.load import WeightsError, load_model
 from finetune.training.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
 from finetune.data.sampler import distributed_dataloader
@@ -34,7 +34,20 @@ class Trainer(transformers.Trainer):
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
         )
+        self._batch_order = loader.batch_sampler
         return self.accelerator.prepare(loader)
+
+    def _run_epoch(self, *args, epoch: int, **kwargs):
+        # A mid-epoch resume wraps the prepared loader in accelerate's skip_first_batches: its SkipBatchSampler
+        # hides our batch order from the set_epoch calls that follow, which would then replay epoch 0's order in
+        # any later epoch. Set the epoch on the order itself; it is read only when the epoch's iterator is made.
+        self._batch_order.set_epoch(epoch)
+        if self.state.global_step >= self.state.max_steps:
+            # Resumed from the checkpoint of the last step (the final save did not finish): nothing is left to train,
+            # and the Trainer would run one step past max_steps before it checks.
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Under DeepSpeed the engine steps the LR schedule inside backward(), before the Trainer reads the learning
@@ -54,7 +67,8 @@ class Trainer(transformers.Trainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
-                                 zero_stage=self.zero_stage(), global_step=self.state.global_step)
+                                 zero_stage=self.zero_stage(), global_step=self.state.global_step,
+                                 fingerprint=getattr(self, "fingerprint", None))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
@@ -78,7 +92,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     tokenizer, train_dataset, stats = data_or_exit(cfg, args.local_process_index)
 
     # Model (and LoRA).
-    model = load_model(cfg.model, args)
+    try:
+        model = load_model(cfg.model, args)
+    except WeightsError as e:
+        exit_with(str(e))
     rank0_print(describe_run(cfg, stats, model))
 
     # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
@@ -91,15 +108,14 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         processing_class=tokenizer,
         callbacks=callbacks,  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
     )
-    if args.process_index == 0:
-        C.save_resolved(cfg, args.output_dir)
+    trainer.fingerprint = cfg.fingerprint
 
     # Train.
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
     # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
     try:
-        save_final(trainer, args.output_dir)
+        save_final(trainer, args.output_dir, cfg)
     except VerificationError as e:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
