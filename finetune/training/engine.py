@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from functools import partial
 
 from finetune import config as C
