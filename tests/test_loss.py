@@ -147,3 +147,73 @@ def test_zero_chunk_size_leaves_the_model_alone():
     model = tiny()
     assert not chunked.install(model, 0)
     assert type(model.lm_head) is torch.nn.Linear and model(**batch()).logits is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The three paths, ZeRO-3 with LoRA on the partitioned lm_head, packing, --torch_compile: per-step losses.
+
+STEPS = 4
+# name -> (launcher, script, processes, flags)
+RUNS = {
+    "trainer_unchunked": ("python", "train", 1, ["--loss_chunk_size", "0"]),
+    "trainer": ("python", "train", 1, []),
+    "loop": ("python", "loop", 1, []),
+    "sft": ("python", "sft", 1, []),
+    "trainer_compiled": ("python", "train", 1, ["--torch_compile"]),
+    "loop_compiled": ("python", "loop", 1, ["--torch_compile"]),
+    "zero3_lora_unchunked": ("accelerate", "train", 2, ["--loss_chunk_size", "0"]),
+    "zero3_lora": ("accelerate", "train", 2, []),
+}
+ZERO3_LORA = ["--config", "zero3_no_offload", "--use_peft", "--lora_target_modules", "q_proj", "lm_head",
+              "--lora_r", "4", "--lora_dropout", "0", "--per_device_train_batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def path_runs(tmp_path_factory):
+    from launch import LOOP, SFT, TRAIN, launcher, losses, run, tiny_job
+
+    root, model, data = tiny_job(tmp_path_factory.mktemp("chunked"), records=40, seed=5)
+    scripts = {"train": TRAIN, "loop": LOOP, "sft": SFT}
+    done = {}
+
+    def get(name: str) -> list[float]:
+        if name not in done:
+            kind, script, nproc, flags = RUNS[name]
+            # Packed rows of 96 tokens, chunks of 16 trained tokens: several chunks per micro-batch.
+            cmd = launcher(kind, nproc, None, scripts[script]) + [
+                "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(root / name),
+                "--dataset_cache_dir", str(root / "cache"), "--max_steps", str(STEPS), "--packing",
+                "--max_seq_length", "96", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                "--learning_rate", "3e-3", "--seed", "11", "--loss_chunk_size", "16", "--disable_tqdm", "true",
+                *(ZERO3_LORA if name.startswith("zero3") else []), *flags]
+            run(cmd, timeout=900).check()
+            done[name] = losses(root / name)
+            assert len(done[name]) == STEPS, done[name]
+        return done[name]
+
+    return get
+
+
+def assert_losses(a: list[float], b: list[float], rel: float) -> None:
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= rel * abs(x), f"step {step}: {x} vs {y}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer", "loop", "sft"])
+def test_paths_chunked_equal_unchunked(name, path_runs):
+    reference = path_runs("trainer_unchunked")
+    assert reference[-1] < reference[0] - 0.1, reference  # it trains
+    assert_losses(reference, path_runs(name), 1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_lora_on_partitioned_lm_head(path_runs):
+    # lm_head's base weight is partitioned: the checkpointed chunks gather it in forward and again in backward.
+    assert_losses(path_runs("zero3_lora_unchunked"), path_runs("zero3_lora"), 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer_compiled", "loop_compiled"])
+def test_torch_compile_same_losses(name, path_runs):
+    assert_losses(path_runs("trainer"), path_runs(name), 1e-5)

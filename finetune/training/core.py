@@ -63,7 +63,7 @@ def refused_flags(cfg, script: str) -> list[str]:
         "save_total_limit": flag("save_total_limit") is not None,
         "load_best_model_at_end": flag("load_best_model_at_end"),
         "ignore_data_skip": flag("ignore_data_skip"),
-        "torch_compile": flag("torch_compile"),
+        "torch_compile": flag("torch_compile") and "loop" not in script,  # the loop compiles as the Trainer does
         "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
         "label_smoothing_factor": bool(flag("label_smoothing_factor", 0)),
     }

@@ -59,13 +59,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(g, w, out=grad_h[start:start + chunk])
                 if need_w:
                     grad_w.addmm_(g.t(), h) if dtype == torch.float32 else grad_w.add_((g.t() @ h).float())
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        # Saved as tensors autograd keeps for backward (so saved-tensor hooks, offload and memory counts see them).
+        ctx.has = (need_h, need_w)
+        ctx.save_for_backward(*[g for g in (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) if g is not None])
         return total / denom
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_h, grad_w = ctx.grads
-        del ctx.grads
+        saved = iter(ctx.saved_tensors)
+        grad_h, grad_w = (next(saved) if has else None for has in ctx.has)
         scale = lambda g: None if g is None else (g if _is_one(grad_output) else g * grad_output.to(g.dtype))
         return scale(grad_h), scale(grad_w), None, None, None, None
 
@@ -98,7 +100,8 @@ def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_item
     if type(head).__bases__[1] is torch.nn.Linear and head.bias is None:
         weight = head.weight
         if weight.is_cuda and (liger := _liger()) is not None:
-            return liger(weight, rows, targets) / denom
+            out = liger(weight, rows, targets)
+            return (out[0] if isinstance(out, tuple) else out) / denom  # some releases return (loss, z_loss)
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else weight.dtype
         return _LinearCrossEntropy.apply(rows, weight, targets, denom, chunk, dtype)
