@@ -9,7 +9,8 @@ Rows (each in a forked child: modules imported once, peak memory per row):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
   load_model -> the chunked loss -> finetune.training.trainer.Trainer with make_collator), flags as a user types
-  them; ft_packed_compiled: ft_packed with --torch_compile;
+  them; ft_packed_compiled: ft_packed with --torch_compile; ft_packed_unchunked: with --loss_chunk_size 0
+  (transformers' own loss);
 - trl_default: TRL's SFTTrainer on the same records; trl_packing: `packing=True` in the layout TRL picks for it
   (BFD packing, every micro-batch flattened into one padding-free row, which TRL picks for flash-attention);
   trl_packing_rows: TRL's same packed sequences as rows of max_length (position_ids, no attention mask: what
@@ -68,8 +69,8 @@ PRESETS = {
     "gpu": dict(model="random", hidden=1536, layers=16, heads=16, kv_heads=8, intermediate=4096, vocab=32000, seq=2048,
                 batch=8, warmup=3, dtype="bfloat16", methods=("full",)),
 }
-CONFIGS = ["ft_padded", "ft_packed", "ft_padding_free", "ft_packed_compiled", "trl_default", "trl_packing",
-           "trl_packing_rows", "bare"]
+CONFIGS = ["ft_padded", "ft_packed", "ft_padding_free", "ft_packed_compiled", "ft_packed_unchunked", "trl_default",
+           "trl_packing", "trl_packing_rows", "bare"]
 TRL = ("trl_default", "trl_packing", "trl_packing_rows")
 COMPILE_WARMUP = 3  # steps: the compiled row's first steps compile (and recompile for the first new shapes)
 # Dense bf16 peak FLOP/s by device name (no sparsity).
@@ -211,12 +212,14 @@ def ft_args(name: str, model_dir: Path, data: Path, work: Path, p: dict, steps: 
         argv.append("--use_peft")
     if gpu:
         argv += ["--bf16", "true"]
-    if config in ("ft_packed", "ft_packed_compiled", "bare", "profile"):
+    if config in ("ft_packed", "ft_packed_compiled", "ft_packed_unchunked", "bare"):
         argv.append("--packing")
     if config == "ft_padding_free":
         argv.append("--padding_free")
     if config == "ft_packed_compiled":
         argv.append("--torch_compile")
+    if config == "ft_packed_unchunked":
+        argv += ["--loss_chunk_size", "0"]
     return argv
 
 
@@ -654,8 +657,8 @@ def summarize(results: list[dict], peak: float | None) -> dict:
                 if trl:
                     ratios.setdefault("best", []).append(r["tokens_per_s"] / max(x["tokens_per_s"] for x in trl.values()))
                 base = rows.get("ft_packed" + suffix, {}).get(rep)
-                if base and config == "ft_packed_compiled":
-                    ratios.setdefault("compile", []).append(r["tokens_per_s"] / base["tokens_per_s"])
+                if base and config in ("ft_packed_compiled", "ft_packed_unchunked"):
+                    ratios.setdefault("vs_ft_packed", []).append(r["tokens_per_s"] / base["tokens_per_s"])
             first = next(iter(reps.values()))
             tps = _median_spread([r["tokens_per_s"] for r in reps.values()])
             table[name] = {
@@ -728,11 +731,14 @@ def render(results, models, info, dev, gemm, peaks, load_before, load_after, wal
                                 f"{med:.2f}x TRL's best ({best}{gc}), spread {100 * spread:.1f}% "
                                 f"({'stable' if spread <= STABLE else 'UNSTABLE'}); CPU MFU "
                                 + (f"{100 * ft['mfu'][0]:.1f}%" if ft["mfu"] else "-"))
-            comp = rows.get("ft_packed_compiled" + gc)
-            if comp and "compile" in comp["ratios"]:
-                med, spread = comp["ratios"]["compile"]
-                headline.append(f"- {model} {method} {ds}, checkpointing {'on' if gc else 'off'}: --torch_compile "
-                                f"{med:.2f}x eager ft_packed tokens/s, spread {100 * spread:.1f}%")
+            for variant, what in (("ft_packed_compiled", "--torch_compile"),
+                                  ("ft_packed_unchunked", "--loss_chunk_size 0 (unchunked loss)")):
+                other = rows.get(variant + gc)
+                if other and "vs_ft_packed" in other["ratios"]:
+                    med, spread = other["ratios"]["vs_ft_packed"]
+                    headline.append(f"- {model} {method} {ds}, checkpointing {'on' if gc else 'off'}: {what} "
+                                    f"{med:.2f}x ft_packed's tokens/s (spread {100 * spread:.1f}%), peak "
+                                    f"{other['peak_mb']:,.0f} MB vs {rows['ft_packed' + gc]['peak_mb']:,.0f} MB")
         layouts = {n: r["trl_layout"] for n, r in rows.items() if r.get("trl_layout")}
         if layouts:
             lines += ["", "TRL layouts: " + ", ".join(f"{n}: {v}" for n, v in layouts.items()) + "."]

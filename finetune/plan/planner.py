@@ -686,13 +686,13 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     if full:
         detail["token ids (embedding)"] = 8 * t
     head_grad = precision_of(job).grad * v * h if full else 0
+    trained = t - b  # every position but each row's last, which has no next token: the worst case
     if chunk:
         # The chunked loss (finetune.training.loss) computes its gradients in forward and keeps them: the hidden
-        # states' and, when the head trains, the head weight's; no logits survive a chunk. Every position is
-        # planned as trained (the worst case).
-        detail["chunked loss: hidden-state gradient"] = a * t * h
+        # states' (trained positions only) and, when the head trains, the head weight's; no logits survive a chunk.
+        detail["chunked loss: hidden-state gradient"] = a * trained * h
         detail["chunked loss: head weight gradient"] = head_grad
-        detail["labels"] = 8 * t + 8  # the trained rows' index and a scalar
+        detail["labels"] = 8 * trained  # the trained positions' index (gathered rows scatter back in backward)
     else:
         # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
         detail["log-softmax output"] = f32 * t * v
@@ -701,7 +701,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     if chunk:
         # In the head: the trained rows' hidden states, one chunk's fp32 logits (and their 16-bit copy), the head
         # gradient's fp32 accumulator when the weights are 16-bit.
-        forward_peak = (saved + a * t * h + f32 * chunk * v + (a * chunk * v if a != f32 else 0)
+        forward_peak = (saved + a * trained * h + f32 * chunk * v + (a * chunk * v if a != f32 else 0)
                         + (f32 * v * h if full and precision_of(job).grad != f32 else 0))
     else:
         # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
