@@ -7,7 +7,9 @@ their name and layout and, should those change, would resume with wrong Adam mom
 FINETUNE_ALLOW_UNTESTED=1 to run it anyway.
 
 Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
-`_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range).
+`_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
+finetune.training.loss relies on a causal LM's forward calling its output embeddings once on the final hidden
+states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss).
 """
 
 from __future__ import annotations
