@@ -550,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--datasets", nargs="+", default=["mixed"], choices=["demo", "mixed"])
     ap.add_argument("--repeats", type=int, default=3, help="the grid is repeated, interleaved (spread over repeats)")
     ap.add_argument("--min_tokens", type=int, default=20_000, help="real tokens each row times, at least")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: the preset's)")
     ap.add_argument("--work", default=str(REPO / "tmp" / "bench-throughput"))
     ap.add_argument("--json", default=None, help="also write every row of every repeat here")
     ap.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
@@ -581,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     models = {}
     for name in args.models or (["gpu"] if args.gpu else ["small", "smollm2"]):
         p = dict(PRESETS[name], attn=attn, name=name)
+        if args.warmup is not None:
+            p["warmup"] = args.warmup
         model_dir, data = build_assets(work / name, p)
         models[name] = (p, model_dir, data, _describe_model(model_dir))
         print(f"{name}: {models[name][3]}; seq {p['seq']}; batch {p['batch']}; {p['warmup']} warm-up steps, then "
@@ -681,12 +684,12 @@ def summarize(results: list[dict], peak: float | None) -> dict:
     return out
 
 
-def _fmt(ms: tuple[float, float] | None, fmt: str, pct: bool = False) -> str:
+def _fmt(ms: tuple[float, float] | None, fmt: str, pct: bool = False, ratio: bool = False) -> str:
     if ms is None:
         return "-"
     med, spread = ms
     value = f"{100 * med:{fmt}}%" if pct else f"{med:{fmt}}"
-    flag = " **unstable**" if spread > STABLE and not pct else ""
+    flag = " **unstable**" if spread > STABLE and ratio else ""
     return f"{value} ±{100 * spread / 2:.1f}%{flag}"
 
 
@@ -721,9 +724,9 @@ def render(results, models, info, dev, gemm, peaks, load_before, load_after, wal
         for name, r in rows.items():
             rat = r["ratios"]
             lines.append(
-                f"| {name} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(rat.get('best'), '.2f')} | "
-                f"{_fmt(rat.get('trl_default'), '.2f')} | {_fmt(rat.get('trl_packing'), '.2f')} | "
-                f"{_fmt(rat.get('trl_packing_rows'), '.2f')} | {_fmt(r['mfu'], '.1f', pct=True)} | "
+                f"| {name} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(rat.get('best'), '.2f', ratio=True)} | "
+                f"{_fmt(rat.get('trl_default'), '.2f', ratio=True)} | {_fmt(rat.get('trl_packing'), '.2f', ratio=True)} | "
+                f"{_fmt(rat.get('trl_packing_rows'), '.2f', ratio=True)} | {_fmt(r['mfu'], '.1f', pct=True)} | "
                 f"{100 * r['efficiency']:.1f}% | {r['real_tokens']:,} | {r['steps']:.0f} | "
                 f"{r['wall_tokens_per_s']:,.0f} | {r['peak_mb']:,.0f} |")
         for gc in ("", "+gc"):

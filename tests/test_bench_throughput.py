@@ -56,8 +56,8 @@ def test_summary_ratios_spreads_and_headline():
     assert med == pytest.approx(1.4) and spread == pytest.approx(0.2 / 1.4)  # 1.3x and 1.5x of trl_packing
     assert table["ft_packed+gc"]["ratios"]["best"][0] == pytest.approx(1.0)  # against trl_default+gc, not nogc rows
     assert table["ft_packed"]["mfu"][0] == pytest.approx(0.5)
-    assert "**unstable**" in T._fmt(table["ft_packed"]["ratios"]["best"], ".2f")
-    assert "**unstable**" not in T._fmt((1.4, 0.04), ".2f")
+    assert "**unstable**" in T._fmt(table["ft_packed"]["ratios"]["best"], ".2f", ratio=True)
+    assert "**unstable**" not in T._fmt((1.4, 0.04), ".2f", ratio=True)
 
 
 def test_model_flops_count_the_job():

@@ -108,10 +108,24 @@ def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_item
     from torch.utils.checkpoint import checkpoint
 
     total = rows.sum().float() * 0.0  # part of the graph even when no row is trained
-    for start in range(0, rows.shape[0], chunk):
-        total = total + checkpoint(_chunk_sum, head_forward, rows[start:start + chunk], targets[start:start + chunk],
-                                   use_reentrant=False)
+    for i in range(_chunks(head, rows, chunk)):
+        total = total + checkpoint(_chunk_sum, head_forward, rows[i * chunk:(i + 1) * chunk],
+                                   targets[i * chunk:(i + 1) * chunk], use_reentrant=False)
     return total / denom
+
+
+def _chunks(head, rows, chunk: int) -> int:
+    """How many chunks to run the head's forward on. Under ZeRO-3 every call gathers the head's partitioned weights
+    collectively, in forward and again in the backward recompute, so every rank makes as many calls as the rank with
+    the most trained tokens (the others' extra chunks are empty)."""
+    n = -(-rows.shape[0] // chunk)
+    import torch.distributed as dist
+
+    if any(hasattr(p, "ds_id") for p in head.parameters()) and dist.is_available() and dist.is_initialized():
+        count = torch.tensor([n], device=rows.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        n = int(count.item())
+    return n
 
 
 def _liger():
