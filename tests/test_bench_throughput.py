@@ -41,22 +41,65 @@ def test_results_section_replaces_only_throughput(tmp_path):
     assert "keep me" in text and "second" in text and "first" not in text and text.count("## Throughput") == 1
 
 
+def test_summary_ratios_spreads_and_headline():
+    """Ratios are taken within a repeat (against TRL's rows with the same checkpointing), then summarized."""
+    def row(config, rep, tps, flops=1e9):
+        return {"model": "m", "method": "full", "dataset": "d", "config": config, "repeat": rep, "tokens_per_s": tps,
+                "flops": flops, "real_tokens": 20000, "steps": 10, "efficiency": 1.0, "wall_tokens_per_s": tps,
+                "peak_mb": 1.0}
+
+    rows = [row("ft_packed", 0, 130), row("trl_default", 0, 80), row("trl_packing", 0, 100),
+            row("ft_packed", 1, 150), row("trl_default", 1, 90), row("trl_packing", 1, 100),
+            row("ft_packed+gc", 0, 100), row("trl_packing+gc", 0, 50), row("trl_default+gc", 0, 100)]
+    table = T.summarize(rows, peak=2e9)[("m", "full", "d")]
+    med, spread = table["ft_packed"]["ratios"]["best"]
+    assert med == pytest.approx(1.4) and spread == pytest.approx(0.2 / 1.4)  # 1.3x and 1.5x of trl_packing
+    assert table["ft_packed+gc"]["ratios"]["best"][0] == pytest.approx(1.0)  # against trl_default+gc, not nogc rows
+    assert table["ft_packed"]["mfu"][0] == pytest.approx(0.5)
+    assert "**unstable**" in T._fmt(table["ft_packed"]["ratios"]["best"], ".2f", ratio=True)
+    assert "**unstable**" not in T._fmt((1.4, 0.04), ".2f", ratio=True)
+
+
+def test_model_flops_count_the_job():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    assert T.model_flops(model, 10, 4, 50) == 6 * body * 10 + 6 * 1600 * 4 + 6 * 2 * 16 * 50
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    assert T.model_flops(lora, 10, 4, 50, lora=True) == (4 * body * 10 + 4 * 1600 * 4 + 6 * adapter * 10
+                                                         + 6 * 2 * 16 * 50)
+
+
 @pytest.mark.slow
 def test_tiny_grid_runs(tmp_path, one_thread):
-    """Every configuration kind runs and reports (the CPU path of the script; the GPU preset is not run here)."""
-    p = dict(T.PRESETS["tiny"], attn="sdpa")
+    """Every kind of row runs, times at least min_tokens, and reports (the CPU path; the GPU preset is not run)."""
+    p = dict(T.PRESETS["tiny"], attn="sdpa", name="tiny")
     model_dir, data = T.build_assets(tmp_path, p)
-    results = [T.run_config(name, "mixed", model_dir, data["mixed"], tmp_path, p, False)
-               for name in ("ft_padded", "ft_packed", "trl_packing", "bare")]
+    results = [T.run_config(name, "mixed", model_dir, data["mixed"], tmp_path, p, False, "full", 600, name == "ft_packed")
+               for name in ("ft_padded", "ft_packed", "trl_packing", "trl_packing_rows", "bare", "ft_packed+gc")]
     by = {r["config"]: r for r in results}
     for r in results:
-        assert r["steps"] == p["timed"] and r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1, r
-    # ft_packed and bare train on the same packed batches.
+        assert r["real_tokens"] >= 600 and r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1, r
+        assert r["trained_tokens"] > 0.9 * r["real_tokens"] - 2 * r["steps"] * p["batch"], r  # every token trains
+    # ft_packed and bare train on the same packed batches, and stop at the same step.
     assert by["ft_packed"]["real_tokens"] == by["bare"]["real_tokens"]
     assert by["ft_packed"]["efficiency"] > by["ft_padded"]["efficiency"]
     assert by["ft_packed"]["packing_efficiency"] > 0.9
+    assert by["trl_packing"]["trl_layout"] == "one flattened row" and by["trl_packing_rows"]["trl_layout"] == "rows"
+    assert by["trl_packing"]["real_tokens"] == by["trl_packing_rows"]["real_tokens"]  # the same packed sequences
+    assert by["trl_packing_rows"]["efficiency"] < 1 == by["trl_packing"]["efficiency"]
+    assert by["ft_packed+gc"]["gradient_checkpointing"] and not by["ft_packed"]["gradient_checkpointing"]
     assert set(by["ft_packed"]["profile"]["groups_ms"]) >= {"matmul", "optimizer"}
     info = dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3")
-    report = T.render(results, p, info, {"device": "cpu", "peak": None}, 1, (0, 0, 0), (0, 0, 0), 1.0,
-                      SimpleNamespace(), ["bench/throughput.py", "--preset", "tiny"])
-    assert "| mixed | ft_packed |" in report and "### Profile" in report
+    rows = [{**r, "model": "tiny", "repeat": 0} for r in results]
+    gemm = {"peak": 1e10, "shapes": {}}
+    report = T.render(rows, {"tiny": (p, model_dir, data, "tiny model")}, info, {"device": "cpu", "peak": None},
+                      gemm, [gemm], (0, 0, 0), (0, 0, 0), 1.0,
+                      SimpleNamespace(gpu=False, min_tokens=600, repeats=1), ["bench/throughput.py", "--models", "tiny"])
+    assert "| ft_packed |" in report and "### Profile" in report and "**Headline**" in report
+    assert "ft_packed" in report.split("**Headline**")[1].split("###")[0]

@@ -110,6 +110,9 @@ def test_flags_a_path_cannot_honour_are_listed():
                         ("load_best_model_at_end", True)]:
         [problem] = problems(**{flag: value})
         assert flag in problem.split(":")[0], problem  # named
+    # The loop compiles (prepare() with the Trainer's dynamo settings); the DeepSpeed engine script does not.
+    cfg = SimpleNamespace(training=SimpleNamespace(torch_compile=True), sources={}, deepspeed_config=None)
+    assert core.refused_flags(cfg, "finetune/loop.py") == [] and core.refused_flags(cfg, "scripts/sft.py")
 
 
 def test_gradient_checkpointing_is_turned_on(parsed, tiny_chatml):

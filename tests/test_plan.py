@@ -143,6 +143,35 @@ def test_activation_bytes_equal_saved_tensors(method, ckpt, padded):
     assert plan.activations(job).saved == _saved_bytes(model, ids, mask)
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("ckpt", [False, True], ids=["", "ckpt"])
+def test_chunked_loss_activation_bytes_equal_saved_tensors(method, ckpt):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.training import loss
+
+    torch.manual_seed(0)
+    d = SHAPES["gqa"]
+    b, s = 2, 48
+    model = LlamaForCausalLM(LlamaConfig(**d, tie_word_embeddings=False))
+    model.config.use_cache = False
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        if method == "lora":
+            model.enable_input_require_grads()
+    assert loss.install(model, 16)
+    model.train()
+    ids = torch.randint(0, d["vocab_size"], (b, s))
+    job = plan.Job(plan.ModelShape.from_dict(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
+                   use_peft=method == "lora", lora_r=4, lora_dropout=0.05, padding_mask=False, loss_chunk=16)
+    unchunked = plan.activations(job.replace(loss_chunk=0))
+    assert plan.activations(job).saved == _saved_bytes(model, ids, None) < unchunked.saved
+
+
 # ----------------------------------------------------------------------------------------------
 # The ZeRO arithmetic (no padding: sizes divisible by 2 x ranks).
 

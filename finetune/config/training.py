@@ -88,6 +88,13 @@ class ModelConfig:
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Modules that get LoRA adapters; 'all-linear' = every linear projection except the LM head."},
     )
+    loss_chunk_size: int = field(
+        default=1024,
+        metadata={"help": "Tokens per chunk of the cross-entropy: the LM head's logits are computed (and their "
+                          "gradients taken) a chunk at a time, never for the whole micro-batch at once; positions "
+                          "without a label get none. Same loss and gradients; 0: transformers' own loss. See "
+                          "docs/training.md."},
+    )
     load_in_8bit: bool = field(default=False, metadata={"help": "Load the base weights in 8-bit (bitsandbytes)."})
     load_in_4bit: bool = field(default=False, metadata={"help": "Load the base weights in 4-bit (bitsandbytes)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type: nf4 or fp4."})
@@ -362,6 +369,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         )
     if data.max_seq_length < 2:
         problems.append(f"max_seq_length: must be at least 2, got {data.max_seq_length}")
+    if model.loss_chunk_size < 0:
+        problems.append(f"loss_chunk_size: must be 0 (off) or a number of tokens, got {model.loss_chunk_size}")
     if model.lora_r <= 0:
         problems.append(f"lora_r: must be positive, got {model.lora_r}")
     if not 0.0 <= model.lora_dropout < 1.0:

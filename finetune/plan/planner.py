@@ -301,6 +301,7 @@ class Job:
     quant: str | None = None  # "8bit" | "4bit"
     bnb_nested: bool = False
     padding_mask: bool = True  # batches padded to the longest record carry an attention mask (worst case)
+    loss_chunk: int = 0  # --loss_chunk_size: tokens per chunk of the chunked cross-entropy (0: transformers' loss)
 
     @property
     def num_nodes(self) -> int:
@@ -678,28 +679,52 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim  # shared by the layers
     full = not job.use_peft
     # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
-    # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway).
-    lm_head_input = a * t * h if (full or job.strategy.stage == 3) else 0
+    # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway; the chunked loss saves none).
+    chunk = min(job.loss_chunk, t)
+    lm_head_input = a * t * h if (full or job.strategy.stage == 3) and not chunk else 0
     detail["final norm"] = f32 * t * h + f32 * t + (a * t * h if full else 0) + lm_head_input
     if full:
         detail["token ids (embedding)"] = 8 * t
-    # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
-    detail["log-softmax output"] = f32 * t * v
-    detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
+    head_grad = precision_of(job).grad * v * h if full else 0
+    trained = t - b  # every position but each row's last, which has no next token: the worst case
+    if chunk:
+        # The chunked loss (finetune.training.loss) computes its gradients in forward and keeps them: the hidden
+        # states' (trained positions only) and, when the head trains, the head weight's; no logits survive a chunk.
+        detail["chunked loss: hidden-state gradient"] = a * trained * h
+        detail["chunked loss: head weight gradient"] = head_grad
+        detail["labels"] = 8 * trained  # the trained positions' index (gathered rows scatter back in backward)
+    else:
+        # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
+        detail["log-softmax output"] = f32 * t * v
+        detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     saved = sum(detail.values())
-    # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
-    forward_peak = saved + a * t * v + (f32 * t * v if a != f32 else 0)
+    if chunk:
+        # In the head: the trained rows' hidden states, one chunk's fp32 logits (and their 16-bit copy), the head
+        # gradient's fp32 accumulator when the weights are 16-bit.
+        forward_peak = (saved + a * trained * h + f32 * chunk * v + (a * chunk * v if a != f32 else 0)
+                        + (f32 * v * h if full and precision_of(job).grad != f32 else 0))
+    else:
+        # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
+        forward_peak = saved + a * t * v + (f32 * t * v if a != f32 else 0)
 
     # Backward, stage by stage (what each frees, which gradients it makes, its temporaries).
     linear = sum(o * n for o, n in sh.linear_shapes().values())
     layer_params = linear + 2 * h if full else sum(x.numel for x in lora_tensors(sh, job.lora_r, list(job.lora_targets))) // max(1, sh.num_layers)
     layer_largest = max(o * n for o, n in sh.linear_shapes().values()) if full else job.lora_r * max(i, h)
     head_numel = v * h if (full and not sh.tie_word_embeddings) else 0
-    stages = [
-        Stage("loss", detail["log-softmax output"] + detail["labels"], 0, 0, 2 * f32 * t * v),
-        Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * t * v + a * t * h),
-        Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0, 2 * a * t * h),
-    ]
+    if chunk:
+        # Backward only scales the kept gradients; the head's goes to its parameter (a tied head's stays in
+        # autograd until the embedding's adds to it); the trained rows scatter back into [tokens, hidden].
+        tied_head = head_grad if sh.tie_word_embeddings else 0
+        kept = detail["chunked loss: hidden-state gradient"] + head_grad + detail["labels"]
+        stages = [Stage("loss", kept - tied_head, head_numel, head_numel, a * t * h)]
+    else:
+        stages = [
+            Stage("loss", detail["log-softmax output"] + detail["labels"], 0, 0, 2 * f32 * t * v),
+            Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * t * v + a * t * h),
+        ]
+    stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
+                        2 * a * t * h))
     layer_tmp = 2 * a * t * (h + i)  # gradients flowing through a layer (approximate)
     for k in reversed(range(sh.num_layers)):
         stages.append(Stage(f"layer {k}", layer_saved[k], layer_params, layer_largest, layer_tmp + (per_layer if ckpt else 0)))
@@ -806,7 +831,7 @@ def predict(job: Job) -> Prediction:
     if stage == 3:
         bw_grads += st.grads  # ZeRO-3 keeps its gradient partition buffer between steps
     forward = act.forward_peak
-    if stage == 0 and job.world_size > 1:
+    if stage == 0 and job.world_size > 1 and not job.loss_chunk:
         forward += prec.act * job.micro_batch * job.seq_len * job.shape.vocab_size  # DDP's _DDPSink clones the logits
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
@@ -1079,6 +1104,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         accelerator=accelerator, weight_dtype=dtype, mixed_precision=mixed, use_peft=model.use_peft,
         lora_r=model.lora_r, lora_targets=tuple(model.lora_target_modules), lora_dropout=model.lora_dropout,
         quant=quant, bnb_nested=model.use_bnb_nested_quant,
+        loss_chunk=0 if getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
     )
 
 

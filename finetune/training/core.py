@@ -63,7 +63,7 @@ def refused_flags(cfg, script: str) -> list[str]:
         "save_total_limit": flag("save_total_limit") is not None,
         "load_best_model_at_end": flag("load_best_model_at_end"),
         "ignore_data_skip": flag("ignore_data_skip"),
-        "torch_compile": flag("torch_compile"),
+        "torch_compile": flag("torch_compile") and "loop" not in script,  # the loop compiles as the Trainer does
         "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
         "label_smoothing_factor": bool(flag("label_smoothing_factor", 0)),
     }
@@ -110,7 +110,20 @@ def load_model_for_training(cfg, stats, world_size: int):
     rank0_print(describe_run(cfg, stats, model, world_size))
     seed(cfg.training)
     enable_gradient_checkpointing(model, cfg.training)
+    install_loss(model, cfg)
     return model
+
+
+def install_loss(model, cfg) -> bool:
+    """--loss_chunk_size: the training loss a chunk of tokens at a time (finetune.training.loss), on every path.
+    Left out where something else computes the loss: Liger's patched forward (--use_liger_kernel) or a label
+    smoother (--label_smoothing_factor, which takes the labels before the model sees them)."""
+    from finetune.training import loss
+
+    args = cfg.training
+    if getattr(args, "use_liger_kernel", False):
+        return False
+    return loss.install(model, getattr(cfg.model, "loss_chunk_size", 0))
 
 
 def enable_gradient_checkpointing(model, args) -> None:

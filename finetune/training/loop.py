@@ -23,7 +23,7 @@ from finetune.training.outputs import data_or_exit, plan_or_exit, rank0_print, r
 
 def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
-    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin
+    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
 
     # Config (TrainingArguments built first, so that ZeRO-3 loads the weights partitioned).
     cfg = C.load_or_exit(argv, prog="finetune loop")
@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed_plugin=args.deepspeed_plugin,
         mixed_precision=args.mixed_precision,  # --bf16 / --fp16 (under DeepSpeed its JSON's "auto" gets them)
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
+        # --torch_compile: prepare() compiles the model as the Trainer's Accelerator does (TrainingArguments has
+        # set torch_compile_backend, "inductor" by default).
+        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        if args.torch_compile else None,
     )
     world = accelerator.num_processes
     deepspeed = accelerator.distributed_type.value == "DEEPSPEED"

@@ -16,7 +16,8 @@ import os
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from finetune.training import checkpoint
+from finetune import compat
+from finetune.training import checkpoint, core
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models.load import WeightsError, load_model
@@ -70,6 +71,11 @@ class Trainer(transformers.Trainer):
                                  zero_stage=self.zero_stage(), global_step=self.state.global_step,
                                  fingerprint=getattr(self, "fingerprint", None))
 
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is not None:  # under ZeRO-1/2 accelerate hands over clones: tie lm_head to the embeddings again
+            state_dict = compat.retie_state_dict(self.accelerator.unwrap_model(self.model), state_dict)
+        super()._save(output_dir, state_dict)
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
         # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     except WeightsError as e:
         exit_with(str(e))
     rank0_print(describe_run(cfg, stats, model))
+    core.install_loss(model, cfg)
 
     # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
     # the whole global batch (average_tokens_across_devices), so how the batch is split does not matter.

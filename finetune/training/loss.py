@@ -1,0 +1,192 @@
+"""Chunked cross-entropy (--loss_chunk_size): the LM head's [tokens x vocabulary] logits are never held whole.
+
+The hidden states of the trained tokens (labels != -100) go through the LM head a chunk of rows at a time. For a
+plain linear head (every Llama with or without LoRA on the body, tied or not) one autograd Function computes each
+chunk's loss and, in the same pass, its gradients for the hidden states and the head weight, then drops the
+chunk's logits: backward only scales those gradients, so nothing is recomputed and the step does the GEMMs the
+unchunked loss does (fewer: positions without a label get no logits at all). Any other head (LoRA on lm_head, a
+peft modules_to_save wrapper) runs its own forward per chunk under torch.utils.checkpoint, which recomputes the
+chunk's logits in backward.
+
+It is installed on the model, not on a path: a forward pre-hook on the causal LM takes `labels` (and
+`num_items_in_batch`, `shift_labels`) before transformers computes logits and hands them to the LM head, whose
+forward then returns the loss itself (the model's `.loss`; `.logits` is None). The loss is computed inside the
+head's module call, so DeepSpeed ZeRO-3 has the head weight gathered while it is used, in forward and in backward,
+exactly as for the stock head; DDP, DeepSpeed and the Trainer see an ordinary model returning its loss. The
+normalization is transformers' ForCausalLMLoss: the token-loss sum over num_items_in_batch (the trained tokens of
+the whole global batch) when given, else the mean. Only training forwards with grad are chunked; eval and
+generate get ordinary logits.
+
+On CUDA with liger-kernel installed, its fused linear cross-entropy kernel replaces the chunk loop for a plain head
+(`pip install finetune[liger]`; not run on this project's CPU machines).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+_PENDING = "_finetune_loss_pending"
+_ACTIVE = "_finetune_loss_active"
+_INSTALLED = "_finetune_loss_installed"
+_classes: dict[type, type] = {}
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of CE(hidden @ weight.T, targets) / denom, a chunk of rows at a time; grads computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, denom, chunk: int, dtype):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk]
+                logits = F.linear(h, w).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+                if not (need_h or need_w):
+                    continue
+                probs = logits.sub_(lse[:, None]).exp_()  # d(sum CE)/d(logits) = softmax - one_hot
+                probs[torch.arange(len(y), device=y.device), y] -= 1.0
+                probs.div_(denom)
+                g = probs.to(dtype)
+                if need_h:
+                    torch.mm(g, w, out=grad_h[start:start + chunk])
+                if need_w:
+                    grad_w.addmm_(g.t(), h) if dtype == torch.float32 else grad_w.add_((g.t() @ h).float())
+        # Saved as tensors autograd keeps for backward (so saved-tensor hooks, offload and memory counts see them).
+        ctx.has = (need_h, need_w)
+        ctx.save_for_backward(*[g for g in (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) if g is not None])
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = iter(ctx.saved_tensors)
+        grad_h, grad_w = (next(saved) if has else None for has in ctx.has)
+        scale = lambda g: None if g is None else (g if _is_one(grad_output) else g * grad_output.to(g.dtype))
+        return scale(grad_h), scale(grad_w), None, None, None, None
+
+
+def _is_one(t) -> bool:
+    return t.numel() == 1 and t.item() == 1.0
+
+
+def _chunk_sum(forward, hidden, targets):
+    return F.cross_entropy(forward(hidden).float(), targets, reduction="sum")
+
+
+def _trained_rows(hidden, labels, shift_labels):
+    """(hidden states of the trained positions [n, H], their next-token targets [n]), as ForCausalLMLoss shifts."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.index_select(0, rows)
+
+
+@torch.compiler.disable  # data-dependent row selection and a Python chunk loop: left out of a compiled graph
+def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_items_in_batch=None, chunk: int = 1024):
+    """The causal-LM loss of `hidden` through `head` ([B, T, H] -> scalar), never holding [B*T, vocab] logits."""
+    rows, targets = _trained_rows(hidden, labels, shift_labels)
+    if num_items_in_batch is None:  # the mean over this batch's trained tokens (nan for none, as F.cross_entropy)
+        denom = torch.tensor(float(len(targets)), device=hidden.device)
+    else:
+        denom = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
+    if type(head).__bases__[1] is torch.nn.Linear and head.bias is None:
+        weight = head.weight
+        if weight.is_cuda and (liger := _liger()) is not None:
+            out = liger(weight, rows, targets)
+            return (out[0] if isinstance(out, tuple) else out) / denom  # some releases return (loss, z_loss)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else weight.dtype
+        return _LinearCrossEntropy.apply(rows, weight, targets, denom, chunk, dtype)
+    from torch.utils.checkpoint import checkpoint
+
+    total = rows.sum().float() * 0.0  # part of the graph even when no row is trained
+    for i in range(_chunks(head, rows, chunk)):
+        total = total + checkpoint(_chunk_sum, head_forward, rows[i * chunk:(i + 1) * chunk],
+                                   targets[i * chunk:(i + 1) * chunk], use_reentrant=False)
+    return total / denom
+
+
+def _chunks(head, rows, chunk: int) -> int:
+    """How many chunks to run the head's forward on. Under ZeRO-3 every call gathers the head's partitioned weights
+    collectively, in forward and again in the backward recompute, so every rank makes as many calls as the rank with
+    the most trained tokens (the others' extra chunks are empty)."""
+    n = -(-rows.shape[0] // chunk)
+    import torch.distributed as dist
+
+    if any(hasattr(p, "ds_id") for p in head.parameters()) and dist.is_available() and dist.is_initialized():
+        count = torch.tensor([n], device=rows.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        n = int(count.item())
+    return n
+
+
+def _liger():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedHead:
+    """Mixed in front of the LM head's own class: with labels pending, forward returns the loss."""
+
+    def forward(self, hidden, *args, **kwargs):
+        pending = self.__dict__.pop(_PENDING, None)
+        if pending is None:
+            return super().forward(hidden, *args, **kwargs)
+        return chunked_loss(self, super().forward, hidden, **pending)
+
+
+def _head_class(cls: type) -> type:
+    if cls not in _classes:
+        _classes[cls] = type(f"Chunked{cls.__name__}", (_ChunkedHead, cls), {"__module__": cls.__module__})
+    return _classes[cls]
+
+
+def _causal_lm(model):
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return model
+
+
+def install(model, chunk: int) -> bool:
+    """Chunk the training loss of `model` (a causal LM, or a peft model around one) by `chunk` tokens; 0: leave the
+    model as it is. Returns whether it was installed."""
+    if chunk <= 0:
+        return False
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None or lm.__dict__.get(_INSTALLED):
+        return False
+    if not isinstance(head, _ChunkedHead):
+        head.__class__ = _head_class(type(head))
+
+    def before(module, args, kwargs):
+        labels = kwargs.get("labels")
+        if labels is None or not (module.training and torch.is_grad_enabled()) or kwargs.get("logits_to_keep", 0):
+            return None
+        head = module.get_output_embeddings()
+        head.__dict__[_PENDING] = {"labels": kwargs.pop("labels"), "shift_labels": kwargs.pop("shift_labels", None),
+                                   "num_items_in_batch": kwargs.get("num_items_in_batch"), "chunk": chunk}
+        module.__dict__[_ACTIVE] = True
+        return args, kwargs
+
+    def after(module, args, output):
+        if not module.__dict__.pop(_ACTIVE, False):
+            return None
+        module.get_output_embeddings().__dict__.pop(_PENDING, None)
+        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+        return type(output)(loss=output["logits"], **fields)
+
+    lm.register_forward_pre_hook(before, with_kwargs=True)
+    lm.register_forward_hook(after)
+    lm.__dict__[_INSTALLED] = True
+    return True

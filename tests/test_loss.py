@@ -1,0 +1,219 @@
+"""Chunked cross-entropy (--loss_chunk_size): the same loss and gradients as transformers' own loss, while no
+tensor of [tokens x vocabulary] elements ever exists, in forward or backward; and the three paths give the same
+per-step losses with it as without it."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune.training import loss as chunked
+
+VOCAB, HIDDEN, TOKENS = 1000, 32, 3 * 40
+
+
+@functools.cache
+def _built(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+def tiny(tied: bool = False):
+    return copy.deepcopy(_built(tied)).train()
+
+
+def batch(packed: bool = False):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 40), generator=g)
+    labels = ids.clone()
+    labels[:, :6] = -100  # prompts
+    labels[2, 25:] = -100  # padding
+    out = {"input_ids": ids, "labels": labels}
+    if packed:  # one row of three records: position_ids restart, the first label of each record is masked
+        out = {"input_ids": ids.reshape(1, -1), "labels": labels.reshape(1, -1),
+               "position_ids": torch.arange(40).repeat(3).unsqueeze(0)}
+    return out
+
+
+def lora(model, targets):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    for name, p in model.named_parameters():  # B starts at zero: make LoRA's contribution (and its grads) real
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def run(model, inputs, num_items=None):
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    out = model(**inputs, **kwargs)
+    (out.loss * 3.0).backward()  # an upstream gradient that is not 1 (the paths scale by world and accumulation)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads
+
+
+def assert_same(reference, chunked_run, rel=1e-6):
+    (la, ga), (lb, gb) = reference, chunked_run
+    assert abs(la.item() - lb.item()) <= rel * abs(la.item()), (la.item(), lb.item())
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:  # relative in norm: fp32 sums in another order move single elements by ~1e-7 of the largest
+        scale = ga[name].norm().item()
+        assert scale > 0, name  # every trainable tensor really gets a gradient
+        diff = (ga[name] - gb[name]).norm().item()
+        assert diff <= rel * scale, f"{name}: |diff| {diff} against |grad| {scale}"
+
+
+CASES = {
+    "full": dict(),
+    "one_chunk": dict(chunk=1024),  # every trained token in one chunk
+    "full_tied": dict(tied=True),
+    "mean_loss": dict(num_items=None),  # no num_items_in_batch: the mean over this batch's trained tokens
+    "packed": dict(packed=True),
+    "lora_body": dict(targets=["q_proj", "v_proj", "down_proj"]),
+    "lora_lm_head": dict(targets=["q_proj", "lm_head"]),  # a head of another class: checkpointed chunks
+    "lora_lm_head_tied": dict(tied=True, targets=["q_proj", "lm_head"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_same_loss_and_gradients(case):
+    spec = {"tied": False, "packed": False, "targets": None, "num_items": 97, "chunk": 7, **CASES[case]}
+    base = tiny(spec["tied"])
+    if spec["targets"]:
+        base = lora(base, spec["targets"])
+    other = copy.deepcopy(base)
+    assert chunked.install(other, spec["chunk"])
+    inputs = batch(spec["packed"])
+    reference, got = run(base, inputs, spec["num_items"]), run(other, inputs, spec["num_items"])
+    assert_same(reference, got)
+    if spec["targets"] and "lm_head" in spec["targets"]:
+        assert any("lm_head.lora_A" in n for n in got[1])
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most token rows of any [..., vocabulary] tensor an op produced (forward and backward); the LM head's
+    weight and its gradient ([vocabulary, hidden] and transposed) are not token rows."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == VOCAB and t.numel() != VOCAB * HIDDEN:
+                self.largest = max(self.largest, t.numel() // VOCAB)
+        return out
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "lm_head"]])
+def test_logits_never_whole(targets):
+    model = tiny()
+    if targets:
+        model = lora(model, targets)
+    inputs = batch()
+    with LargestTensor() as whole:
+        model(**inputs).loss.backward()
+    assert whole.largest >= TOKENS  # the stock loss holds them
+    model.zero_grad()
+    assert chunked.install(model, 16)
+    with LargestTensor() as seen:
+        out = model(**inputs)
+        out.loss.backward()
+    assert out.logits is None
+    assert 0 < seen.largest <= 16, seen.largest  # one chunk's logits at most
+
+
+def test_eval_and_no_labels_give_logits():
+    model = tiny()
+    reference = copy.deepcopy(model).eval()
+    chunked.install(model, 16)
+    inputs = batch()
+    with torch.no_grad():
+        for m in (model.eval(), model.train()):  # eval mode, and a no-grad training-mode forward
+            assert torch.equal(m(**inputs).logits, reference(**inputs).logits)
+    assert model.train()(input_ids=inputs["input_ids"]).logits.shape == (3, 40, VOCAB)
+
+
+def test_zero_chunk_size_leaves_the_model_alone():
+    model = tiny()
+    assert not chunked.install(model, 0)
+    assert type(model.lm_head) is torch.nn.Linear and model(**batch()).logits is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The three paths, ZeRO-3 with LoRA on the partitioned lm_head, packing, --torch_compile: per-step losses.
+
+STEPS = 4
+# name -> (launcher, script, processes, flags)
+RUNS = {
+    "trainer_unchunked": ("python", "train", 1, ["--loss_chunk_size", "0"]),
+    "trainer": ("python", "train", 1, []),
+    "loop": ("python", "loop", 1, []),
+    "sft": ("python", "sft", 1, []),
+    "trainer_compiled": ("python", "train", 1, ["--torch_compile"]),
+    "loop_compiled": ("python", "loop", 1, ["--torch_compile"]),
+    "zero3_lora_unchunked": ("accelerate", "train", 2, ["--loss_chunk_size", "0"]),
+    "zero3_lora": ("accelerate", "train", 2, []),
+}
+ZERO3_LORA = ["--config", "zero3_no_offload", "--use_peft", "--lora_target_modules", "q_proj", "lm_head",
+              "--lora_r", "4", "--lora_dropout", "0", "--per_device_train_batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def path_runs(tmp_path_factory):
+    from launch import LOOP, SFT, TRAIN, launcher, losses, run, tiny_job
+
+    root, model, data = tiny_job(tmp_path_factory.mktemp("chunked"), records=40, seed=5)
+    scripts = {"train": TRAIN, "loop": LOOP, "sft": SFT}
+    done = {}
+
+    def get(name: str) -> list[float]:
+        if name not in done:
+            kind, script, nproc, flags = RUNS[name]
+            # Packed rows of 96 tokens, chunks of 16 trained tokens: several chunks per micro-batch.
+            cmd = launcher(kind, nproc, None, scripts[script]) + [
+                "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(root / name),
+                "--dataset_cache_dir", str(root / "cache"), "--max_steps", str(STEPS), "--packing",
+                "--max_seq_length", "96", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                "--learning_rate", "3e-3", "--seed", "11", "--loss_chunk_size", "16", "--disable_tqdm", "true",
+                *(ZERO3_LORA if name.startswith("zero3") else []), *flags]
+            run(cmd, timeout=900).check()
+            done[name] = losses(root / name)
+            assert len(done[name]) == STEPS, done[name]
+        return done[name]
+
+    return get
+
+
+def assert_losses(a: list[float], b: list[float], rel: float) -> None:
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= rel * abs(x), f"step {step}: {x} vs {y}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer", "loop", "sft"])
+def test_paths_chunked_equal_unchunked(name, path_runs):
+    reference = path_runs("trainer_unchunked")
+    assert reference[-1] < reference[0] - 0.1, reference  # it trains
+    assert_losses(reference, path_runs(name), 1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_lora_on_partitioned_lm_head(path_runs):
+    # lm_head's base weight is partitioned: the checkpointed chunks gather it in forward and again in backward.
+    assert_losses(path_runs("zero3_lora_unchunked"), path_runs("zero3_lora"), 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer_compiled", "loop_compiled"])
+def test_torch_compile_same_losses(name, path_runs):
+    assert_losses(path_runs("trainer"), path_runs(name), 1e-5)
