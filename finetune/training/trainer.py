@@ -16,7 +16,7 @@ import os
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from finetune.training import checkpoint
+from finetune.training import checkpoint, core
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models.load import WeightsError, load_model
@@ -81,6 +81,7 @@ class Trainer(transformers.Trainer):
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
+    core.start_run()  # no rank outlives its launcher; no silent wait
     cfg = C.load_or_exit(argv)
     args = cfg.training
     plan_or_exit(cfg)
