@@ -254,7 +254,8 @@ def test_signal_ends_every_rank(job, launcher, target, sig):
     assert not stopped.survivors, (stopped.survivors, stopped.output[-4000:])
     assert stopped.seconds < BOUND, (stopped.seconds, stopped.output[-4000:])
     orphaned = sig == K or (launcher, target) == ("deepspeed", "launcher")
-    if orphaned:
-        for rank in (0, 1):
-            assert f"finetune: rank {rank}: the launcher `" in stopped.output, stopped.output[-4000:]
-        assert "is gone; stopping this rank, as no rank outlives its launcher" in stopped.output
+    if orphaned:  # a rank that lost its launcher says so (its peer may first see the connection close)
+        assert re.search(r"finetune: rank [01]: the launcher `.*` \(pid \d+\) that (started|runs) this rank is gone; "
+                         "stopping this rank, as no rank outlives its launcher", stopped.output), stopped.output[-4000:]
+    if sig == I and target == "rank":
+        assert "finetune: rank 1: interrupted (SIGINT); stopping this rank" in stopped.output, stopped.output[-4000:]

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -115,6 +116,14 @@ def start_run() -> None:
     if _watchdog is None and ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ):
         _watchdog = Watchdog(launcher_chain())
         _watchdog.start()
+        # Ctrl-C reaches every rank (launchers pass SIGINT on): stop at once rather than unwind through DeepSpeed and
+        # torch's exit handlers while the other ranks wait in a collective (up to 28 s measured under DeepSpeed).
+        signal.signal(signal.SIGINT, _interrupted)
+
+
+def _interrupted(signum, frame) -> None:
+    _rank_says("interrupted (SIGINT); stopping this rank")
+    os._exit(130)
 
 
 def _is_launcher(cmdline: list[str]) -> bool:
