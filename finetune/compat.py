@@ -4,7 +4,9 @@ Each workaround below names the versions it was measured on. `check_versions()` 
 warns, once per package, when an installed version is outside the tested range (TESTED). One workaround refuses
 instead of warning: the DeepSpeed NVMe-offload restore (restore_after_load), which reads DeepSpeed's swap files by
 their name and layout and, should those change, would resume with wrong Adam moments and no error. Set
-FINETUNE_ALLOW_UNTESTED=1 to run it anyway.
+FINETUNE_ALLOW_UNTESTED=1 to run it anyway. torch's JIT-extension build lock (guard_extension_builds, torch 2.13 as
+DeepSpeed 0.19.8 uses it) is not version-checked: should torch rename that file, the guard finds no lock and
+changes nothing.
 
 Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
 `_save_checkpoint` and `_load_optimizer_and_scheduler` (covered by the transformers range).
@@ -483,7 +485,7 @@ def _clear_dead_baton(lock: Path, name: str, log, report_after: float) -> None:
             except FileNotFoundError:
                 return
             log(f"removed the stale build lock {lock}: no process holds it or works in its folder (a build of the "
-                f"{name} op was interrupted); building {name} again")
+                f"{name} op was interrupted); building or loading {name} now")
             return
         waited = time.monotonic() - start
         if waited >= next_report:

@@ -70,7 +70,7 @@ def test_a_dead_builds_lock_is_removed_with_a_message(ext_dir):
         assert not lock.exists()
     assert held < 5, held
     assert said == [f"removed the stale build lock {lock}: no process holds it or works in its folder (a build of the "
-                    "op op was interrupted); building op again"]
+                    "op op was interrupted); building or loading op now"]
 
 
 def test_a_finetune_builder_holding_the_lock_is_named_while_waiting(ext_dir):

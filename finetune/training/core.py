@@ -118,7 +118,8 @@ def start_run() -> None:
         _watchdog.start()
         # Ctrl-C reaches every rank (launchers pass SIGINT on): stop at once rather than unwind through DeepSpeed and
         # torch's exit handlers while the other ranks wait in a collective (up to 28 s measured under DeepSpeed).
-        signal.signal(signal.SIGINT, _interrupted)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _interrupted)
 
 
 def _interrupted(signum, frame) -> None:
