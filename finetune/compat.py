@@ -4,7 +4,9 @@ Each workaround below names the versions it was measured on. `check_versions()` 
 warns, once per package, when an installed version is outside the tested range (TESTED). One workaround refuses
 instead of warning: the DeepSpeed NVMe-offload restore (restore_after_load), which reads DeepSpeed's swap files by
 their name and layout and, should those change, would resume with wrong Adam moments and no error. Set
-FINETUNE_ALLOW_UNTESTED=1 to run it anyway.
+FINETUNE_ALLOW_UNTESTED=1 to run it anyway. torch's JIT-extension build lock (guard_extension_builds, torch 2.13 as
+DeepSpeed 0.19.8 uses it) is not version-checked: should torch rename that file, the guard finds no lock and
+changes nothing.
 
 Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
 `_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
@@ -14,6 +16,7 @@ states and computing the loss only when `labels` is given (tests/test_loss.py ho
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -357,3 +360,151 @@ def offload_hooks(model):
             if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
                 out.append((name, module, h))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# torch 2.13 (torch.utils.cpp_extension, FileBaton), as DeepSpeed 0.19.8 uses it to JIT-build its ops (cpu_adam,
+# deepspeed_shm_comm, ...): the build is guarded by an empty file `lock` in the op's build folder, created with
+# O_EXCL and removed when the build ends; every later load of the op waits while that file exists, polling
+# forever and printing nothing. A build that was killed (Ctrl-C, `timeout`, kill -9) leaves it behind, and every
+# later DeepSpeed run on the machine sleeps with no output. And all virtualenvs share ~/.cache/torch_extensions,
+# so two of them rebuild each other's ops (their build files differ in include paths) on every switch.
+#
+# Here: (1) each virtualenv gets its own extensions folder (unless TORCH_EXTENSIONS_DIR is set); (2) every build
+# or load of an op runs under a kernel file lock (flock) beside its folder, which dies with its holder and records
+# who holds it, so a process that waits says for whom; (3) under that lock, a `lock` file that no process has
+# open and no compiler is working in is a dead build's: it is removed, with a message, and the op is built again.
+
+BUILD_WAIT_REPORT = 30.0  # seconds: how long any wait here stays silent
+
+
+def extensions_dir() -> Path:
+    """This virtualenv's folder for torch's JIT-built extensions (TORCH_EXTENSIONS_DIR if set)."""
+    import hashlib
+
+    import torch
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    accelerator = (f"rocm{torch.version.hip}" if torch.version.hip else
+                   f"cu{torch.version.cuda}" if torch.version.cuda else "cpu").replace(".", "")
+    venv = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-venv{venv}"
+
+
+def guard_extension_builds() -> None:
+    """Point TORCH_EXTENSIONS_DIR at this virtualenv's folder and wrap torch.utils.cpp_extension.load (which
+    DeepSpeed's OpBuilder.jit_load calls at each op's first use) in build_lock. Idempotent."""
+    import torch.utils.cpp_extension as ext
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    if getattr(ext.load, "_finetune_guarded", False):
+        return
+    original = ext.load
+
+    def load(name, *args, **kwargs):
+        with build_lock(name):
+            return original(name, *args, **kwargs)
+
+    load._finetune_guarded = True
+    load.__wrapped__ = original
+    ext.load = load
+
+
+def _holder_text(guard: Path) -> str:
+    try:
+        info = json.loads(guard.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "a process that recorded no details"
+    return f"pid {info.get('pid')} on {info.get('host')} ({info.get('command', '?')}, since {info.get('since', '?')})"
+
+
+@contextmanager
+def build_lock(name: str, *, log=None, report_after: float = BUILD_WAIT_REPORT):
+    """Hold the kernel lock of extension `name`'s build folder, then clear a dead build's `lock` file (see above)."""
+    import fcntl
+    import socket
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    log = log or (lambda message: print(f"finetune: {message}", file=sys.stderr, flush=True))
+    folder = Path(_get_build_directory(name, verbose=False))
+    guard = folder.parent / f".{folder.name}.finetune-lock"
+    fd = os.open(guard, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, next_report = time.monotonic(), report_after
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= next_report:
+                    log(f"waiting {waited:.0f} s for the build lock {guard} of the {name} op, held by "
+                        f"{_holder_text(guard)}; it is building or loading {folder}")
+                    next_report += 60
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%H:%M:%S"),
+                                  "command": " ".join(sys.argv[:2])[:200]}).encode(), 0)
+        _clear_dead_baton(folder / "lock", name, log, report_after)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _baton_users(lock: Path, folder: Path) -> list[str]:
+    """Processes (of any program) that hold `lock` open, or work inside `folder` (ninja, the compiler)."""
+    import psutil
+
+    try:
+        inode = os.stat(lock).st_ino
+    except FileNotFoundError:
+        return []
+    users, me, folder = [], os.getpid(), os.path.realpath(folder)
+    for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
+        if p.pid == me:
+            continue
+        try:
+            cwd = p.info.get("cwd") or ""
+            holds = any(f.path.endswith(os.sep + lock.name) and _same_inode(f.path, inode) for f in p.open_files())
+        except psutil.Error:
+            continue
+        if holds or cwd == folder or cwd.startswith(folder + os.sep):
+            users.append(f"pid {p.pid} ({' '.join((p.info.get('cmdline') or [])[:3])[:120]})")
+    return users
+
+
+def _same_inode(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _clear_dead_baton(lock: Path, name: str, log, report_after: float) -> None:
+    """Under build_lock no finetune process builds `name`. A `lock` file left in its folder then belongs to another
+    program's build (wait for it, saying so) or to a dead one (remove it: the op is then built again)."""
+    import time
+
+    start, next_report = time.monotonic(), report_after
+    while lock.exists():
+        users = _baton_users(lock, lock.parent)
+        if not users:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                return
+            log(f"removed the stale build lock {lock}: no process holds it or works in its folder (a build of the "
+                f"{name} op was interrupted); building or loading {name} now")
+            return
+        waited = time.monotonic() - start
+        if waited >= next_report:
+            log(f"waiting {waited:.0f} s for the build lock {lock} of the {name} op, held by {', '.join(users)}")
+            next_report += 60
+        time.sleep(1.0)

@@ -312,3 +312,76 @@ def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float 
         exit_seconds = time.time() - killed_at
         survivors = job.finish()
         return Killed(job.returncode, job.output, exit_seconds, survivors)
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals: how long until every process of a job is gone after a signal to one of them.
+
+
+@dataclass
+class Stopped:
+    target: str  # what got the signal: "launcher", "rank", or a name in its command line
+    pid: int
+    seconds: float | None  # from the signal until no process of the job runs; None: some still ran at the bound
+    output: str
+    survivors: list[str]  # command lines still running at the bound (then killed)
+
+
+def find_process(job: "Job", target: str) -> int:
+    """The pid of `target` in a running job: "launcher" (the command itself), "rank" (the process with RANK=1, or
+    the only rank), or the first process whose command line contains `target` (e.g. deepspeed.launcher.launch)."""
+    import psutil
+
+    if target == "launcher":
+        return job.proc.pid
+    if target == "rank":
+        ranks = rank_pids(job.proc.pid)
+        if ranks:
+            return ranks[max(ranks)]
+    job.watch()
+    procs = sorted(job.seen.values(), key=lambda p: p.pid)
+    for p in procs:
+        try:
+            if target != "rank" and any(target in part for part in p.cmdline()[:4]):
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process {target!r} in {' '.join(job.cmd)}: "
+                         f"{[' '.join(p.cmdline()[:4]) for p in procs if _running(p)]}")
+
+
+def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout: float = 300, bound: float = 60,
+                   **extra_env: str) -> Stopped:
+    """Start `cmd`; once its output contains `ready`, send `sig` to `target` (see find_process) alone, not to a
+    process group; then time how long until every process of the job (launchers and ranks, in whatever session)
+    has exited, at most `bound` seconds. Whatever still runs then is killed and listed."""
+    with Job(cmd, REPO, env(**extra_env)) as job:
+        if not job.wait(timeout, until=lambda: ready in job.output):
+            job.kill()
+            job.drain()
+            raise AssertionError(f"{ready!r} did not appear in {timeout}s\n{job.output[-6000:]}")
+        if job.returncode is not None:
+            job.finish()
+            raise AssertionError(f"exited ({job.returncode}) before the signal\n{job.output[-6000:]}")
+        time.sleep(1.0)  # the ranks' descendants seen, training under way
+        job.watch()
+        pid = find_process(job, target)
+        os.kill(pid, sig)
+        sent = time.monotonic()
+        seconds = None
+        while time.monotonic() - sent < bound:
+            job.watch()
+            if job.proc.poll() is not None and not job.alive():
+                seconds = time.monotonic() - sent
+                break
+            time.sleep(0.2)
+        survivors = []
+        for p in job.alive() + ([job.root] if job.proc.poll() is None else []):
+            try:
+                survivors.append(" ".join(p.cmdline()[:4]))
+            except Exception:
+                continue
+        if survivors:
+            job.kill()
+        job.drain()
+        return Stopped(target, pid, seconds, job.output, survivors)

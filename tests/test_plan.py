@@ -355,3 +355,47 @@ def test_model_states_equal_counted_bytes_on_2_processes(config, method, odd_mod
     if config == "zero2":
         # a tensor cut by the partition boundary is held whole by both ranks, and the last rank holds the padding
         assert plan.rank_state_bytes(job, 0)["grads"] != plan.rank_state_bytes(job, 1)["grads"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Absurd machine sizes: the plan's work does not grow with the world size.
+
+
+def _brute_worst_rank(job, groups):
+    """The scan over every rank that _worst_zero12_rank replaces (the same counting, rank by rank)."""
+    import math
+
+    n, best, worst = job.world_size, -1, 0
+    for r in range(n):
+        held = 0
+        for g in groups:
+            numel = sum(t.numel for t in g)
+            part = math.ceil(numel / (2 * n)) * 2 * n // n
+            held += plan._overlap(g, r * part, (r + 1) * part) + max(0, min(part, (r + 1) * part - numel))
+        if held > best:
+            best, worst = held, r
+    return worst
+
+
+@pytest.mark.parametrize("shape,world", [("gqa", 3), ("gqa", 7), ("tied_mha", 5), ("tied_mha", 64),
+                                         ("biases_head_dim", 13), ("biases_head_dim", 1000), ("gqa", 4096)])
+def test_worst_zero12_rank_equals_the_scan_over_every_rank(tmp_path, shape, world):
+    config = {"model_type": "llama", **SHAPES[shape]}
+    job = plan.Job(shape=plan.ModelShape.from_dict(config), strategy=plan.Strategy.from_config("zero2"),
+                   world_size=world)
+    groups = [g for g in plan._groups(job, job.shape.tensors()) if g]
+    assert plan._worst_zero12_rank(job, groups) == _brute_worst_rank(job, groups)
+
+
+def test_plan_for_1e15_devices_is_fast(tmp_path):
+    """`--devices_per_node 1000000000000000` took over 400 s (every rank was scanned); now it answers at once."""
+    import time
+
+    model = write_config(tmp_path / "llama-70b", **LLAMA_70B)
+    argv = ["--model_name_or_path", str(model), "--devices_per_node", str(10**15), "--num_nodes", "1000",
+            "--device_memory", "80GB", "--host_memory", "2TB"]
+    plan.make_plan(argv)  # imports and parser set-up, which are not the point
+    start = time.perf_counter()
+    data = plan.make_plan(argv)
+    elapsed = time.perf_counter() - start
+    assert data["job"]["world_size"] == 10**18 and elapsed < 10, (data["world_size"], elapsed)

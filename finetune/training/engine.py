@@ -43,6 +43,7 @@ STAGE0_CONFIG = {
 
 def main(argv: list[str] | None = None) -> None:
     # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is accepted.
+    core.start_run()  # no rank outlives its launcher; no silent wait
     cfg = C.load_or_exit(argv, prog="deepspeed scripts/sft.py")
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
     plan_or_exit(cfg)

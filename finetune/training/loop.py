@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
 
     # Config (TrainingArguments built first, so that ZeRO-3 loads the weights partitioned).
+    core.start_run()  # no rank outlives its launcher; no silent wait
     cfg = C.load_or_exit(argv, prog="finetune loop")
     args = cfg.training
     plan_or_exit(cfg)

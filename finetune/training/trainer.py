@@ -87,6 +87,7 @@ class Trainer(transformers.Trainer):
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
+    core.start_run()  # no rank outlives its launcher; no silent wait
     cfg = C.load_or_exit(argv)
     args = cfg.training
     plan_or_exit(cfg)
