@@ -68,7 +68,7 @@ def saving(folder: str | Path, what: str, *, partial: Path | None = None):
     a complete one) and exit 2 with the place, saying that what was saved before is intact."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError: write_failure decides
         reason = write_failure(folder, e)
         if reason is None:
             raise
