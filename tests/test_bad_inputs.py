@@ -340,3 +340,20 @@ def test_disk_full_at_final_save(tiny_chatml, data, tmp_path, monkeypatch, capfd
                     tmp_path, monkeypatch, capfd)
     assert_clear(code, err, f"no space left on {disk}", "the final model was not saved")
     assert snapshot(out) == kept  # the previous model and checkpoint untouched, no staging folder left
+
+
+@pytest.mark.slow
+def test_quickstart_launcher_failing_rank_no_traceback(tiny_chatml, tmp_path):
+    """The quickstart's 2-process launch (accelerate launch via quickstart_worker): a rank that exits 2 with its own
+    message ends the launcher with status 2 and that message, without torch elastic's traceback."""
+    from finetune import testing
+
+    missing = tmp_path / "no-such-data.jsonl"
+    cmd = [sys.executable, "-m", "finetune.apps.quickstart_worker", "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip",
+           "127.0.0.1", "--main_process_port", str(testing.free_port()), "-m", "finetune.apps.quickstart_worker",
+           *train_args(tiny_chatml, missing, tmp_path / "out")[1:]]
+    result = testing.run(cmd, timeout=240)
+    assert result.returncode == 2, result.output[-4000:]
+    assert f"dataset: {missing}: no such file or folder" in result.output, result.output[-4000:]
+    assert "Traceback" not in result.output and "ChildFailedError" not in result.output, result.output[-4000:]
