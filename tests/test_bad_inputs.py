@@ -357,3 +357,4 @@ def test_quickstart_launcher_failing_rank_no_traceback(tiny_chatml, tmp_path):
     assert result.returncode == 2, result.output[-4000:]
     assert f"dataset: {missing}: no such file or folder" in result.output, result.output[-4000:]
     assert "Traceback" not in result.output and "ChildFailedError" not in result.output, result.output[-4000:]
+    assert "unknown key" not in result.output, result.output[-4000:]  # the launch flags went to the launcher
