@@ -53,11 +53,15 @@ def out(tmp_path) -> Path:
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    """A folder that passes the model-folder checks (the checks never read the weights)."""
+    """A folder that passes the model-folder checks (they read headers only: an empty safetensors file, a stub
+    tokenizer.json)."""
+    import struct
+
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"")
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    (d / "tokenizer.json").write_text("{}")
     return d
 
 
@@ -437,7 +441,8 @@ def test_model_folder_without_weights(tmp_path):
 def test_pickle_only_model_folder_needs_allow_pickle(tmp_path, out):
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "tokenizer.json").write_text("{}")
     (d / "pytorch_model.bin").write_bytes(b"")
     (problem,) = _model_problems(["--model_name_or_path", d], tmp_path)
     assert "holds only pickle weights (*.bin)" in problem and "--allow_pickle" in problem

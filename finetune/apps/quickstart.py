@@ -176,6 +176,19 @@ def field_accuracy(completion: str, reference: str) -> float:
     return sum(got.get(k) == v for k, v in ref.items()) / len(ref)
 
 
+def check_train_file(path: str) -> None:
+    """The training data as finetune train reads it (file, format, every record's fields), before anything runs."""
+    from finetune.data.prepare import DataError, detect_format, read_records, validate_record
+
+    try:
+        records, where = read_records(path)
+        fmt = detect_format(records[0], where[0])
+        for record, loc in zip(records, where):
+            validate_record(record, fmt, loc)
+    except DataError as e:
+        raise QuickstartError(f"--train_file: {e}") from None
+
+
 def read_eval_records(path: str, limit: int) -> list[dict]:
     """'messages' records whose last turn is the assistant's reference answer."""
     from finetune.data.prepare import DataError, read_records
@@ -315,9 +328,9 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
-        accelerate = Path(sys.executable).parent / "accelerate"
+        # `accelerate launch`, without its traceback when a rank exits with its own message (quickstart_worker).
         # --multi_gpu also starts N CPU processes; `--cpu --num_processes N` silently starts one.
-        cmd = [str(accelerate) if accelerate.exists() else "accelerate", "launch", "--multi_gpu",
+        cmd = [sys.executable, "-m", "finetune.apps.quickstart_worker", "launch", "--multi_gpu",
                "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *worker]
     else:
@@ -483,6 +496,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     threads = eval_threads(cfg.eval_threads)  # decided before our own processes add to the load
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
+    # Both data files are read and checked first: a bad record stops here, not after the base evaluation.
+    check_train_file(cfg.train_file)
+    records = read_eval_records(cfg.eval_file, cfg.eval_examples)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -491,7 +507,6 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     model_dir, model_info = model_folder(cfg, log)
     timings["import"] = time.time() - t
 
-    records = read_eval_records(cfg.eval_file, cfg.eval_examples)
     t = time.time()
     base = evaluate(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
                     label="base", log=log)

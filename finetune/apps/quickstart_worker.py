@@ -73,5 +73,21 @@ def main(argv: list[str] | None = None) -> None:
     train.main(sys.argv[1:] if argv is None else argv, callbacks=callbacks)
 
 
+def launch(argv: list[str]) -> None:
+    """`accelerate launch ARGV`, minus the launcher's traceback (torch elastic's ChildFailedError) when a rank fails:
+    the rank has printed its own message; the launcher exits with the rank's exit status."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        raise SystemExit(next((c for c in codes if c and c > 0), 1)) from None
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["launch"]:
+        launch(sys.argv[2:])
+    else:
+        main()

@@ -384,6 +384,9 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems.append(f"{key}: must be at least 1, got {training[key]}")
     if training.get("learning_rate", 1.0) < 0:
         problems.append(f"learning_rate: must not be negative, got {training['learning_rate']}")
+    problems += attn_problems(model.attn_implementation)
+    if launch.config not in PRESETS and launch.config.endswith(".json") and not problems:
+        problems += _check_ds_values(Path(launch.config), training)
     if check_paths:
         if not model.model_name_or_path:
             problems.append("model_name_or_path: required (a local model folder)")
@@ -397,6 +400,12 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems.append("dataset: required (a local data file or save_to_disk folder)")
         elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):
             problems.append(f"dataset: {data.dataset}: no such file or folder")
+        from finetune.data.prepare import cache_root
+
+        for flag, folder in (("output_dir", training.get("output_dir")), ("logging_dir", training.get("logging_dir")),
+                             ("dataset_cache_dir", cache_root(data)), ("nvme_path", launch.nvme_path)):
+            if folder and (problem := writable_problem(f"--{flag}", folder)):
+                problems.append(problem)
     return problems
 
 
@@ -473,6 +482,56 @@ def looks_like_repo_id(name: str) -> bool:
     return is_repo(name)
 
 
+def writable_problem(flag: str, folder) -> str | None:
+    """Why `folder` (made if absent) cannot hold our outputs, or None. Checked before anything is loaded: a file in its
+    place, or a read-only or unwritable place, would otherwise stop the run at its first save."""
+    import tempfile
+
+    p = Path(folder)
+    if p.exists() and not p.is_dir():
+        return f"{flag} {p}: is a file, not a folder; choose a folder (new or existing)"
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{flag} {p}: {existing} is a file, so the folder cannot be made there; choose another path"
+    try:  # an unnamed file, gone when closed: nothing is left behind
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        return (f"{flag} {p}: cannot write in {existing} ({e.strerror}); choose a folder you can write to, "
+                "or fix its permissions or mount")
+    return None
+
+
+# Attention kernels that need a package and a GPU, with the package to install.
+_FLASH = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3 (flash_attn_interface)",
+          "flash_attention_4": "flash-attn-4"}
+
+
+def attn_problems(name: str | None, flag: str = "attn_implementation") -> list[str]:
+    """An attention kernel transformers does not know, or a flash kernel that cannot run here."""
+    if not name or "/" in name:  # a Hub kernel (org/repo): transformers fetches and checks it
+        return []
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in known:
+        shown = [k for k in known if "|" not in k]
+        return [f"{flag}: '{name}' is not an attention kernel{did_you_mean(name, shown)} (one of {', '.join(shown)})"]
+    if name in _FLASH:
+        import importlib.util
+
+        import torch
+
+        module = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(name, "flash_attn")
+        if not torch.cuda.is_available():
+            return [f"{flag}: {name} runs on CUDA GPUs only and none is visible; use sdpa (the default) or eager"]
+        if importlib.util.find_spec(module) is None:
+            return [f"{flag}: {name} needs the {_FLASH[name]} package (pip install {_FLASH[name].split()[0]}); "
+                    "or use sdpa (the default)"]
+    return []
+
+
 def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
     p = Path(path)
     if not p.is_dir():
@@ -489,7 +548,9 @@ def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
         ]
     if not has_safetensors and not has_pickle:
         return [f"model_name_or_path: {path}: no weights (*.safetensors) in this folder"]
-    return []
+    from finetune.models.files import folder_problems
+
+    return [f"model_name_or_path: {problem}" for problem in folder_problems(p)]
 
 
 def _check_ds_json(path: Path) -> list[str]:
@@ -502,6 +563,84 @@ def _check_ds_json(path: Path) -> list[str]:
     if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
         return [f"--config {path}: expected a DeepSpeed config object with a zero_optimization section"]
     return []
+
+
+# Top-level DeepSpeed keys besides deepspeed.runtime.constants' (sections read by other modules).
+_DS_SECTIONS = ("zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+                "csv_monitor", "comet", "aio", "amp", "compression_training", "data_efficiency", "autotuning",
+                "nebula", "elasticity", "comms_logger", "pipeline", "compile", "sparse_attention", "hybrid_engine",
+                "timers", "tensor_parallel", "sequence_parallel_size", "weight_quantization", "datastates",
+                "expert_parallel", "zenflow", "torch_autocast")
+# Batch keys of a DeepSpeed JSON -> what finetune fills "auto" with.
+_DS_BATCH = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def _check_ds_values(path: Path, training: dict[str, Any]) -> list[str]:
+    """What DeepSpeed itself would stop on with a traceback once the run has started: an unknown key in a section
+    it validates (zero_optimization, bf16, fp16), a misspelt top-level key (silently ignored by DeepSpeed), batch
+    sizes that contradict each other or the flags."""
+    data = json.loads(path.read_text())
+    problems = []
+    try:
+        import deepspeed.runtime.constants as ds_constants
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:  # no DeepSpeed: the launch says so
+        return []
+    known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)} | set(_DS_SECTIONS)
+    for key in data:
+        if key not in known and did_you_mean(key, sorted(known)):
+            problems.append(f"--config {path}: unknown key '{key}'{did_you_mean(key, sorted(known))} "
+                            "(DeepSpeed would ignore it)")
+    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
+                           ("fp16", DeepSpeedFP16Config)):
+        if not isinstance(data.get(section), dict):
+            continue
+        try:
+            model(**data[section])
+        except ValidationError as e:
+            for err in e.errors():
+                where = ".".join(map(str, (section, *err["loc"])))
+                if err["type"] == "extra_forbidden":
+                    fields = list(_pydantic_fields(model, err["loc"][:-1]))
+                    problems.append(f"--config {path}: {where}: unknown key"
+                                    f"{did_you_mean(str(err['loc'][-1]), fields)}")
+                else:
+                    problems.append(f"--config {path}: {where}: {err['msg']} (got {err.get('input')!r})")
+    # Batch sizes: "auto" takes finetune's flags; a number must agree with them (and train_batch_size with the
+    # world size this launch starts).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro = int(training.get("per_device_train_batch_size", 8))
+    accum = int(training.get("gradient_accumulation_steps", 1))
+    ours = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+            "train_batch_size": micro * accum * world}
+    flags = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+             "gradient_accumulation_steps": "--gradient_accumulation_steps",
+             "train_batch_size": "--per_device_train_batch_size x --gradient_accumulation_steps x world size "
+                                 f"({micro} x {accum} x {world})"}
+    for key in _DS_BATCH:
+        value = data.get(key, "auto")
+        if value == "auto":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"--config {path}: {key} must be a positive integer or \"auto\", got {value!r}")
+        elif value != ours[key]:
+            problems.append(f"--config {path}: {key} is {value} but {flags[key]} gives {ours[key]}; set it to "
+                            "\"auto\" (filled from the flags) or make them agree")
+    return problems
+
+
+def _pydantic_fields(model, loc) -> list[str]:
+    """The field names (and aliases) of the pydantic model at `loc` inside `model`, for did-you-mean."""
+    for part in loc:
+        field_info = model.model_fields.get(part) if isinstance(part, str) else None
+        sub = getattr(field_info, "annotation", None)
+        sub = next((a for a in getattr(sub, "__args__", ()) if hasattr(a, "model_fields")), sub)
+        if not hasattr(sub, "model_fields"):
+            return []
+        model = sub
+    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def free_port() -> int:

@@ -573,9 +573,9 @@ def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None,
         out.append(render(tokenizer, text, chat, f"--prompt #{i + 1}"))
     if prompts_file:
         p = Path(prompts_file)
-        if not p.is_file():
-            raise GenerationError(f"--prompts {prompts_file}: no such file")
-        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+        if problem := prompts_file_problem(prompts_file):
+            raise GenerationError(problem)
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
             where = f"{prompts_file}:{lineno}"
@@ -752,7 +752,31 @@ def check_args(parsed) -> list[str]:
         problems.append("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     if args.adapter and not Path(args.adapter).is_dir():
         problems.append(f"--adapter {args.adapter}: no such folder")
+    if args.prompts and (problem := prompts_file_problem(args.prompts)):
+        problems.append(problem)
+    from finetune.config.training import writable_problem
+
+    for flag, folder in (("--offload_folder", args.offload_folder),
+                         ("--output", Path(args.output).parent if args.output else None)):
+        if folder and (problem := writable_problem(flag, folder)):
+            problems.append(problem)
+    if args.output and Path(args.output).is_dir():
+        problems.append(f"--output {args.output}: is a folder; give a file name for the JSON lines")
     return problems
+
+
+def prompts_file_problem(path: str) -> str | None:
+    """Checked before the model loads: a prompts file that is missing or not UTF-8 text (named with its line)."""
+    p = Path(path)
+    if not p.is_file():
+        return f"--prompts {path}: no such file"
+    raw = p.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        return f"--prompts {path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> GenerateArgs:

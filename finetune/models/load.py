@@ -18,11 +18,25 @@ DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 
 def load_tokenizer(model_cfg):
-    from transformers import AutoTokenizer
+    """The folder's tokenizer, right-padded; WeightsError when it holds ids past the model's vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+    from finetune.models.files import vocabulary_problem
+
+    folder = model_cfg.model_name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        # The folder's files passed finetune.models.files' checks; what is left is a tokenizer transformers cannot
+        # build (e.g. a class it does not know), which it words as a missing sentencepiece or tiktoken install.
+        raise WeightsError(f"--model_name_or_path {folder}: its tokenizer cannot be loaded "
+                           f"({str(e).strip().splitlines()[0][:300]}); copy the tokenizer files of the model it was "
+                           "trained from (tokenizer.json, tokenizer_config.json) into the folder") from None
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
+    if problem := vocabulary_problem(folder, tokenizer, getattr(config, "get_text_config", lambda: config)()):
+        raise WeightsError(f"--model_name_or_path {problem}")
     return tokenizer
 
 
@@ -63,6 +77,8 @@ def load_model(model_cfg, training_args=None):
     from transformers import AutoModelForCausalLM
 
     check_quantized_setup(model_cfg)
+    if model_cfg.use_peft:
+        check_lora_targets(model_cfg)
     dtype = resolve_dtype(model_cfg.torch_dtype)
     quant = quantization_config(model_cfg, dtype)
     kwargs = {}
@@ -158,6 +174,28 @@ def describe_quantization(model, model_cfg, quant) -> str:
     device = next(iter(getattr(model, "hf_device_map", {"": "cpu"}).values()))
     rank = os.environ.get("RANK", "0")
     return f"rank {rank}: base loaded in {kind} by bitsandbytes on {device}: {layers} quantized linear layers"
+
+
+def check_lora_targets(model_cfg) -> None:
+    """--lora_target_modules naming no module of the model: WeightsError with the names there are, before any weight
+    is read (the model is built on the meta device, which costs no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.config.parser import did_you_mean
+
+    targets = list(model_cfg.lora_target_modules or [])
+    if not targets or targets == ["all-linear"]:
+        return
+    config = AutoConfig.from_pretrained(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    names = [name for name, _ in model.named_modules() if name]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        hints = "; ".join(f"'{t}'{did_you_mean(t, linear)}" for t in missing)
+        raise WeightsError(f"--lora_target_modules: {hints}: no such module in {model_cfg.model_name_or_path} "
+                           f"(its linear layers: {', '.join(linear)}; or all-linear)")
 
 
 def add_lora(model, model_cfg, seed: int):

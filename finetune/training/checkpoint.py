@@ -61,10 +61,11 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
     folder = Path(folder)
     _barrier()
     if _rank() == 0:
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                 if p.is_file() and p.name != MARKER and not p.name.startswith(".")}
+        paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
+        files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
         meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
-                "fingerprint": fingerprint, "files": files}
+                "fingerprint": fingerprint, "files": files,
+                HASH: {str(p.relative_to(folder)): file_hash(p) for p in paths}}
         tmp = folder / f".{MARKER}.tmp"
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
@@ -72,6 +73,32 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
             os.fsync(f.fileno())
         os.replace(tmp, folder / MARKER)
     _barrier()
+
+
+# Content hashes of a checkpoint's files, in its marker. xxh3-128 (xxhash, a dependency of datasets) is not for
+# adversaries but finds any garbled byte, and hashes 3x faster than sha256 here (docs/resume.md has the numbers).
+HASH = "xxh3_128"
+
+
+def file_hash(path: Path) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def garbled(folder: str | Path) -> str | None:
+    """The first file of a complete checkpoint whose content differs from what the save wrote (same size, other
+    bytes: a disk or copy fault), as a message; None if every file hashes as recorded (or none was recorded)."""
+    folder = Path(folder)
+    for name, digest in (read_meta(folder).get(HASH) or {}).items():
+        if file_hash(folder / name) != digest:
+            return (f"{folder / name} is not the file the checkpoint saved (same size, other content: its "
+                    f"{HASH} hash differs)")
+    return None
 
 
 def problem(folder: str | Path) -> str | None:
@@ -130,7 +157,7 @@ def conversion_hint(folder: Path) -> str:
 
 
 def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-            nvme: bool = False) -> Path | None:
+            nvme: bool = False, fingerprint: dict | None = None) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -151,6 +178,10 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
     check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
+    check_same_model(folder, fingerprint)
+    if (why := garbled(folder)) is not None:
+        raise ResumeError(f"resume: {why}; its weights or optimizer state would be wrong. Resume from an earlier "
+                          f"checkpoint (--resume_from_checkpoint {folder.parent / (PREFIX + 'N')}), or remove {folder}")
     # DeepSpeed keeps NVMe-offloaded partitions in the checkpoint's offloaded_tensors/ and leaves them out of the
     # ZeRO files, so neither direction loads (measured: a size-mismatch RuntimeError, or a missing folder).
     saved_nvme = any(folder.rglob("offloaded_tensors"))
@@ -176,6 +207,23 @@ def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: in
     if saved_stage > 0 and saved_world != world_size:
         raise ResumeError(f"{folder} holds ZeRO-{saved_stage} partitions for {saved_world} processes, this run has "
                           f"{world_size}: rerun with {saved_world} processes, or {conversion_hint(folder)}")
+
+
+def check_same_model(folder: Path, fingerprint: dict | None) -> None:
+    """A checkpoint of a LoRA run resumed by a full run (or the reverse), or of another model: its weights would not
+    load (a traceback deep in the load), so it is refused with what to do."""
+    theirs = read_meta(folder).get("fingerprint") or {}
+    if not fingerprint or not theirs:
+        return
+    if "adapter" in theirs and theirs["adapter"] != fingerprint.get("adapter"):
+        saved, this = ("a LoRA adapter (--use_peft)", "every weight") if theirs["adapter"] else \
+            ("every weight", "a LoRA adapter (--use_peft)")
+        raise ResumeError(f"{folder} is a checkpoint of a run that trained {saved}; this run trains {this}. Resume "
+                          f"it with the flags it was saved with ({'with' if theirs['adapter'] else 'without'} "
+                          "--use_peft), or start this run without --resume_from_checkpoint")
+    if theirs.get("model") and theirs["model"] != fingerprint.get("model"):
+        raise ResumeError(f"{folder} was saved from another model than --model_name_or_path (its config or weights "
+                          "differ); resume it with the model it was trained from")
 
 
 def save_interval(args, max_steps: int, sources=()) -> int:

@@ -24,7 +24,7 @@ from typing import Callable
 from finetune import compat
 from finetune.data.prepare import IGNORE_INDEX
 from finetune.training import checkpoint
-from finetune.training.outputs import (commit_staged, exit_with, rank0_print, staging_dir, verify_staged,
+from finetune.training.outputs import (commit_staged, exit_with, rank0_print, saving, staging_dir, verify_staged,
                                        write_json_atomic, write_resolved)
 
 # --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
@@ -519,12 +519,13 @@ def save_checkpoint(args, job: Job, position: dict) -> None:
     """All ranks: the engine's files (write), this rank's RNG states and, from rank 0, the data position and log
     window; then the completion marker once every rank is done."""
     folder = checkpoint.folder_for(args.output_dir, position["global_step"])
-    job.save(folder, position)
-    checkpoint.save_rng(folder, rank())
-    if rank() == 0:
-        write_json_atomic(folder / POSITION, position)
-    checkpoint.mark_complete(folder, path=job.path, world_size=world(), zero_stage=job.zero_stage,
-                             global_step=position["global_step"], fingerprint=job.fingerprint)
+    with saving(folder, f"checkpoint {folder.name}", partial=folder):
+        job.save(folder, position)
+        checkpoint.save_rng(folder, rank())
+        if rank() == 0:
+            write_json_atomic(folder / POSITION, position)
+        checkpoint.mark_complete(folder, path=job.path, world_size=world(), zero_stage=job.zero_stage,
+                                 global_step=position["global_step"], fingerprint=job.fingerprint)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,11 +550,12 @@ def save_final(module, state_dict, tokenizer, output_dir, state: dict, cfg=None)
     if main:
         shutil.rmtree(staging, ignore_errors=True)
         module.config.use_cache = True  # turned off for training; the saved model is for inference
-        module.save_pretrained(staging, state_dict=state_dict)
-        tokenizer.save_pretrained(staging)
-        write_json_atomic(staging / "trainer_state.json", state)
-        if cfg is not None:
-            write_resolved(cfg, staging)
+        with saving(staging, "the final model", partial=staging):
+            module.save_pretrained(staging, state_dict=state_dict)
+            tokenizer.save_pretrained(staging)
+            write_json_atomic(staging / "trainer_state.json", state)
+            if cfg is not None:
+                write_resolved(cfg, staging)
     try:
         verify_staged(staging, state_dict if state_dict is not None else module, is_main=main)
     except VerificationError as e:

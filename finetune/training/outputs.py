@@ -3,6 +3,7 @@ mistake: one message from rank 0, exit 2 on every rank (each rank reaches the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,51 @@ def exit_with(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def write_failure(folder: str | Path, exc: BaseException) -> str | None:
+    """What stopped a write into `folder`, in words, when it is the disk's or the folder's fault (full, read-only,
+    not permitted); None for anything else. torch.save words a full disk as "basic_ios::clear: iostream error" and
+    safetensors as an I/O error, so a full disk is also recognized by a probe write failing with ENOSPC."""
+    import errno
+    import tempfile
+
+    place = Path(folder)
+    while not place.is_dir() and place != place.parent:
+        place = place.parent
+    mount = place.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    code = getattr(exc, "errno", None)
+    if code is None:
+        try:
+            with tempfile.TemporaryFile(dir=place) as f:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            code = e.errno
+    if code == errno.ENOSPC:
+        return f"no space left on {mount} (writing {folder})"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
+        return f"cannot write {folder}: {os.strerror(code)}"
+    return None
+
+
+@contextlib.contextmanager
+def saving(folder: str | Path, what: str, *, partial: Path | None = None):
+    """Run a save; if the disk or folder refuses it (write_failure), remove `partial` (the half-written folder, never
+    a complete one) and exit 2 with the place, saying that what was saved before is intact."""
+    try:
+        yield
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError: write_failure decides
+        reason = write_failure(folder, e)
+        if reason is None:
+            raise
+        if partial is not None and is_rank0():
+            shutil.rmtree(partial, ignore_errors=True)
+        exit_with(f"{reason}: {what} was not saved; the checkpoints and model saved before are intact. Free space "
+                  "(or keep fewer checkpoints: --save_total_limit N), then rerun with --resume_from_checkpoint latest")
+
+
 def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     """--resume_from_checkpoint -> the folder to resume from (None: start at step 0). Checked before anything heavy
     loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do; so does an
@@ -51,7 +97,7 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     try:
         return checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path=path,
                                   world_size=world_size, zero_stage=C.zero_stage_of(cfg.launch.config) or 0,
-                                  nvme=C.uses_nvme(cfg.deepspeed_config))
+                                  nvme=C.uses_nvme(cfg.deepspeed_config), fingerprint=cfg.fingerprint)
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
@@ -112,6 +158,7 @@ def run_fingerprint(cfg) -> dict:
         "model": _hash_path(cfg.model.model_name_or_path, ("config.json", "*.safetensors", "*.bin")),
         "data": _hash_path(cfg.data.dataset),
         "config": hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "adapter": bool(cfg.model.use_peft),  # what the checkpoints hold (checkpoint.check_same_model)
     }
 
 
@@ -212,9 +259,12 @@ def data_or_exit(cfg, local_rank: int):
     """(tokenizer, tokenized data set, stats): tokenized once per node (local rank 0) and cached; a bad record stops
     every rank with its file and line; rank 0 prints the data summary."""
     from finetune.data.prepare import DataError, prepare_dataset
-    from finetune.models.load import load_tokenizer
+    from finetune.models.load import WeightsError, load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except WeightsError as e:
+        exit_with(str(e))
     try:
         dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print)
     except DataError as e:
@@ -328,7 +378,8 @@ def save_final(trainer, output_dir: str | Path, cfg=None) -> None:
     # Training turns the KV cache off; the saved model is for inference, where the cache is the default.
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
     # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
-    trainer.save_model(str(staging))
+    with saving(staging, "the final model", partial=staging):
+        trainer.save_model(str(staging))
     trainer.accelerator.wait_for_everyone()
     accelerator = trainer.accelerator
     if trainer.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -337,8 +388,9 @@ def save_final(trainer, output_dir: str | Path, cfg=None) -> None:
         reference = accelerator.unwrap_model(trainer.model)
     verify_staged(staging, reference, is_main=accelerator.is_main_process)
     if trainer.args.should_save:
-        trainer.state.save_to_json(str(staging / "trainer_state.json"))
-        if cfg is not None:
-            write_resolved(cfg, staging)
+        with saving(staging, "the final model", partial=staging):
+            trainer.state.save_to_json(str(staging / "trainer_state.json"))
+            if cfg is not None:
+                write_resolved(cfg, staging)
         commit_staged(staging, output_dir)
     trainer.accelerator.wait_for_everyone()

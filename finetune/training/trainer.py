@@ -12,6 +12,7 @@ Checkpoints: the Trainer writes them; we add the completion marker once every ra
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -21,7 +22,8 @@ from finetune.training import checkpoint, core
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models.load import WeightsError, load_model
-from finetune.training.outputs import data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
+from finetune.training.outputs import (data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit,
+                                       save_final, saving)
 from finetune.models.verify import VerificationError
 from finetune.data.sampler import distributed_dataloader
 
@@ -65,11 +67,12 @@ class Trainer(transformers.Trainer):
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
-                                 zero_stage=self.zero_stage(), global_step=self.state.global_step,
-                                 fingerprint=getattr(self, "fingerprint", None))
+        with saving(folder, f"checkpoint {os.path.basename(folder)}", partial=Path(folder)):
+            super()._save_checkpoint(model, trial)
+            checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
+                                     zero_stage=self.zero_stage(), global_step=self.state.global_step,
+                                     fingerprint=getattr(self, "fingerprint", None))
 
     def _save(self, output_dir=None, state_dict=None):
         if state_dict is not None:  # under ZeRO-1/2 accelerate hands over clones: tie lm_head to the embeddings again
