@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,9 @@ def load_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+    if getattr(model_cfg, "chat_template", None):
+        # --chat_template: a base model gets a chat format; saved with the tokenizer, so generate and export use it too.
+        tokenizer.chat_template = Path(model_cfg.chat_template).read_text(encoding="utf-8")
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer)
     return tokenizer
