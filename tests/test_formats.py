@@ -379,6 +379,21 @@ def test_chat_template_file_gives_a_base_model_a_chat_format(tiny_plain, tok_pla
     assert stats.format == "sharegpt" and "\nwarning:" not in stats.summary()
 
 
+def test_chat_template_file_checks(tmp_path):
+    from finetune.config.training import chat_template_problems
+
+    good, bad, empty = tmp_path / "good.jinja", tmp_path / "bad.jinja", tmp_path / "empty.jinja"
+    good.write_text("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    bad.write_text("{% for m in messages %}\n{% if m %}{{ m['content'] }}\n{% endfor %}")
+    empty.write_text("\n")
+    assert chat_template_problems(str(good)) == [] and chat_template_problems(str(DATA / "qwen2_5.jinja")) == []
+    [problem] = chat_template_problems(str(bad))
+    assert problem.startswith(f"chat_template: {bad}:3: not a valid Jinja template: Encountered unknown tag 'endfor'")
+    assert chat_template_problems(str(empty)) == [f"chat_template: {empty}: the file is empty"]
+    assert chat_template_problems(str(tmp_path / "no.jinja")) == [
+        f"chat_template: {tmp_path / 'no.jinja'}: no such file (give a Jinja chat template file, e.g. chatml.jinja)"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Examples that never train an end-of-turn token.
 
