@@ -123,7 +123,7 @@ class DataConfig:
         default="auto",
         metadata={"help": "auto (detect), text ('text'), alpaca ('instruction', 'input', 'output'), messages ('messages', "
                           "with tool_calls and tool turns) or sharegpt ('conversations' of from/value: human, gpt, system, "
-                          "tool). See docs/data.md."},
+                          "tool). See docs/formats.md."},
     )
     max_seq_length: int = field(default=1024, metadata={"help": "Longest tokenized record, in tokens."})
     drop_long_sequences: bool = field(

@@ -540,7 +540,7 @@ class DataStats:
             f"data: {self.records} records ({self.format}) from {self.path}; {long_note}; "
             f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
             f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
-            + (f"\nnotice: the chat template rewrites earlier turns (Qwen3 drops their reasoning), so "
+            + (f"\nnotice: the chat template rewrites earlier turns (as Qwen3's drops their reasoning), so "
                f"{self.split_records} conversations became {self.split_examples} examples, one per assistant turn, "
                "each in the context the template renders at inference" if self.split_records else "")
             + self.end_warning()
