@@ -228,6 +228,24 @@ def test_tool_call_trained_and_tool_result_not(qwen2_5, tmp_path, cache_dir):
         assert stats.examples == 2 and (ds[0]["input_ids"], ds[0]["labels"]) == (ids, labels), path.name
 
 
+def test_llama3_1_tool_calls_one_example(tiny_llama3):
+    """Llama-3.1's real template (as TRL 1.16 ships it) on the Llama-3-style tiny tokenizer: history kept, one example;
+    the call is trained, the `ipython` turn holding the result is not."""
+    import importlib.resources
+
+    template = importlib.resources.files("trl") / "chat_templates" / "llama3_1.jinja"
+    tok = _tok(tiny_llama3, chat_template=str(template))
+    conversation = TOOL_CONVERSATION + [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "bye"}]
+    [(ids, labels)] = tokenize_examples(tok, {"messages": conversation, "tools": WEATHER_TOOLS}, "messages", True, "t:1")
+    assert ids == template_ids(tok, [{**m, "content": m["content"] or ""} for m in conversation], tools=WEATHER_TOOLS)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    call = enc(tok, '{"name": "get_weather", "parameters": {"city": "Paris"}}') + [eot]
+    assert trained(labels) == call + enc(tok, "21 degrees.") + [eot] + enc(tok, "bye") + [eot]
+    result = find_sub(ids, enc(tok, "<|start_header_id|>ipython<|end_header_id|>"))
+    assert runs(labels)[0][1] <= result < runs(labels)[1][0]
+    assert all(x == IGNORE_INDEX for x in labels[result: runs(labels)[1][0]])
+
+
 def test_tool_calls_with_qwen3_split_per_turn(qwen3):
     """Qwen3's template renders a tool-calling turn differently once it is not the last: two examples, the second
     sees the tool result (untrained) in its context."""
