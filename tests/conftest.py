@@ -35,6 +35,21 @@ def tiny_plain(tmp_path_factory) -> Path:
     return tiny.build(tmp_path_factory.mktemp("tiny_plain"), style="plain")
 
 
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3's real tokenizer files (tests/data/qwen3: its chat template rewrites history), unpacked into a folder."""
+    import hashlib
+    import lzma
+    import shutil
+
+    src, out = REPO / "tests" / "data" / "qwen3", tmp_path_factory.mktemp("qwen3")
+    data = lzma.decompress((src / "tokenizer.json.xz").read_bytes())
+    assert hashlib.sha256(data).hexdigest() == "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+    (out / "tokenizer.json").write_bytes(data)
+    shutil.copy(src / "tokenizer_config.json", out)
+    return out
+
+
 @pytest.fixture
 def cache_dir(tmp_path) -> Path:
     return tmp_path / "tokenized-cache"

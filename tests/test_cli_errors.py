@@ -259,3 +259,43 @@ def test_tied_lm_head_is_not_a_missing_weight(tmp_path, tiny_chatml, one_thread)
                    "--output_dir", str(tmp_path / "o")])
     model = load_model(cfg.model, cfg.training)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+SHAREGPT_LINE = '{"conversations": [{"from": "human", "value": "copy: red cat"}, {"from": "gpt", "value": "red cat"}]}\n'
+INST_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_chat_data_needs_a_chat_template(tiny_plain, tmp_path, run):
+    data = tmp_path / "share.jsonl"
+    data.write_text(SHAREGPT_LINE)
+    proc = _data_run(run, "cli", tiny_plain, data, tmp_path)
+    assert_user_error(proc, f"finetune: data error: {data}: 'sharegpt' records are rendered with the tokenizer's chat "
+                            "template, and this tokenizer has none (a base model); pass --chat_template FILE.jinja")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_chat_template_file(tiny_plain, tmp_path, run):
+    data = tmp_path / "share.jsonl"
+    data.write_text(SHAREGPT_LINE)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    proc = _data_run(run, "script", tiny_plain, data, tmp_path, "--chat_template", bad, "--dataset_format", "sharegtp")
+    assert_user_error(proc, "finetune: 2 configuration problem(s):",
+                      f"chat_template: {bad}:2: not a valid Jinja template: unexpected '}}'",
+                      "dataset_format: 'sharegtp' is not one of auto, text, alpaca, messages, sharegpt; did you mean 'sharegpt'?")
+
+
+def test_chat_template_file_trains_a_base_model(tiny_plain, tmp_path, run):
+    """--chat_template gives a base model a chat format; the trained model's tokenizer keeps it."""
+    from transformers import AutoTokenizer
+
+    data, template = tmp_path / "share.jsonl", tmp_path / "inst.jinja"
+    data.write_text(SHAREGPT_LINE)
+    template.write_text(INST_TEMPLATE)
+    proc = _data_run(run, "cli", tiny_plain, data, tmp_path, "--chat_template", template)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"data: 1 records (sharegpt) from {data}" in proc.stdout + proc.stderr
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == INST_TEMPLATE

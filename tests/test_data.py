@@ -637,8 +637,12 @@ def test_explicit_format_mismatch(tok_chatml, tmp_path, cache_dir):
 
 def test_messages_need_a_chat_template(tok_plain, tmp_path, cache_dir):
     p = write_jsonl(tmp_path / "d.jsonl", [GOOD_MSG])
-    with pytest.raises(DataError, match=r"d\.jsonl:1: 'messages' records need a tokenizer with a chat template"):
+    # Refused once for the data set, before any record is tokenized; tokenize_record names the record.
+    with pytest.raises(DataError, match=r"d\.jsonl: 'messages' records are rendered with the tokenizer's chat template, "
+                                        r"and this tokenizer has none \(a base model\); pass --chat_template FILE\.jinja"):
         prepare_dataset(cfg_for(p, cache_dir), tok_plain, log=quiet)
+    with pytest.raises(DataError, match=r"d\.jsonl:1: 'messages' records are rendered with the tokenizer's chat template"):
+        tokenize_record(tok_plain, GOOD_MSG, "messages", True, where="d.jsonl:1")
 
 
 def test_template_exception_is_a_data_error(tok_chatml, tmp_path, cache_dir):

@@ -35,7 +35,7 @@ PRESETS: dict[str, str | None] = {
 }
 NVME_PLACEHOLDER = "NVME_PATH"
 
-DATASET_FORMATS = ("auto", "text", "alpaca", "messages")
+DATASET_FORMATS = ("auto", "text", "alpaca", "messages", "sharegpt")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -76,6 +76,11 @@ class ModelConfig:
         metadata={"help": "Weight dtype: auto (float32 on CPU, bfloat16 on GPUs that support it), float32, bfloat16, float16."},
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2."})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "A Jinja chat template file (.jinja) for the tokenizer: gives a base model without one a chat "
+                          "format for 'messages'/'sharegpt' data (or replaces the one it has); saved with the model."},
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run Python code shipped with the model folder. Off by default."})
     allow_pickle: bool = field(
         default=False, metadata={"help": "Allow loading pickle (*.bin) weights. Off by default: only safetensors are read."}
@@ -123,7 +128,9 @@ class DataConfig:
     )
     dataset_format: str = field(
         default="auto",
-        metadata={"help": "auto (detect), text ('text'), alpaca ('instruction', 'input', 'output') or messages ('messages')."},
+        metadata={"help": "auto (detect), text ('text'), alpaca ('instruction', 'input', 'output'), messages ('messages', "
+                          "with tool_calls and tool turns) or sharegpt ('conversations' of from/value: human, gpt, system, "
+                          "tool). See docs/formats.md."},
     )
     max_seq_length: int = field(default=1024, metadata={"help": "Longest tokenized record, in tokens."})
     drop_long_sequences: bool = field(
@@ -396,6 +403,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
                 Path(training["output_dir"]).resolve() == Path(model.model_name_or_path).resolve():
             problems.append(f"output_dir: {training['output_dir']} is the model folder (--model_name_or_path); the run "
                             "would write over the base weights. Choose another --output_dir")
+        if model.chat_template:
+            problems += chat_template_problems(model.chat_template)
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
         elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):
@@ -407,6 +416,35 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             if folder and (problem := writable_problem(f"--{flag}", folder)):
                 problems.append(problem)
     return problems
+
+
+def chat_template_problems(path: str) -> list[str]:
+    """--chat_template: a readable Jinja file that parses (its syntax error named by line)."""
+    p = Path(path)
+    if not p.is_file():
+        return [f"chat_template: {path}: no such file (give a Jinja chat template file, e.g. chatml.jinja)"]
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return [f"chat_template: {path}: cannot read it as UTF-8 text ({e})"]
+    import jinja2
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}  # transformers' {% generation %} block (assistant masks); parsed, never run here
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", Generation]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return [f"chat_template: {path}:{e.lineno}: not a valid Jinja template: {e.message}"]
+    if not text.strip():
+        return [f"chat_template: {path}: the file is empty"]
+    return []
 
 
 def zero_stage_of(config: str) -> int | None:

@@ -1,12 +1,16 @@
 """Local data files or Hub data sets (sources.py) -> validated records -> tokenized examples with loss masks -> padded batches.
 
-Formats: `text` ({"text"}), `alpaca` ({"instruction", "input"?, "output"}) and `messages`
-({"messages": [{"role", "content"}, ...]}, rendered with the tokenizer's chat template).
+Formats: `text` ({"text"}), `alpaca` ({"instruction", "input"?, "output"}), `messages`
+({"messages": [{"role", "content", "tool_calls"?, "reasoning_content"?}, ...], "tools"?}) and `sharegpt`
+({"conversations": [{"from", "value"}, ...]}); the last two are rendered with the tokenizer's chat template.
+A record becomes one example, or one per assistant turn where the template rewrites earlier turns
+(tokenize_examples, the per-record unit).
 """
 
 from __future__ import annotations
 
 import csv
+import difflib
 import hashlib
 import json
 import os
@@ -18,8 +22,11 @@ from typing import Any, Iterable
 
 IGNORE_INDEX = -100
 # Bump when tokenization changes, so stale caches are not reused.
-DATA_VERSION = "2"
+DATA_VERSION = "3"
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speaker names -> chat roles.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
+CHAT_FORMATS = ("messages", "sharegpt")
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -166,14 +173,21 @@ def read_hub_records(hub) -> tuple[list[dict], list[str]]:
 def detect_format(record: dict, where: str) -> str:
     if "messages" in record:
         return "messages"
+    if "conversations" in record:
+        return "sharegpt"
     if "instruction" in record and "output" in record:
         return "alpaca"
     if "text" in record:
         return "text"
     raise DataError(
         f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
-        "expected 'text', 'instruction'+'output' (alpaca) or 'messages'; or pass --dataset_format"
+        "expected 'text', 'instruction'+'output' (alpaca), 'messages' or 'conversations' (sharegpt); or pass --dataset_format"
     )
+
+
+def _did_you_mean(value: Any, valid) -> str:
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def validate_record(record: dict, fmt: str, where: str) -> None:
@@ -194,22 +208,89 @@ def validate_record(record: dict, fmt: str, where: str) -> None:
         need_str("input", optional=True)
         need_str("output")
     elif fmt == "messages":
-        msgs = record.get("messages")
-        if msgs is None:
-            raise DataError(f"{where}: missing field 'messages' (format messages)")
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got {type(msgs).__name__}")
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
-            if m.get("role") not in ROLES:
-                raise DataError(f"{where}: messages[{j}].role is {m.get('role')!r}; expected one of {', '.join(ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{j}].content must be a string, got {type(m.get('content')).__name__}")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise DataError(f"{where}: no assistant message; nothing to train on")
+        _validate_messages(record, where)
+    elif fmt == "sharegpt":
+        _validate_sharegpt(record, where)
     else:
         raise DataError(f"unknown dataset format {fmt!r}")
+
+
+def _validate_messages(record: dict, where: str) -> None:
+    msgs = record.get("messages")
+    if msgs is None:
+        raise DataError(f"{where}: missing field 'messages' (format messages)")
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got {type(msgs).__name__}")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}: messages[{j}].role is {role!r}; expected one of {', '.join(ROLES)}{_did_you_mean(role, ROLES)}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise DataError(f"{where}: messages[{j}] has tool_calls but its role is {role!r}; only an assistant turn calls tools")
+            _validate_tool_calls(calls, f"{where}: messages[{j}].tool_calls")
+        content = m.get("content")
+        # An assistant turn that only calls tools may have no content (OpenAI writes null).
+        if not isinstance(content, str) and not (content is None and calls):
+            raise DataError(f"{where}: messages[{j}].content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: messages[{j}].reasoning_content must be a string, got {type(reasoning).__name__}")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(f"{where}: no assistant message; nothing to train on")
+    _record_tools(record, where)
+
+
+def _validate_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{where} must be a non-empty list of {{\"type\": \"function\", \"function\": {{name, arguments}}}}")
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(f"{where}[{k}] must name its function: {{\"function\": {{\"name\": ..., \"arguments\": ...}}}}")
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise DataError(f"{where}[{k}].arguments must be a JSON object or a JSON string, got {type(fn.get('arguments')).__name__}")
+
+
+def _record_tools(record: dict, where: str) -> list[dict] | None:
+    """The record's `tools` (function schemas the template renders into the prompt): a list, or JSON text of one."""
+    tools = record.get("tools")
+    if tools is None or tools == "":
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not valid JSON: {e.msg}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of function schemas (objects), got {type(tools).__name__}")
+    return tools or None
+
+
+def _validate_sharegpt(record: dict, where: str) -> None:
+    turns = record.get("conversations")
+    if turns is None:
+        raise DataError(f"{where}: missing field 'conversations' (format sharegpt)")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field 'conversations' must be a non-empty list of {{from, value}}, got {type(turns).__name__}")
+    names = ", ".join(SHAREGPT_ROLES)
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise DataError(f"{where}: conversations[{j}] must be an object with 'from' and 'value'")
+        speaker = t.get("from")
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(f"{where}: conversations[{j}].from is {speaker!r}; expected one of {names}"
+                            f"{_did_you_mean(speaker, SHAREGPT_ROLES)}")
+        if not isinstance(t.get("value"), str):
+            raise DataError(f"{where}: conversations[{j}].value must be a string, got {type(t.get('value')).__name__}")
+    if not any(t["from"] == "gpt" for t in turns):
+        raise DataError(f"{where}: no 'gpt' turn; nothing to train on")
+    if record.get("system") is not None and not isinstance(record["system"], str):
+        raise DataError(f"{where}: field 'system' must be a string, got {type(record['system']).__name__}")
+    _record_tools(record, where)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,44 +304,86 @@ def alpaca_to_messages(record: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "") -> str:
+def sharegpt_to_messages(record: dict) -> list[dict]:
+    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    return messages + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in record["conversations"]]
+
+
+def chat_messages(record: dict, fmt: str) -> list[dict]:
+    """A chat record's conversation as the template gets it. Keys holding null are left out (Arrow and Parquet give
+    every message every key, null where absent, and templates test `is defined`); a null content becomes ''."""
+    if fmt == "sharegpt":
+        return sharegpt_to_messages(record)
+    out = []
+    for m in record["messages"]:
+        m = {k: v for k, v in m.items() if v is not None}
+        m.setdefault("content", "")
+        out.append(m)
+    return out
+
+
+def require_chat_template(tokenizer, fmt: str, where: str) -> None:
+    if not tokenizer.chat_template:
+        raise DataError(
+            f"{where}: '{fmt}' records are rendered with the tokenizer's chat template, and this tokenizer has none "
+            "(a base model); pass --chat_template FILE.jinja (a Jinja chat template, e.g. ChatML's) or use a model "
+            "whose tokenizer ships one"
+        )
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {})
+        )
     except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
         raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = "") -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation and return the character spans of each assistant turn.
-
-    A span starts where the template's generation prompt ends and ends where the rendered turn ends.
-    Spans come from rendering prefixes of the conversation, so they are right for any template that
-    renders a prefix as a prefix, with or without `{% generation %}` markers.
-    """
-    full = _render(tokenizer, messages, where=where)
-    spans = []
+def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None) -> list[tuple[str, str]]:
+    """(context, through) for each assistant turn: the text the model continues at inference (the conversation
+    before the turn rendered with the generation prompt) and the conversation rendered through the turn, which
+    must start with the context."""
+    turns = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True, where=where) if i else _before_first(tokenizer, m, where)
-        through = _render(tokenizer, messages[: i + 1], where=where)
-        if before is None or not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
+        context = (_render(tokenizer, messages[:i], add_generation_prompt=True, where=where, tools=tools) if i
+                   else _before_first(tokenizer, m, where, tools))
+        through = _render(tokenizer, messages[: i + 1], where=where, tools=tools)
+        if context is None or not through.startswith(context):
             raise DataError(
-                f"{where}: the tokenizer's chat template does not render a conversation prefix as a prefix of the "
-                "whole conversation, so assistant tokens cannot be located; use a template without history rewriting"
+                f"{where}: the chat template does not render the assistant turn messages[{i}] after its generation "
+                "prompt (the text the model continues at inference), so its tokens cannot be located; use a template "
+                "whose generation prompt ends where an assistant turn's content starts"
             )
-        spans.append((len(before), len(through)))
-    return full, spans
+        turns.append((context, through))
+    return turns
 
 
-def _before_first(tokenizer, first: dict, where: str) -> str | None:
+def assistant_spans(tokenizer, messages: list[dict], where: str = "", tools=None) -> tuple[str, list[tuple[int, int]]] | None:
+    """Render the conversation and return the character spans of each assistant turn, or None where the template
+    rewrites history (a prefix of the conversation is not rendered as a prefix of the whole, as Qwen3 drops the
+    reasoning of turns before the last user message).
+
+    A span starts where the template's generation prompt ends and ends where the rendered turn ends, so it is right
+    with or without `{% generation %}` markers.
+    """
+    turns = assistant_turns(tokenizer, messages, where, tools)
+    full = _render(tokenizer, messages, where=where, tools=tools)
+    if not all(full.startswith(through) for _, through in turns):
+        return None
+    return full, [(len(context), len(through)) for context, through in turns]
+
+
+def _before_first(tokenizer, first: dict, where: str, tools=None) -> str | None:
     """The text before the content of a conversation's first message (an assistant turn).
 
     An empty conversation cannot be rendered (and would miss a default system prompt the template adds),
     so render the first turn with a marker as its content and cut at the marker.
     """
     marker = "FINETUNEMARKER7f3a"
-    text = _render(tokenizer, [{**first, "content": marker}], where=where)
+    text = _render(tokenizer, [{**first, "content": marker}], where=where, tools=tools)
     return text[: text.index(marker)] if marker in text else None
 
 
@@ -272,8 +395,7 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
-    full, spans = assistant_spans(tokenizer, messages, where)
+def _mask_spans(tokenizer, full: str, spans: list[tuple[int, int]], completion_only: bool) -> tuple[list[int], list[int]]:
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = _special_ids(tokenizer)
@@ -299,27 +421,86 @@ def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, wh
     return ids, labels
 
 
-def tokenize_record(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
+def _turn_example(tokenizer, context: str, through: str, completion_only: bool) -> tuple[list[int], list[int]]:
+    """One assistant turn as its own example: the context's tokens exactly as the model gets them at inference
+    (apply_chat_template(..., add_generation_prompt=True) tokenizes the rendered text on its own), then the turn."""
+    prompt = tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
+    turn = tokenizer(through[len(context):], add_special_tokens=False)["input_ids"]
+    special = _special_ids(tokenizer)
+    last_special = max((t for t, x in enumerate(turn) if x in special), default=None)
+    if last_special is not None:
+        trained = turn[: last_special + 1] + [IGNORE_INDEX] * (len(turn) - last_special - 1)
+    else:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        turn, trained = turn + eos, turn + eos
+    ids = list(prompt) + list(turn)
+    return ids, (list(ids) if not completion_only else [IGNORE_INDEX] * len(prompt) + trained)
+
+
+def chat_examples(tokenizer, messages: list[dict], completion_only: bool, where: str = "", tools=None) -> list[tuple[list[int], list[int]]]:
+    """One example for the conversation where the template renders a prefix as a prefix (ChatML, Llama-3), else one
+    per assistant turn in the context the template renders at inference, only that turn trained."""
+    laid_out = assistant_spans(tokenizer, messages, where, tools)
+    if laid_out is not None:
+        return [_mask_spans(tokenizer, *laid_out, completion_only)]
+    return [_turn_example(tokenizer, context, through, completion_only)
+            for context, through in assistant_turns(tokenizer, messages, where, tools)]
+
+
+def tokenize_examples(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> list[tuple[list[int], list[int]]]:
+    """The per-record unit: (input_ids, labels) pairs, one per record, or one per assistant turn of a conversation
+    whose template rewrites earlier turns. A top-level function of its arguments only, so datasets.map workers run it."""
     eos = tokenizer.eos_token_id
     if fmt == "text":
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
         if eos is not None and (not ids or ids[-1] != eos):
             ids = ids + [eos]
-        return ids, list(ids)
+        return [(ids, list(ids))]
     if fmt == "alpaca" and tokenizer.chat_template:
-        return tokenize_messages(tokenizer, alpaca_to_messages(record), completion_only, where)
+        return chat_examples(tokenizer, alpaca_to_messages(record), completion_only, where)
     if fmt == "alpaca":
         template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
         prompt = tokenizer(template.format(**{"input": "", **record}), add_special_tokens=True)["input_ids"]
         # Tokenize the completion on its own so the prompt/completion boundary is a token boundary.
         completion = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         labels = ([IGNORE_INDEX] * len(prompt) if completion_only else list(prompt)) + completion
-        return prompt + completion, labels
-    if fmt == "messages":
-        if not tokenizer.chat_template:
-            raise DataError(f"{where}: 'messages' records need a tokenizer with a chat template; this tokenizer has none")
-        return tokenize_messages(tokenizer, record["messages"], completion_only, where)
+        return [(prompt + completion, labels)]
+    if fmt in CHAT_FORMATS:
+        require_chat_template(tokenizer, fmt, where)
+        return chat_examples(tokenizer, chat_messages(record, fmt), completion_only, where, _record_tools(record, where))
     raise DataError(f"unknown dataset format {fmt!r}")
+
+
+def tokenize_record(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
+    """tokenize_examples for a record that is one example (refused for one its template splits per turn)."""
+    examples = tokenize_examples(tokenizer, record, fmt, completion_only, where)
+    if len(examples) != 1:
+        raise DataError(f"{where}: the chat template rewrites earlier turns, so this conversation is "
+                        f"{len(examples)} examples, one per assistant turn (tokenize_examples)")
+    return examples[0]
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """EOS and the special token the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>, ...):
+    an example that trains one of them teaches the model to stop."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if tokenizer.chat_template:
+        marker = "FINETUNEMARKER7f3a"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+        except Exception:  # a template with rules of its own; EOS alone then
+            text = ""
+        if marker in text:
+            after = tokenizer(text[text.index(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+            closing = next((t for t in after if t in _special_ids(tokenizer)), None)
+            if closing is not None:
+                ids.add(closing)
+    return frozenset(ids)
+
+
+def has_trained_end(labels: list[int], end_ids: frozenset[int]) -> bool:
+    return any(x in end_ids for x in labels[1:])  # position 0 is never predicted
 
 
 @dataclass
@@ -337,6 +518,13 @@ class DataStats:
     # --packing: rows the records were packed into (0 = not packed), and the real-token share of their slots.
     packed_rows: int = 0
     padding_free: bool = False
+    # Conversations whose chat template rewrites earlier turns, and the per-turn examples they became.
+    split_records: int = 0
+    split_examples: int = 0
+    # Examples that train no EOS / end-of-turn token (end_tokens names them), and how many of those were truncated.
+    no_trained_end: int = 0
+    no_trained_end_truncated: int = 0
+    end_tokens: str = ""
 
     @property
     def packing_efficiency(self) -> float:
@@ -352,36 +540,57 @@ class DataStats:
             f"data: {self.records} records ({self.format}) from {self.path}; {long_note}; "
             f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
             f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
+            + (f"\nnotice: the chat template rewrites earlier turns (as Qwen3's drops their reasoning), so "
+               f"{self.split_records} conversations became {self.split_examples} examples, one per assistant turn, "
+               "each in the context the template renders at inference" if self.split_records else "")
+            + self.end_warning()
             + (f"\npacking: {self.examples} records into {self.packed_rows} rows of {self.max_seq_length} tokens "
                f"(best-fit decreasing); efficiency {100 * self.packing_efficiency:.1f}% real tokens / slots"
                if self.packed_rows else "")
             + ("\npadding-free: each micro-batch is one flattened row, no padding" if self.padding_free else "")
         )
 
+    def end_warning(self) -> str:
+        if 2 * self.no_trained_end <= self.examples:
+            return ""
+        cut = (f"; {self.no_trained_end_truncated} of them lost it to truncation at max_seq_length={self.max_seq_length}"
+               " (raise --max_seq_length, or --drop_long_sequences)" if self.no_trained_end_truncated else "")
+        return (f"\nwarning: {self.no_trained_end} of {self.examples} examples train no end-of-turn/EOS token "
+                f"({self.end_tokens or 'the tokenizer has no EOS'}), so the model may not learn to stop{cut}")
+
 
 def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max_seq_length: int,
                  drop_long: bool, completion_only: bool, path: str = "") -> tuple[list[dict], DataStats]:
     examples = []
-    truncated = dropped_long = dropped_no_labels = 0
+    truncated = dropped_long = dropped_no_labels = split_records = split_examples = no_end = no_end_cut = 0
+    end_ids = end_of_turn_ids(tokenizer)
     for record, loc in zip(records, where):
-        ids, labels = tokenize_record(tokenizer, record, fmt, completion_only, loc)
-        if len(ids) > max_seq_length:
-            if drop_long:
-                dropped_long += 1
+        pairs = tokenize_examples(tokenizer, record, fmt, completion_only, loc)
+        if len(pairs) > 1:
+            split_records, split_examples = split_records + 1, split_examples + len(pairs)
+        for ids, labels in pairs:
+            cut = len(ids) > max_seq_length
+            if cut:
+                if drop_long:
+                    dropped_long += 1
+                    continue
+                truncated += 1
+                ids, labels = ids[:max_seq_length], labels[:max_seq_length]
+            # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
+            if all(label == IGNORE_INDEX for label in labels[1:]):
+                dropped_no_labels += 1
                 continue
-            truncated += 1
-            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-        # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
-        if all(label == IGNORE_INDEX for label in labels[1:]):
-            dropped_no_labels += 1
-            continue
-        examples.append({"input_ids": ids, "labels": labels})
+            if not has_trained_end(labels, end_ids):
+                no_end, no_end_cut = no_end + 1, no_end_cut + cut
+            examples.append({"input_ids": ids, "labels": labels})
     stats = DataStats(
         path=str(path), format=fmt, records=len(records), truncated=truncated, dropped_long=dropped_long,
         dropped_no_labels=dropped_no_labels, examples=len(examples),
         tokens=sum(len(e["input_ids"]) for e in examples),
         trained_tokens=sum(sum(1 for x in e["labels"][1:] if x != IGNORE_INDEX) for e in examples),
-        max_seq_length=max_seq_length,
+        max_seq_length=max_seq_length, split_records=split_records, split_examples=split_examples,
+        no_trained_end=no_end, no_trained_end_truncated=no_end_cut,
+        end_tokens=", ".join(tokenizer.convert_ids_to_tokens(sorted(end_ids))),
     )
     return examples, stats
 
@@ -435,6 +644,8 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
                 fmt = cfg.dataset_format
                 if fmt == "auto":
                     fmt = detect_format(records[0], where[0])
+                if fmt in CHAT_FORMATS:
+                    require_chat_template(tokenizer, fmt, str(cfg.dataset))
                 for record, loc in zip(records, where):
                     validate_record(record, fmt, loc)
                 examples, stats = tokenize_all(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,9 @@ def load_tokenizer(model_cfg):
         raise WeightsError(f"--model_name_or_path {folder}: its tokenizer cannot be loaded "
                            f"({str(e).strip().splitlines()[0][:300]}); copy the tokenizer files of the model it was "
                            "trained from (tokenizer.json, tokenizer_config.json) into the folder") from None
+    if getattr(model_cfg, "chat_template", None):
+        # --chat_template: a base model gets a chat format; saved with the tokenizer, so generate and export use it too.
+        tokenizer.chat_template = Path(model_cfg.chat_template).read_text(encoding="utf-8")
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)

@@ -1,0 +1,447 @@
+"""Record formats beyond text/alpaca/messages, and chat templates that rewrite history.
+
+ShareGPT records, tool calls and tool turns, `--chat_template FILE.jinja`, Qwen3's real template (tests/data/qwen3:
+earlier turns lose their reasoning, so a conversation becomes one example per assistant turn), and the warning for
+data whose examples train no end-of-turn token. Expected tokens are written out by hand as the templates render them,
+or taken from the template itself (apply_chat_template with tokenize=True), never from finetune/data/prepare.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from finetune.config import DataConfig
+from finetune.data.prepare import (IGNORE_INDEX, DataError, end_of_turn_ids, prepare_dataset, tokenize_examples,
+                                   tokenize_record)
+from finetune.models.load import load_tokenizer
+
+DATA = Path(__file__).resolve().parent / "data"
+
+SHAREGPT = {"system": "You follow word instructions.", "conversations": [
+    {"from": "human", "value": "copy: red cat"},
+    {"from": "gpt", "value": "red cat"},
+    {"from": "human", "value": "again, reversed"},
+    {"from": "gpt", "value": "cat red"},
+    {"from": "tool", "value": "{\"ok\": true}"},
+    {"from": "human", "value": "thanks"},
+]}
+AS_MESSAGES = [
+    {"role": "system", "content": "You follow word instructions."},
+    {"role": "user", "content": "copy: red cat"},
+    {"role": "assistant", "content": "red cat"},
+    {"role": "user", "content": "again, reversed"},
+    {"role": "assistant", "content": "cat red"},
+    {"role": "tool", "content": "{\"ok\": true}"},
+    {"role": "user", "content": "thanks"},
+]
+
+# Qwen3 multi-turn with reasoning: given as reasoning_content, inline <think>, and none at all; ends with a user turn.
+QWEN3_CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "two plus two is four"},
+    {"role": "user", "content": "times 3?"},
+    {"role": "assistant", "content": "<think>\n4*3=12\n</think>\n\n12"},
+    {"role": "user", "content": "and halved?"},
+    {"role": "assistant", "content": "6"},
+    {"role": "user", "content": "thanks"},
+]
+# What the model writes after the generation prompt, turn by turn, as Qwen3's template renders a final turn.
+QWEN3_TURNS = [
+    "<think>\ntwo plus two is four\n</think>\n\n4<|im_end|>",
+    "<think>\n4*3=12\n</think>\n\n12<|im_end|>",
+    "<think>\n\n</think>\n\n6<|im_end|>",
+]
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "{\"temp\": 21}"},
+    {"role": "assistant", "content": "21 degrees."},
+]
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOL_RESULT_TEXT = '<tool_response>\n{"temp": 21}\n</tool_response>'
+
+
+def _tok(folder, chat_template=None):
+    return load_tokenizer(SimpleNamespace(model_name_or_path=str(folder), trust_remote_code=False, chat_template=chat_template))
+
+
+@pytest.fixture(scope="module")
+def tok_chatml(tiny_chatml):
+    return _tok(tiny_chatml)
+
+
+@pytest.fixture(scope="module")
+def tok_llama3(tiny_llama3):
+    return _tok(tiny_llama3)
+
+
+@pytest.fixture(scope="module")
+def tok_plain(tiny_plain):
+    return _tok(tiny_plain)
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir):
+    return _tok(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(qwen3_dir):
+    """Qwen3's vocabulary with Qwen2.5's real template (tools; history rendered the same in every prefix)."""
+    return _tok(qwen3_dir, chat_template=str(DATA / "qwen2_5.jinja"))
+
+
+def enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def trained(labels: list[int]) -> list[int]:
+    return [x for x in labels if x != IGNORE_INDEX]
+
+
+def runs(labels: list[int]) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, x in enumerate(labels + [IGNORE_INDEX]):
+        if x != IGNORE_INDEX and start is None:
+            start = i
+        elif x == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def find_sub(seq: list[int], sub: list[int]) -> int:
+    for i in range(len(seq) - len(sub) + 1):
+        if seq[i: i + len(sub)] == sub:
+            return i
+    raise AssertionError(f"{sub} not in {seq}")
+
+
+def template_ids(tok, messages, **kw) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def cfg_for(path, cache_dir, **kw) -> DataConfig:
+    return DataConfig(dataset=str(path), dataset_cache_dir=str(cache_dir), **kw)
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# ShareGPT.
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama3"])
+def test_sharegpt_is_detected_and_equals_messages(style, tok_chatml, tok_llama3, tmp_path, cache_dir):
+    tok = {"chatml": tok_chatml, "llama3": tok_llama3}[style]
+    reference = tokenize_record(tok, {"messages": AS_MESSAGES}, "messages", completion_only=True)
+    path = write_jsonl(tmp_path / "share.jsonl", [SHAREGPT, {"conversations": SHAREGPT["conversations"][:2]}])
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
+    assert stats.format == "sharegpt" and stats.records == stats.examples == 2
+    assert (ds[0]["input_ids"], ds[0]["labels"]) == reference
+    assert (ds[1]["input_ids"], ds[1]["labels"]) == tokenize_record(
+        tok, {"messages": AS_MESSAGES[1:3]}, "messages", completion_only=True)
+    # gpt turns are trained, and nothing else: the two answers, each closed by the end-of-turn token.
+    eot = tok.eos_token_id
+    assert trained(ds[0]["labels"]) == enc(tok, "red cat") + [eot] + enc(tok, "cat red") + [eot]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "assistant", "value": "yo"}]},
+     "d.jsonl:2: conversations[1].from is 'assistant'; expected one of human, gpt, system, tool"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gtp", "value": "yo"}]},
+     "d.jsonl:2: conversations[1].from is 'gtp'; expected one of human, gpt, system, tool (did you mean 'gpt'?)"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]},
+     "d.jsonl:2: conversations[1].value must be a string, got NoneType"),
+    ({"conversations": [{"from": "human", "value": "hi"}]}, "d.jsonl:2: no 'gpt' turn; nothing to train on"),
+    ({"conversations": []}, "d.jsonl:2: field 'conversations' must be a non-empty list of {from, value}"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}], "system": 3},
+     "d.jsonl:2: field 'system' must be a string, got int"),
+])
+def test_sharegpt_errors_name_file_and_line(tok_chatml, tmp_path, cache_dir, record, message):
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, record])
+    with pytest.raises(DataError) as e:
+        prepare_dataset(cfg_for(path, cache_dir), tok_chatml, log=quiet)
+    assert str(e.value) == f"{tmp_path}/{message}" or str(e.value).startswith(f"{tmp_path}/{message}"), str(e.value)
+
+
+def test_unknown_keys_name_sharegpt(tok_chatml, tmp_path, cache_dir):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"dialogue": []}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: cannot tell the record format .*'conversations' \(sharegpt\)"):
+        prepare_dataset(cfg_for(path, cache_dir), tok_chatml, log=quiet)
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": AS_MESSAGES}])
+    with pytest.raises(DataError, match=r"m\.jsonl:1: missing field 'conversations' \(format sharegpt\)"):
+        prepare_dataset(cfg_for(path, cache_dir, dataset_format="sharegpt"), tok_chatml, log=quiet)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool calls and tool turns.
+
+
+def test_tool_call_trained_and_tool_result_not(qwen2_5, tmp_path, cache_dir):
+    """Qwen2.5's template keeps history, so the conversation is one example: the assistant's tool call is trained,
+    the tool's answer (rendered as a user turn) is not, and the tools are in the system prompt."""
+    tok = qwen2_5
+    record = {"messages": TOOL_CONVERSATION, "tools": WEATHER_TOOLS}
+    [(ids, labels)] = tokenize_examples(tok, record, "messages", completion_only=True, where="t.jsonl:1")
+    assert ids == template_ids(tok, TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    call, answer = enc(tok, TOOL_CALL_TEXT) + [im_end], enc(tok, "21 degrees.") + [im_end]
+    assert trained(labels) == call + answer
+    (s1, e1), (s2, e2) = runs(labels)
+    assert ids[s1:e1] == call and ids[s2:e2] == answer
+    assert ids[s1 - 3: s1] == enc(tok, "<|im_start|>assistant\n")  # the call follows the generation prompt
+    result = enc(tok, TOOL_RESULT_TEXT)
+    at = find_sub(ids, result)
+    assert e1 < at < s2 and all(x == IGNORE_INDEX for x in labels[at: at + len(result)])
+    system = find_sub(ids, enc(tok, "<|im_start|>user\n"))  # the system prompt, with the tools, comes first
+    assert "get_weather" in tok.decode(ids[:system]) and all(x == IGNORE_INDEX for x in labels[:system])
+    # The same records through the pipeline from JSONL and from Parquet (Arrow fills absent keys with nulls).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [record, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+    for path in (write_jsonl(tmp_path / "d.jsonl", records), tmp_path / "d.parquet"):
+        ds, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
+        assert stats.examples == 2 and (ds[0]["input_ids"], ds[0]["labels"]) == (ids, labels), path.name
+
+
+def test_llama3_1_tool_calls_one_example(tiny_llama3):
+    """Llama-3.1's real template (as TRL 1.16 ships it) on the Llama-3-style tiny tokenizer: history kept, one example;
+    the call is trained, the `ipython` turn holding the result is not."""
+    import importlib.resources
+
+    template = importlib.resources.files("trl") / "chat_templates" / "llama3_1.jinja"
+    tok = _tok(tiny_llama3, chat_template=str(template))
+    conversation = TOOL_CONVERSATION + [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "bye"}]
+    [(ids, labels)] = tokenize_examples(tok, {"messages": conversation, "tools": WEATHER_TOOLS}, "messages", True, "t:1")
+    assert ids == template_ids(tok, [{**m, "content": m["content"] or ""} for m in conversation], tools=WEATHER_TOOLS)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    call = enc(tok, '{"name": "get_weather", "parameters": {"city": "Paris"}}') + [eot]
+    assert trained(labels) == call + enc(tok, "21 degrees.") + [eot] + enc(tok, "bye") + [eot]
+    result = find_sub(ids, enc(tok, "<|start_header_id|>ipython<|end_header_id|>"))
+    assert runs(labels)[0][1] <= result < runs(labels)[1][0]
+    assert all(x == IGNORE_INDEX for x in labels[result: runs(labels)[1][0]])
+
+
+def test_tool_calls_with_qwen3_split_per_turn(qwen3):
+    """Qwen3's template renders a tool-calling turn differently once it is not the last: two examples, the second
+    sees the tool result (untrained) in its context."""
+    tok = qwen3
+    record = {"messages": TOOL_CONVERSATION, "tools": json.dumps(WEATHER_TOOLS)}  # tools as JSON text also work
+    (ids1, labels1), (ids2, labels2) = tokenize_examples(tok, record, "messages", completion_only=True, where="t:1")
+    conversation = [{**m, "content": m["content"] or ""} for m in TOOL_CONVERSATION]  # Qwen3's template needs a string
+    ctx1 = template_ids(tok, conversation[:1], tools=WEATHER_TOOLS, add_generation_prompt=True)
+    ctx2 = template_ids(tok, conversation[:3], tools=WEATHER_TOOLS, add_generation_prompt=True)
+    turn1 = enc(tok, "<think>\n\n</think>\n\n" + TOOL_CALL_TEXT + "<|im_end|>")
+    turn2 = enc(tok, "<think>\n\n</think>\n\n21 degrees.<|im_end|>")
+    newline = enc(tok, "\n")
+    assert ids1 == ctx1 + turn1 + newline and trained(labels1) == turn1
+    assert ids2 == ctx2 + turn2 + newline and trained(labels2) == turn2
+    assert find_sub(ctx2, enc(tok, TOOL_RESULT_TEXT)) > 0
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+     "messages[1] has tool_calls but its role is 'user'"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": {}}}]},
+     "messages[1].tool_calls[0] must name its function"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+     "messages[1].tool_calls[0].arguments must be a JSON object or a JSON string, got int"),
+    ({"role": "assistant", "content": None}, "messages[1].content must be a string, got NoneType"),
+    ({"role": "assistant", "content": "x", "reasoning_content": 5}, "messages[1].reasoning_content must be a string"),
+    ({"role": "bot", "content": "x"}, "messages[1].role is 'bot'; expected one of system, user, assistant, tool"),
+])
+def test_tool_call_errors(tok_chatml, tmp_path, cache_dir, message, error):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"}, message]}])
+    with pytest.raises(DataError) as e:
+        prepare_dataset(cfg_for(path, cache_dir), tok_chatml, log=quiet)
+    assert str(e.value).startswith(f"{path}:1: {error}"), str(e.value)
+
+
+def test_tools_field_errors(tok_chatml, tmp_path, cache_dir):
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    for tools, error in (("[not json", "field 'tools' is not valid JSON"), ({"a": 1}, "field 'tools' must be a list")):
+        path = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs, "tools": tools}])
+        with pytest.raises(DataError, match=rf"d\.jsonl:1: {error}"):
+            prepare_dataset(cfg_for(path, cache_dir), tok_chatml, log=quiet)
+
+
+# ----------------------------------------------------------------------------------------------
+# Templates that rewrite history: Qwen3.
+
+
+def test_qwen3_multi_turn_is_one_example_per_assistant_turn(qwen3):
+    tok = qwen3
+    examples = tokenize_examples(tok, {"messages": QWEN3_CONVERSATION}, "messages", completion_only=True, where="q:1")
+    turns = [i for i, m in enumerate(QWEN3_CONVERSATION) if m["role"] == "assistant"]
+    assert len(examples) == len(turns) == 3
+    newline = enc(tok, "\n")
+    for (ids, labels), i, turn in zip(examples, turns, QWEN3_TURNS):
+        # The context is the template's own tokens for the conversation so far with the generation prompt (what the
+        # model is given at inference); then the turn as the template renders a final turn; only the turn is trained.
+        context = template_ids(tok, QWEN3_CONVERSATION[:i], add_generation_prompt=True)
+        assert ids == context + enc(tok, turn) + newline
+        assert labels == [IGNORE_INDEX] * len(context) + enc(tok, turn) + [IGNORE_INDEX] * len(newline)
+        assert ids == template_ids(tok, QWEN3_CONVERSATION[: i + 1])  # = the template's rendering through the turn
+    # Earlier turns appear in later contexts as the template rewrites them: content only, reasoning dropped.
+    last_context = tok.decode(examples[2][0][: -len(enc(tok, QWEN3_TURNS[2])) - 1])
+    assert "<|im_start|>assistant\n4<|im_end|>\n" in last_context and "<|im_start|>assistant\n12<|im_end|>\n" in last_context
+    assert "two plus two" not in last_context and "4*3" not in last_context
+    # The whole conversation rendered at once is not these examples: that is why one example cannot hold them.
+    whole = template_ids(tok, QWEN3_CONVERSATION)
+    assert whole[: len(examples[0][0])] != examples[0][0]
+
+
+def test_qwen3_through_the_pipeline_with_a_notice(qwen3, tmp_path, cache_dir):
+    single = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "greet"}]
+    records = [{"messages": QWEN3_CONVERSATION}, {"messages": single}, {"messages": QWEN3_CONVERSATION[:5]}]
+    path = write_jsonl(tmp_path / "q.jsonl", records)
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir), qwen3, log=quiet)
+    expected = [e for r in records for e in tokenize_examples(qwen3, r, "messages", True)]
+    assert [(r["input_ids"], r["labels"]) for r in ds] == expected
+    assert (stats.records, stats.examples, stats.split_records, stats.split_examples) == (3, 6, 2, 5)
+    # A single-turn conversation renders its prefix as a prefix: one example, as with any template.
+    assert expected[3] == tokenize_record(qwen3, {"messages": single}, "messages", True)
+    assert trained(expected[3][1]) == enc(qwen3, "<think>\ngreet\n</think>\n\nhello<|im_end|>")
+    summary = stats.summary()
+    assert summary.count("notice: the chat template rewrites earlier turns") == 1
+    assert "2 conversations became 5 examples, one per assistant turn" in summary
+    assert "\nwarning:" not in summary
+    # completion_only_loss=False: each example trains all of its tokens.
+    ds_all, _ = prepare_dataset(cfg_for(path, cache_dir, completion_only_loss=False), qwen3, log=quiet)
+    assert [r["input_ids"] for r in ds_all] == [r["input_ids"] for r in ds]
+    assert all(r["labels"] == r["input_ids"] for r in ds_all)
+    with pytest.raises(DataError, match=r"q:1: .* is 3 examples, one per assistant turn"):
+        tokenize_record(qwen3, records[0], "messages", True, where="q:1")
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama3"])
+def test_ordinary_templates_keep_one_example_per_conversation(style, tok_chatml, tok_llama3, tmp_path, cache_dir):
+    """ChatML and Llama-3 render every prefix as a prefix: one example per conversation, the whole rendering, every
+    assistant turn trained (tests/test_data.py checks these masks token by token)."""
+    tok = {"chatml": tok_chatml, "llama3": tok_llama3}[style]
+    convs = [[m for m in QWEN3_CONVERSATION if "reasoning_content" not in m], AS_MESSAGES]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
+    assert stats.examples == stats.records == 2 and stats.split_records == 0
+    assert "notice" not in stats.summary()
+    for row, conv in zip(ds, convs):
+        assert row["input_ids"] == template_ids(tok, conv)
+        assert len(runs(row["labels"])) == sum(m["role"] == "assistant" for m in conv)
+
+
+def test_per_turn_examples_are_truncated_and_dropped_one_by_one(qwen3, tmp_path, cache_dir):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"messages": QWEN3_CONVERSATION}])
+    lengths = [len(ids) for ids, _ in tokenize_examples(qwen3, {"messages": QWEN3_CONVERSATION}, "messages", True)]
+    limit = lengths[2] - 2  # the first two fit; the third loses its <|im_end|> and the newline after it
+    assert max(lengths[:2]) <= limit
+    _, stats = prepare_dataset(cfg_for(path, cache_dir, max_seq_length=limit, drop_long_sequences=True), qwen3, log=quiet)
+    assert (stats.records, stats.examples, stats.dropped_long) == (1, 2, 1)
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir, max_seq_length=limit), qwen3, log=quiet)
+    assert (stats.examples, stats.truncated, stats.no_trained_end, stats.no_trained_end_truncated) == (3, 1, 1, 1)
+    assert len(ds[2]["input_ids"]) == limit
+
+
+# ----------------------------------------------------------------------------------------------
+# --chat_template FILE.jinja, and chat data without a template.
+
+INST_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_chat_template_file_gives_a_base_model_a_chat_format(tiny_plain, tok_plain, tmp_path, cache_dir):
+    path = write_jsonl(tmp_path / "share.jsonl", [{"conversations": SHAREGPT["conversations"][:4]}])
+    assert tok_plain.chat_template is None
+    with pytest.raises(DataError) as e:
+        prepare_dataset(cfg_for(path, cache_dir), tok_plain, log=quiet)
+    assert str(e.value) == (
+        f"{path}: 'sharegpt' records are rendered with the tokenizer's chat template, and this tokenizer has none "
+        "(a base model); pass --chat_template FILE.jinja (a Jinja chat template, e.g. ChatML's) or use a model whose "
+        "tokenizer ships one")
+    template = tmp_path / "inst.jinja"
+    template.write_text(INST_TEMPLATE)
+    tok = _tok(tiny_plain, chat_template=str(template))
+    assert tok.chat_template == INST_TEMPLATE
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
+    eos = tok.eos_token_id
+    segments = [("[INST] copy: red cat [/INST]", False), (" red cat", True), ([eos], True),
+                ("[INST] again, reversed [/INST]", False), (" cat red", True), ([eos], True)]
+    ids = [t for s, _ in segments for t in (s if isinstance(s, list) else enc(tok, s))]
+    labels = [t if on else IGNORE_INDEX for s, on in segments for t in (s if isinstance(s, list) else enc(tok, s))]
+    assert (ds[0]["input_ids"], ds[0]["labels"]) == (ids, labels)
+    assert stats.format == "sharegpt" and "\nwarning:" not in stats.summary()
+
+
+def test_chat_template_file_checks(tmp_path):
+    from finetune.config.training import chat_template_problems
+
+    good, bad, empty = tmp_path / "good.jinja", tmp_path / "bad.jinja", tmp_path / "empty.jinja"
+    good.write_text("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    bad.write_text("{% for m in messages %}\n{% if m %}{{ m['content'] }}\n{% endfor %}")
+    empty.write_text("\n")
+    assert chat_template_problems(str(good)) == [] and chat_template_problems(str(DATA / "qwen2_5.jinja")) == []
+    [problem] = chat_template_problems(str(bad))
+    assert problem.startswith(f"chat_template: {bad}:3: not a valid Jinja template: Encountered unknown tag 'endfor'")
+    assert chat_template_problems(str(empty)) == [f"chat_template: {empty}: the file is empty"]
+    assert chat_template_problems(str(tmp_path / "no.jinja")) == [
+        f"chat_template: {tmp_path / 'no.jinja'}: no such file (give a Jinja chat template file, e.g. chatml.jinja)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Examples that never train an end-of-turn token.
+
+
+def test_end_of_turn_ids(tok_chatml, tok_llama3, tok_plain, qwen3):
+    assert end_of_turn_ids(tok_chatml) == {tok_chatml.convert_tokens_to_ids("<|im_end|>")}
+    assert end_of_turn_ids(tok_llama3) == {tok_llama3.convert_tokens_to_ids("<|eot_id|>")}
+    assert end_of_turn_ids(tok_plain) == {tok_plain.convert_tokens_to_ids("</s>")}
+    assert end_of_turn_ids(qwen3) == {qwen3.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_warning_when_most_examples_train_no_end_of_turn(tok_chatml, tmp_path, cache_dir):
+    long, short = {"text": " ".join(["red cat"] * 20)}, {"text": "red cat"}
+    n_long = len(tokenize_record(tok_chatml, long, "text", True)[0])
+    path = write_jsonl(tmp_path / "t.jsonl", [long, long, short])
+    _, stats = prepare_dataset(cfg_for(path, cache_dir, max_seq_length=n_long - 1), tok_chatml, log=quiet)
+    assert (stats.examples, stats.no_trained_end, stats.no_trained_end_truncated) == (3, 2, 2)
+    assert ("\nwarning: 2 of 3 examples train no end-of-turn/EOS token (<|im_end|>), so the model may not learn to "
+            "stop; 2 of them lost it to truncation at max_seq_length=" in stats.summary())
+    # One of three: not most of them, no warning.
+    path = write_jsonl(tmp_path / "t2.jsonl", [long, short, short])
+    _, stats = prepare_dataset(cfg_for(path, cache_dir, max_seq_length=n_long - 1), tok_chatml, log=quiet)
+    assert stats.no_trained_end == 1 and "\nwarning:" not in stats.summary()
+
+
+def test_warning_for_a_tokenizer_without_eos(tok_plain, tmp_path, cache_dir):
+    tok = copy.deepcopy(tok_plain)
+    tok.eos_token = None
+    assert tok.eos_token_id is None and end_of_turn_ids(tok) == frozenset()
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "red cat"}, {"text": "blue dog"}])
+    _, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
+    assert stats.no_trained_end == 2
+    assert "warning: 2 of 2 examples train no end-of-turn/EOS token (the tokenizer has no EOS)" in stats.summary()
