@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from finetune.data import pipeline
 from finetune.data import prepare as data
 from finetune.config import DataConfig
 from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, prepare_dataset, tokenize_record
@@ -700,8 +701,8 @@ def test_cache_is_reused_and_keyed_on_inputs(tok_chatml, tmp_path, cache_dir, mo
     time.sleep(0.05)
 
     with monkeypatch.context() as m:
-        m.setattr(data, "tokenize_all", _boom)
-        m.setattr(data, "read_records", _boom)
+        m.setattr(pipeline, "tokenize_source", _boom)
+        m.setattr(pipeline, "source_dataset", _boom)
         ds2, st2 = prepare_dataset(cfg, tok_chatml, log=quiet)
     assert _rows(ds2) == _rows(ds1) and st2 == st1
     assert _snapshot(entry) == before  # not rewritten
@@ -749,8 +750,8 @@ def test_rank1_reads_the_cache_rank0_wrote(tok_chatml, tmp_path, cache_dir, monk
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS.values()])
     cfg = cfg_for(path, cache_dir)
     ds0, st0 = prepare_dataset(cfg, tok_chatml, local_rank=0, log=quiet)
-    monkeypatch.setattr(data, "tokenize_all", _boom)
-    monkeypatch.setattr(data, "read_records", _boom)
+    monkeypatch.setattr(pipeline, "tokenize_source", _boom)
+    monkeypatch.setattr(pipeline, "source_dataset", _boom)
     ds1, st1 = prepare_dataset(cfg, tok_chatml, local_rank=1, log=quiet)
     assert _rows(ds1) == _rows(ds0) and st1 == st0
 

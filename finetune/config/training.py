@@ -114,10 +114,21 @@ class ModelConfig:
 class DataConfig:
     """Where the training data is and how records become tokens."""
 
-    dataset: str | None = field(
+    dataset: str | list[str] | None = field(
         default=None,
         metadata={"help": "Local .jsonl/.json/.csv/.parquet file, a folder written by datasets.save_to_disk, or a Hugging "
-                          "Face Hub data set id (org/name), read with datasets.load_dataset."},
+                          "Face Hub data set id (org/name), read with datasets.load_dataset. Repeat it (or give a recipe "
+                          "list) to mix several; see --dataset_weights and docs/data.md.", "repeat": True},
+    )
+    dataset_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per --dataset: each one's share of the mixed set (as many examples as the sets "
+                          "together; a set with too few is repeated, one with more is subsampled, by --seed). "
+                          "Default: every set whole."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the data set (default: the cores this process may use)."},
     )
     dataset_config: str | None = field(
         default=None, metadata={"help": "Configuration (subset) name of a Hub data set, where it has several."}
@@ -153,6 +164,17 @@ class DataConfig:
         metadata={"help": "Send each micro-batch as one flattened row without padding (records kept apart as with "
                           "--packing). Same records per step as the padded run; pays off with flash_attention_2."},
     )
+
+    def __post_init__(self):
+        # `--dataset a.jsonl` once is the plain string it always was; repeated, a list.
+        if isinstance(self.dataset, list) and len(self.dataset) == 1:
+            self.dataset = self.dataset[0]
+
+    def datasets(self) -> list[str]:
+        """Every --dataset, in order."""
+        if not self.dataset:
+            return []
+        return list(self.dataset) if isinstance(self.dataset, list) else [self.dataset]
 
 
 @dataclass
@@ -224,7 +246,9 @@ class FinetuneConfig:
             out["model_name_or_path"], out["model_revision"] = hub.repo_id, hub.commit
         # Absolute paths, so the saved recipe works from any directory.
         for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config", "nvme_path"):
-            if out.get(key) and Path(out[key]).exists():
+            if isinstance(out.get(key), list):
+                out[key] = [str(Path(v).resolve()) if Path(v).exists() else v for v in out[key]]
+            elif out.get(key) and Path(out[key]).exists():
                 out[key] = str(Path(out[key]).resolve())
         from transformers import TrainingArguments
 
@@ -374,6 +398,14 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             f"dataset_format: '{data.dataset_format}' is not one of {', '.join(DATASET_FORMATS)}"
             f"{did_you_mean(data.dataset_format, list(DATASET_FORMATS))}"
         )
+    if data.dataset_weights is not None:
+        n = len(data.datasets())
+        if len(data.dataset_weights) != n:
+            problems.append(f"dataset_weights: {len(data.dataset_weights)} weights for {n} data set(s); give one per --dataset")
+        elif any(w <= 0 for w in data.dataset_weights):
+            problems.append(f"dataset_weights: every weight must be positive, got {', '.join(map(str, data.dataset_weights))}")
+    if data.dataset_num_proc is not None and data.dataset_num_proc < 1:
+        problems.append(f"dataset_num_proc: must be at least 1, got {data.dataset_num_proc}")
     if data.max_seq_length < 2:
         problems.append(f"max_seq_length: must be at least 2, got {data.max_seq_length}")
     if model.loss_chunk_size < 0:
@@ -407,8 +439,9 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems += chat_template_problems(model.chat_template)
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
-        elif not Path(data.dataset).exists() and not is_hub_dataset_name(data.dataset):
-            problems.append(f"dataset: {data.dataset}: no such file or folder")
+        for name in data.datasets():
+            if not Path(name).exists() and not is_hub_dataset_name(name):
+                problems.append(f"dataset: {name}: no such file or folder")
         from finetune.data.prepare import cache_root
 
         for flag, folder in (("output_dir", training.get("output_dir")), ("logging_dir", training.get("logging_dir")),

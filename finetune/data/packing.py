@@ -91,8 +91,13 @@ class PackedDataset:
 
 
 def pack_dataset(examples, capacity: int) -> tuple[PackedDataset, PackingStats]:
-    lengths = [len(x) for x in examples["input_ids"]] if hasattr(examples, "column_names") else \
-        [len(e["input_ids"]) for e in examples]
+    if hasattr(examples, "column_names"):  # a datasets.Dataset: lengths from the Arrow offsets, batch by batch
+        import pyarrow.compute as pc
+
+        lengths = [n for batch in examples.with_format("arrow").iter(batch_size=10_000)
+                   for n in pc.list_value_length(batch["input_ids"]).to_pylist()]
+    else:
+        lengths = [len(e["input_ids"]) for e in examples]
     bins = bfd_pack(lengths, capacity)
     stats = PackingStats(records=len(lengths), rows=len(bins), tokens=sum(lengths), capacity=capacity)
     return PackedDataset(examples, bins, capacity), stats

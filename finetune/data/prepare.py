@@ -14,15 +14,14 @@ import difflib
 import hashlib
 import json
 import os
-import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 IGNORE_INDEX = -100
 # Bump when tokenization changes, so stale caches are not reused.
-DATA_VERSION = "3"
+DATA_VERSION = "4"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's speaker names -> chat roles.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
@@ -561,6 +560,7 @@ class DataStats:
 
 def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max_seq_length: int,
                  drop_long: bool, completion_only: bool, path: str = "") -> tuple[list[dict], DataStats]:
+    """The per-record reference of pipeline.py's map, on Python lists (tests compare the two)."""
     examples = []
     truncated = dropped_long = dropped_no_labels = split_records = split_examples = no_end = no_end_cut = 0
     end_ids = end_of_turn_ids(tokenizer)
@@ -627,52 +627,12 @@ def cache_root(cfg) -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "tokenized"
 
 
-def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print):
-    """Return (datasets.Dataset with input_ids/labels, DataStats). Local rank 0 tokenizes; others wait."""
-    import datasets
+def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
+    """Return (datasets.Dataset with input_ids/labels, DataStats). finetune/data/pipeline.py tokenizes (once per node,
+    once per job on a shared cache folder) with a multi-process `Dataset.map`; the other ranks wait."""
+    from finetune.data import pipeline
 
-    root = cache_root(cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    hub = _load_hub(cfg)
-    key = _fingerprint(cfg, tokenizer, hub)
-    final, error_file = root / key, root / f"{key}.error"
-    if local_rank == 0:
-        if not (final / "stats.json").is_file():
-            error_file.unlink(missing_ok=True)
-            try:
-                records, where = read_hub_records(hub) if hub is not None else read_records(cfg.dataset)
-                fmt = cfg.dataset_format
-                if fmt == "auto":
-                    fmt = detect_format(records[0], where[0])
-                if fmt in CHAT_FORMATS:
-                    require_chat_template(tokenizer, fmt, str(cfg.dataset))
-                for record, loc in zip(records, where):
-                    validate_record(record, fmt, loc)
-                examples, stats = tokenize_all(
-                    records, where, fmt, tokenizer, cfg.max_seq_length, cfg.drop_long_sequences,
-                    cfg.completion_only_loss, cfg.dataset,
-                )
-                if not examples:
-                    raise DataError(f"{cfg.dataset}: no examples left after filtering ({stats.summary()})")
-            except DataError as e:
-                # Write then rename, so a waiting rank never reads a half-written (empty) message.
-                tmp_error = root / f"{key}.error.tmp{os.getpid()}"
-                tmp_error.write_text(str(e))
-                os.replace(tmp_error, error_file)
-                raise
-            tmp = root / f"{key}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            datasets.Dataset.from_list(examples).save_to_disk(str(tmp))
-            (tmp / "stats.json").write_text(json.dumps(asdict(stats)))
-            # The rename is the commit point: a crash before it leaves only a .tmp folder, never a half cache.
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)  # another node's rank 0 got there first
-    else:
-        _wait_for(final / "stats.json", error_file, log)
-    stats = DataStats(**json.loads((final / "stats.json").read_text()))
-    dataset = datasets.load_from_disk(str(final))
+    dataset, stats = pipeline.prepare(cfg, tokenizer, local_rank=local_rank, log=log, seed=seed)
     stats.padding_free = bool(getattr(cfg, "padding_free", False))
     if getattr(cfg, "packing", False):
         from finetune.data.packing import pack_dataset
@@ -691,21 +651,6 @@ def _process_start_time() -> float:
         return psutil.Process().create_time()
     except Exception:
         return time.time()
-
-
-def _wait_for(done: Path, error_file: Path, log) -> None:
-    started, last_note = _process_start_time(), time.time()
-    while not done.is_file():
-        # Only an error written during this run counts; an old one is left from an earlier run.
-        try:
-            if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
-                raise DataError(error_file.read_text())
-        except FileNotFoundError:
-            pass  # local rank 0 removed an old error file between the checks
-        if time.time() - last_note > 60:
-            log(f"waiting for local rank 0 to tokenize the data set ({done.parent})")
-            last_note = time.time()
-        time.sleep(0.2)
 
 
 # ----------------------------------------------------------------------------------------------

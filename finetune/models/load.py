@@ -38,6 +38,8 @@ def load_tokenizer(model_cfg):
         tokenizer.chat_template = Path(model_cfg.chat_template).read_text(encoding="utf-8")
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer)
+    if not (Path(folder) / "config.json").is_file():
+        return tokenizer  # a tokenizer-only folder: no vocabulary to check against
     config = AutoConfig.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
     if problem := vocabulary_problem(folder, tokenizer, getattr(config, "get_text_config", lambda: config)()):
         raise WeightsError(f"--model_name_or_path {problem}")

@@ -156,7 +156,7 @@ def run_fingerprint(cfg) -> dict:
     flags = {k: v for k, v in cfg.resolved().items() if k not in _NOT_FINGERPRINTED}
     return {
         "model": _hash_path(cfg.model.model_name_or_path, ("config.json", "*.safetensors", "*.bin")),
-        "data": _hash_path(cfg.data.dataset),
+        "data": "+".join(_hash_path(d) for d in cfg.data.datasets()),
         "config": hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "adapter": bool(cfg.model.use_peft),  # what the checkpoints hold (checkpoint.check_same_model)
     }
@@ -266,7 +266,8 @@ def data_or_exit(cfg, local_rank: int):
     except WeightsError as e:
         exit_with(str(e))
     try:
-        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print)
+        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print,
+                                         seed=cfg.training.seed)
     except DataError as e:
         exit_with(f"data error: {e}")
     rank0_print(stats.summary())

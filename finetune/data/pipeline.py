@@ -1,0 +1,422 @@
+"""Preparation at scale: a data source as an Arrow `datasets.Dataset`, tokenized by a batched, multi-process
+`Dataset.map` into an Arrow cache (save_to_disk shards, reloaded memory-mapped), once per node and once per job
+where nodes share the cache folder (a lock file). docs/data.md describes it for users.
+
+Every record goes through prepare.py's one per-record function (`tokenize_examples`), so masks are the ones the
+per-record reference (`prepare.tokenize_all`) gives, token for token; only where the records live changed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from finetune.data import prepare as P
+from finetune.data.prepare import IGNORE_INDEX, DataError, DataStats
+
+# Per-example status bits, stored next to the tokens while the map runs (then dropped): stats come from these columns.
+# A truncated example can still be dropped for having no trained token left; it counts in both, as before.
+TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS = 1, 2, 4
+DROPPED = DROPPED_LONG | DROPPED_NO_LABELS
+# Fewer records than this per process: more processes cost more to start than they save.
+MIN_RECORDS_PER_PROC = 2000
+READ_BATCH = 10_000  # lines per Arrow batch when a text file is read (bounds the reader's memory)
+WAIT_NOTE_S = 30.0  # a waiting rank says what it waits for at least this often
+
+
+def default_num_proc() -> int:
+    """The cores this process may run on (cgroup/affinity aware), not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A source as an Arrow data set. Text files become two string columns (the record as JSON, where it was found),
+# written batch by batch, so a 1M-line file never sits in memory as Python objects.
+
+TEXT_COLUMNS = ("_json", "_where")
+
+
+def _write_text_rows(rows, out: Path):
+    """rows: iterable of (json text, where). Returns a memory-mapped Dataset, or None when there were none."""
+    import datasets
+    import pyarrow as pa
+
+    schema = pa.schema([("_json", pa.large_string()), ("_where", pa.string())])
+    n = 0
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        texts, wheres = [], []
+        for text, where in rows:
+            texts.append(text)
+            wheres.append(where)
+            if len(texts) >= READ_BATCH:
+                writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string()), pa.array(wheres)], schema=schema))
+                n += len(texts)
+                texts, wheres = [], []
+        if texts:
+            writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string()), pa.array(wheres)], schema=schema))
+            n += len(texts)
+    return datasets.Dataset.from_file(str(out)) if n else None
+
+
+def _jsonl_rows(p: Path):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{p}:{lineno}: not UTF-8 text; save the file as UTF-8") from None
+            if line.strip():
+                yield line, f"{p}:{lineno}"  # parsed (and its errors located) inside the map
+
+
+def _json_array_rows(p: Path):
+    records, where = P._read_json(p)  # one JSON document: parsed whole, as before
+    for record, loc in zip(records, where):
+        yield json.dumps(record, ensure_ascii=False), loc
+
+
+def _csv_rows(p: Path):
+    with p.open(newline="", encoding="utf-8-sig") as f:  # Excel writes a byte order mark
+        for i, row in enumerate(csv.DictReader(f), start=1):
+            # A `messages` column in CSV holds JSON text.
+            if isinstance(row.get("messages"), str) and row["messages"].lstrip().startswith("["):
+                try:
+                    row["messages"] = json.loads(row["messages"])
+                except json.JSONDecodeError:
+                    pass  # reported by validation as a wrong type
+            yield json.dumps(row, ensure_ascii=False), f"{p} row {i}"
+
+
+def _parquet(p: Path, out: Path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+        with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, pf.schema_arrow) as writer:
+            for batch in pf.iter_batches(batch_size=READ_BATCH):
+                writer.write_batch(batch)
+    except Exception as e:  # pyarrow.ArrowInvalid and friends: not a Parquet file
+        raise DataError(f"{p}: cannot read as Parquet: {e}") from None
+    return datasets.Dataset.from_file(str(out))
+
+
+def _saved(p: Path):
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except FileNotFoundError as e:
+        raise DataError(f"{p}: not a folder written by datasets.save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    return ds
+
+
+def source_dataset(cfg, hub, work: Path):
+    """(Dataset, location prefix for rows of an Arrow source or None for text sources). Errors name the file."""
+    if hub is not None:
+        where = hub.repo_id + (f"@{hub.revision[:12]}" if hub.revision else "")
+        ds, prefix, empty = hub.dataset, where, f"{where}: the data set holds no records"
+    else:
+        p = Path(cfg.dataset)
+        suffix = p.suffix.lower()
+        prefix, empty = str(p), f"{p}: the file holds no records"
+        try:
+            if p.is_dir():
+                ds, empty = _saved(p), f"{p}: the data set holds no records"
+            elif suffix == ".jsonl" or (suffix == ".json" and not _starts_with_bracket(p)):
+                ds, prefix = _write_text_rows(_jsonl_rows(p), work / "records.arrow"), None
+            elif suffix == ".json":
+                ds, prefix = _write_text_rows(_json_array_rows(p), work / "records.arrow"), None
+            elif suffix == ".csv":
+                ds, prefix = _write_text_rows(_csv_rows(p), work / "records.arrow"), None
+            elif suffix == ".parquet":
+                ds = _parquet(p, work / "records.arrow")
+            else:
+                raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
+        except UnicodeDecodeError:
+            raise DataError(f"{p}:{P._first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
+    if ds is None or len(ds) == 0:
+        raise DataError(empty)
+    return ds, prefix
+
+
+def _starts_with_bracket(p: Path) -> bool:
+    with p.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _record(batch: dict, k: int, index: int, prefix: str | None) -> tuple[dict, str]:
+    if prefix is not None:
+        return {c: batch[c][k] for c in batch}, f"{prefix} row {index}"
+    where = batch["_where"][k]
+    try:
+        record = json.loads(batch["_json"][k])
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
+    return record, where
+
+
+def first_record(ds, prefix: str | None) -> tuple[dict, str]:
+    return _record(ds[:1], 0, 0, prefix)
+
+
+class Tokenize:
+    """The batched map function: records in, their examples out (with a status and trained-token count each)."""
+
+    def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None):
+        self.tokenizer, self.fmt, self.completion_only = tokenizer, fmt, completion_only
+        self.max_seq_length, self.drop_long, self.prefix = max_seq_length, drop_long, prefix
+        self.end_ids = P.end_of_turn_ids(tokenizer)
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
+        for k, index in enumerate(indices):
+            record, where = _record(batch, k, index, self.prefix)
+            P.validate_record(record, self.fmt, where)
+            pairs = P.tokenize_examples(self.tokenizer, record, self.fmt, self.completion_only, where)
+            for j, (ids, labels) in enumerate(pairs):
+                # A record the template splits per turn: its first example carries the count.
+                out["_split"].append(len(pairs) if len(pairs) > 1 and j == 0 else 0)
+                status = 0
+                if len(ids) > self.max_seq_length:
+                    if self.drop_long:
+                        status, ids, labels = DROPPED_LONG, [], []
+                    else:
+                        status, ids, labels = TRUNCATED, ids[: self.max_seq_length], labels[: self.max_seq_length]
+                # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
+                trained = sum(1 for x in labels[1:] if x != IGNORE_INDEX)
+                if not status & DROPPED_LONG and not trained:
+                    status, ids, labels = status | DROPPED_NO_LABELS, [], []
+                out["input_ids"].append(ids)
+                out["labels"].append(labels)
+                out["_status"].append(status)
+                out["_trained"].append(trained if not status & DROPPED else 0)
+                out["_no_end"].append(int(not status & DROPPED and not P.has_trained_end(labels, self.end_ids)))
+        return out
+
+
+def _features():
+    import datasets
+
+    # int32: token ids fit, and it halves the cache against Python ints' int64.
+    return datasets.Features({
+        "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
+        "_status": datasets.Value("int8"), "_trained": datasets.Value("int32"), "_split": datasets.Value("int32"),
+        "_no_end": datasets.Value("int8"),
+    })
+
+
+def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str):
+    """Read, validate and tokenize one source into `work/final` (save_to_disk). Returns its DataStats."""
+    import datasets
+    import numpy as np
+    import pyarrow.compute as pc
+
+    ds, prefix = source_dataset(cfg, hub, work)
+    fmt = cfg.dataset_format
+    if fmt == "auto":
+        fmt = P.detect_format(*first_record(ds, prefix))
+    if fmt in P.CHAT_FORMATS:
+        P.require_chat_template(tokenizer, fmt, str(name))
+    procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
+    fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix)
+    mapped = ds.map(
+        fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names, features=_features(),
+        num_proc=procs if procs > 1 else None, cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
+        new_fingerprint=work.name.replace(".", "_"), desc=f"tokenizing {name} ({procs} process{'es' if procs > 1 else ''})",
+    )
+    table = mapped.data
+    status = table.column("_status").to_numpy()
+    keep = (status & DROPPED) == 0
+    split = table.column("_split").to_numpy()
+    no_end = table.column("_no_end").to_numpy().astype(bool)
+    stats = DataStats(
+        path=str(name), format=fmt, records=len(ds), truncated=int(((status & TRUNCATED) != 0).sum()),
+        dropped_long=int(((status & DROPPED_LONG) != 0).sum()),
+        dropped_no_labels=int(((status & DROPPED_NO_LABELS) != 0).sum()), examples=int(keep.sum()),
+        tokens=int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0),
+        trained_tokens=int(pc.sum(table.column("_trained")).as_py() or 0), max_seq_length=cfg.max_seq_length,
+        split_records=int((split > 0).sum()), split_examples=int(split.sum()), no_trained_end=int(no_end.sum()),
+        no_trained_end_truncated=int((no_end & ((status & TRUNCATED) != 0)).sum()),
+        end_tokens=", ".join(tokenizer.convert_ids_to_tokens(sorted(fn.end_ids))),
+    )
+    if not stats.examples:
+        raise DataError(f"{name}: no examples left after filtering ({stats.summary()})")
+    if not keep.all():
+        mapped = mapped.select(np.flatnonzero(keep))
+    final = work / "final"
+    mapped.remove_columns(["_status", "_trained", "_split", "_no_end"]).save_to_disk(str(final), num_proc=procs if procs > 1 else None)
+    (final / "stats.json").write_text(json.dumps(asdict(stats)))
+    del mapped, table, ds
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Once per node and once per job: a lock file beside the cache entry. Its holder tokenizes; everyone else waits,
+# saying what for. A lock left by a dead process on this host is taken over; on another host it cannot be checked.
+
+
+def _holder(lock: Path) -> dict | None:
+    try:
+        return json.loads(lock.read_text() or "{}")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder or "pid" not in holder:
+        return "another process"
+    return f"pid {holder['pid']} on {holder.get('host', '?')}"
+
+
+def try_lock(lock: Path) -> bool:
+    """O_CREAT|O_EXCL: exactly one process creates the file, on a local disk and on NFS v3+."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}, f)
+    return True
+
+
+def _pid_alive(pid: int, since: float | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a reused pid: the process now running started after the lock was taken
+        import psutil
+
+        return since is None or psutil.Process(pid).create_time() <= since + 1
+    except Exception:
+        return True
+
+
+def lock_is_stale(lock: Path) -> bool:
+    holder = _holder(lock)
+    if not holder or holder.get("host") != socket.gethostname() or "pid" not in holder:
+        return False  # being written, or another host's: cannot be checked from here
+    return not _pid_alive(int(holder["pid"]), holder.get("since"))
+
+
+def break_stale(lock: Path) -> bool:
+    """Move a stale lock aside (one rename wins among several takers), so try_lock can be retried."""
+    try:
+        os.rename(lock, lock.with_name(f"{lock.name}.stale{os.getpid()}"))
+    except FileNotFoundError:
+        return False
+    for f in lock.parent.glob(f"{lock.name}.stale*"):
+        f.unlink(missing_ok=True)
+    return True
+
+
+def _format_s(s: float) -> str:
+    s = int(s)
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def wait_for(done: Path, error_file: Path, lock: Path | None, what: str, log, *, take_over=None) -> bool:
+    """Wait until `done` exists (True) or an error of this run appears (DataError). `take_over`: this process may
+    take a stale lock; then it returns False once it holds the lock."""
+    started, t0 = P._process_start_time(), time.time()
+    last_note = t0
+    while not done.is_file():
+        # Only an error written during this run counts; an old one is left from an earlier run.
+        try:
+            if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
+                raise DataError(error_file.read_text())
+        except FileNotFoundError:
+            pass  # the holder removed an old error file between the checks
+        if take_over and lock is not None:
+            if not lock.exists() or (lock_is_stale(lock) and break_stale(lock)):
+                if try_lock(lock):
+                    return False
+        if time.time() - last_note >= WAIT_NOTE_S:
+            holder = _describe(_holder(lock)) if lock is not None and lock.exists() else "local rank 0"
+            log(f"waiting {_format_s(time.time() - t0)} for {holder} to tokenize {what} into {done.parent}")
+            last_note = time.time()
+        time.sleep(0.2)
+    return True
+
+
+def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log) -> tuple[object, DataStats]:
+    """One source, tokenized once (per job where the cache folder is shared) and loaded memory-mapped."""
+    import datasets
+
+    root = P.cache_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    key = P._fingerprint(cfg, tokenizer, hub)
+    final, error_file, lock = root / key, root / f"{key}.error", root / f"{key}.lock"
+    name = hub.repo_id if hub is not None else str(cfg.dataset)
+    done = final / "stats.json"
+    if not done.is_file():
+        if local_rank != 0:
+            wait_for(done, error_file, lock, name, log)
+        elif try_lock(lock) or not wait_for(done, error_file, lock, name, log, take_over=True):
+            try:
+                if not done.is_file():  # another node may have finished between our check and the lock
+                    _build(cfg, tokenizer, hub, root, key, num_proc, name)
+            finally:
+                lock.unlink(missing_ok=True)
+    stats = DataStats(**json.loads(done.read_text()))
+    return datasets.load_from_disk(str(final)), stats
+
+
+def _build(cfg, tokenizer, hub, root: Path, key: str, num_proc: int, name: str) -> None:
+    final, error_file = root / key, root / f"{key}.error"
+    error_file.unlink(missing_ok=True)
+    work = root / f"{key}.tmp{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        try:
+            tokenize_source(cfg, tokenizer, hub, work, num_proc=num_proc, name=name)
+        except DataError as e:
+            # Write then rename, so a waiting rank never reads a half-written (empty) message.
+            tmp_error = root / f"{key}.error.tmp{os.getpid()}"
+            tmp_error.write_text(str(e))
+            os.replace(tmp_error, error_file)
+            raise
+        # The rename is the commit point: a crash before it leaves only a .tmp folder, never a half cache.
+        os.rename(work / "final", final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def source_configs(cfg) -> list:
+    """One DataConfig per `--dataset` (a repeated flag or a recipe list)."""
+    names = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
+    return [replace(cfg, dataset=n) for n in names]
+
+
+def prepare(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
+    """Every source prepared (cached apart, so changing a weight re-tokenizes nothing), then mixed by weight."""
+    from finetune.data import mix
+
+    num_proc = getattr(cfg, "dataset_num_proc", None) or default_num_proc()
+    parts = []
+    for sub in source_configs(cfg):
+        parts.append(prepare_source(sub, tokenizer, P._load_hub(sub), local_rank=local_rank, num_proc=num_proc, log=log))
+    if len(parts) == 1:
+        return parts[0]
+    return mix.mix([d for d, _ in parts], [s for _, s in parts], getattr(cfg, "dataset_weights", None), seed, log)
