@@ -104,12 +104,14 @@ def test_flags_a_path_cannot_honour_are_listed():
     assert problems() == [] and problems(optim="sgd", save_strategy="steps", ds="zero2.json") == []
     assert "optim: the DeepSpeed config" in problems(("optim",), ds="zero3_offload.json", optim="sgd")[0]
     assert problems(ds="zero3_offload.json") == []  # --optim not given: the JSON's optimizer, as in the Trainer
-    for flag, value in [("save_strategy", "epoch"), ("logging_strategy", "epoch"), ("eval_strategy", "steps"),
-                        ("do_eval", True), ("lr_scheduler_type", "reduce_lr_on_plateau"), ("torch_compile", True),
+    for flag, value in [("save_strategy", "epoch"), ("logging_strategy", "epoch"), ("do_predict", True),
+                        ("lr_scheduler_type", "reduce_lr_on_plateau"), ("torch_compile", True),
                         ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1), ("ignore_data_skip", True),
-                        ("load_best_model_at_end", True)]:
+                        ("eval_on_start", True), ("eval_delay", 2)]:
         [problem] = problems(**{flag: value})
         assert flag in problem.split(":")[0], problem  # named
+    # Evaluation, the best model and early stopping are the paths' own now (finetune.training.evaluate).
+    assert problems(eval_strategy="steps", do_eval=True, load_best_model_at_end=True, save_strategy="steps") == []
 
 
 def test_gradient_checkpointing_is_turned_on(parsed, tiny_chatml):
