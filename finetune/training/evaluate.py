@@ -123,32 +123,41 @@ def shard(n: int, world: int, rank: int) -> list[int]:
     return list(range(rank, n, world))
 
 
-def loss_sums(forward: Callable, es: EvalSet, device, world: int | None = None, rank: int | None = None) -> dict:
-    """{loss, perplexity, tokens, samples} over the whole eval set; `forward(batch)` -> the batch's token-loss sum."""
+def rank_sums(forward: Callable, es: EvalSet, device, world: int, rank: int):
+    """This rank's [token-loss sum, trained tokens, samples, sum of sample indices] (float64)."""
     import torch
 
-    world = core.world() if world is None else world
-    rank = core.rank() if rank is None else rank
     n = len(es.dataset)
     mine = shard(n, world, rank)
     batches = math.ceil(math.ceil(n / world) / es.batch_size)  # the same on every rank
-    sums = torch.zeros(4, dtype=torch.float64)  # loss sum, trained tokens, samples, sum of sample indices
+    sums = torch.zeros(4, dtype=torch.float64)
     for b in range(batches):
         chunk = mine[b * es.batch_size:(b + 1) * es.batch_size]
-        batch = es.collator([es.dataset[i] for i in (chunk or [0])])
+        batch = es.collator([es.dataset[i] for i in (chunk or [0])])  # a rank out of samples: a forward for nothing
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = forward(batch).double().cpu()
         if chunk:
-            sums += torch.stack([loss, (batch["labels"][..., 1:] != IGNORE_INDEX).sum().double().cpu(),
-                                 torch.tensor(float(len(chunk)), dtype=torch.float64),
-                                 torch.tensor(float(sum(chunk)), dtype=torch.float64)])
-    sums = core.all_sum(sums.to(device)).cpu()
+            tokens = (batch["labels"][..., 1:] != IGNORE_INDEX).sum().double().cpu()
+            sums += torch.stack([loss, tokens, torch.tensor(len(chunk), dtype=torch.float64),
+                                 torch.tensor(sum(chunk), dtype=torch.float64)])
+    return sums
+
+
+def finish(sums, n: int) -> dict:
+    """{loss, perplexity, tokens, samples} from the summed rank_sums; refuses a sample counted twice or lost."""
     loss_sum, tokens, samples, index_sum = sums.tolist()
     if samples != n or index_sum != n * (n - 1) / 2:
         raise RuntimeError(f"evaluation covered {samples:.0f} samples (index sum {index_sum:.0f}) of {n} "
                            f"(index sum {n * (n - 1) // 2}): a sample was counted twice or lost")
     loss = loss_sum / max(tokens, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens), "samples": int(samples)}
+
+
+def loss_sums(forward: Callable, es: EvalSet, device) -> dict:
+    """The eval loss over the whole eval set, every rank's share summed (one all_reduce); `forward(batch)` -> the
+    batch's token-loss sum."""
+    sums = rank_sums(forward, es, device, core.world(), core.rank())
+    return finish(core.all_sum(sums.to(device)).cpu(), len(es.dataset))
 
 
 def model_forward(model) -> Callable:
