@@ -634,6 +634,14 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_
     from transformers import TrainingArguments
 
     kwargs = dict(values)
+    # --gradient_checkpointing (the name users, TRL and our docs know) is transformers 5's deprecated alias of
+    # --activation_checkpointing: pass it under the new name, so it means the same without a FutureWarning.
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if old in kwargs:
+            value = kwargs.pop(old)
+            if kwargs.get(new) is None:
+                kwargs[new] = value
     if not torch.cuda.is_available():
         kwargs["use_cpu"] = True
     if ds_path is not None:
