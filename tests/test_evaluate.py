@@ -281,3 +281,103 @@ def test_report_command_errors(tmp_path, capsys):
         cli.main(["report", str(tmp_path / "empty")])
     assert info.value.code == 2 and "no trainer_state.json" in capsys.readouterr().err
     assert list((tmp_path / "empty").iterdir()) == []  # nothing half-written
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: the best model and early stopping on the three paths under ZeRO-3, 2 processes.
+
+METRIC_MODULE = '''
+def answer_chars(predictions, references):
+    return {"pred_chars": float(sum(map(len, predictions))), "ref_chars": float(sum(map(len, references)))}
+'''
+# --greater_is_better with eval_loss: while the eval loss falls, the first evaluation stays the best, so the model
+# saved must be the step-2 checkpoint's (not the last weights), and patience 2 stops the run after step 6.
+BEST_FLAGS = ["--config", "zero3_no_offload", "--max_steps", "12", "--learning_rate", "2e-3", "--warmup_steps", "2",
+              "--seed", "1234", "--max_seq_length", "128", "--disable_tqdm", "true", "--per_device_train_batch_size", "4",
+              "--eval_split_size", "9", "--eval_steps", "2", "--save_steps", "2", "--per_device_eval_batch_size", "2",
+              "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
+              "--early_stopping_patience", "2", "--eval_generate", "2", "--eval_metric", "evalhook:answer_chars",
+              "--report_to", "tensorboard"]
+BEST_PATHS = {"trainer": lambda: launcher("accelerate", 2, script=TRAIN),
+              "loop": lambda: launcher("accelerate", 2, script=LOOP),
+              "sft": lambda: deepspeed_launcher(2, script=SFT)}
+
+
+@pytest.fixture(scope="module")
+def best_job(tmp_path_factory):
+    root, model, data = tiny_job(tmp_path_factory.mktemp("best"), records=72, seed=7)
+    (root / "hooks").mkdir()
+    (root / "hooks" / "evalhook.py").write_text(METRIC_MODULE)
+    return root, model, data
+
+
+_best_runs: dict[str, tuple[Path, str]] = {}
+
+
+def best_run(job, path: str) -> tuple[Path, str]:
+    if path not in _best_runs:
+        root, model, data = job
+        out = root / path
+        result = run(BEST_PATHS[path]() + ["--model_name_or_path", str(model), "--dataset", str(data),
+                                           "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                                           *BEST_FLAGS],
+                     timeout=600, PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{root / 'hooks'}").check()
+        _best_runs[path] = out, result.output
+    return _best_runs[path]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(BEST_PATHS))
+def test_best_model_and_early_stopping(path, best_job, one_thread):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, output = best_run(best_job, path)
+    state = json.loads((out / "trainer_state.json").read_text())
+    evals = [e for e in state["log_history"] if "eval_loss" in e]
+    losses_ = [e["eval_loss"] for e in evals]
+    # Early stopping: evaluations at 2, 4, 6 (the eval loss falls, so with greater_is_better none improves on the
+    # first); patience 2 stops after step 6.
+    assert [e["step"] for e in evals] == [2, 4, 6] and losses_[0] > losses_[1] > losses_[2], evals
+    assert state["global_step"] == 6
+    assert (state["best_global_step"], state["best_metric"]) == (2, losses_[0])
+    assert state["best_model_checkpoint"].endswith("checkpoint-2")
+    # The split: 9 of 72 held out, disjoint, every eval record counted once on 2 ranks.
+    split = evaluate.read_split(out)
+    assert len(split["eval_indices"]) == 9 and split["seed"] == 1234 and split["examples"] == 72
+    assert all(e["eval_samples"] == 9 for e in evals)
+    assert "verified model" in output  # the best model's save is verified like every save
+    # What was saved is the best (step-2) model: its eval loss, recomputed here, is the logged best, not the last.
+    from finetune.models.load import ensure_pad_token
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ensure_pad_token(tok)
+    records = tiny.synthetic_records(72, seed=7)
+    examples = []
+    for i in split["eval_indices"]:
+        ids, labels = tokenize_record(tok, records[i], "messages", True)
+        examples.append({"input_ids": ids, "labels": labels})
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        saved = evaluate.finish(evaluate.rank_sums(evaluate.model_forward(model), evaluate.EvalSet(examples, tok, 4),
+                                                   "cpu", 1, 0), 9)
+    assert abs(saved["loss"] - losses_[0]) <= 1e-4 * losses_[0], (saved, losses_)
+    assert abs(saved["loss"] - losses_[-1]) > 1e-3
+    # Generation metrics and the user's hook, logged like the loss.
+    refs = sum(len(records[i]["messages"][-1]["content"].strip()) for i in split["eval_indices"][:2])
+    for e in evals:
+        assert 0.0 <= e["eval_exact_match"] <= 1.0 and e["eval_ref_chars"] == refs and e["eval_pred_chars"] >= 0
+    # --report_to tensorboard: real event files, read back with tensorboard's reader, holding the logged numbers.
+    scalars = _scalars(out / "runs")
+    assert [s for s, _ in scalars["eval/loss"]] == [2, 4, 6]
+    assert [v for _, v in scalars["eval/loss"]] == pytest.approx(losses_, rel=1e-6)
+    train = [e for e in state["log_history"] if "loss" in e]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([e["loss"] for e in train], rel=1e-6)
+    # The three paths evaluate the same: their eval losses agree within 1e-4.
+    if len(_best_runs) == len(BEST_PATHS):
+        curves = {p: [e["eval_loss"] for e in json.loads((o / "trainer_state.json").read_text())["log_history"]
+                      if "eval_loss" in e] for p, (o, _) in _best_runs.items()}
+        for p, curve in curves.items():
+            assert curve == pytest.approx(curves["trainer"], rel=1e-4), (p, curves)
+    # `finetune report` on the run folder.
+    folder = report.write_report(out)
+    assert (folder / "loss.png").stat().st_size > 5000 and "eval_loss" in (folder / "README.md").read_text()
