@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
         engine, engine.module, eval_set, engine.device, synced_gpus=synced), max_steps)
 
-    def load(folder) -> None:  # the best checkpoint's weights, for the final save
-        engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=False,
-                               load_lr_scheduler_states=False)
+    def load(folder) -> None:  # the best checkpoint, for the final save (loaded as a resume loads it)
+        engine.load_checkpoint(str(folder.parent), tag=folder.name)
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
