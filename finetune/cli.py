@@ -12,6 +12,7 @@ COMMANDS = {
     "generate": ("finetune.inference.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
     "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder, or a GGUF file"),
     "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
+    "report": ("finetune.apps.report", "write OUTPUT_DIR/report/: loss, learning-rate and tokens/s curves (PNG), final metrics (markdown, JSON)"),
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
     "tiny": ("finetune.models.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }

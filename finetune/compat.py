@@ -508,3 +508,32 @@ def _clear_dead_baton(lock: Path, name: str, log, report_after: float) -> None:
             log(f"waiting {waited:.0f} s for the build lock {lock} of the {name} op, held by {', '.join(users)}")
             next_report += 60
         time.sleep(1.0)
+
+
+@contextmanager
+def quiet_checkpointing_alias():
+    """peft 0.21 asks the model for `is_gradient_checkpointing` (get_peft_model, prepare_model_for_kbit_training),
+    a name transformers 5.23 deprecated with a FutureWarning the user cannot act on. Silenced for those calls only."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def default_deepspeed_accelerator() -> None:
+    """DeepSpeed 0.19 warns at import, on every rank, when it finds no accelerator and falls back to its CPU one
+    ("Setting accelerator to CPU"). On a machine with none of the devices it looks for, name the CPU accelerator
+    (DS_ACCELERATOR=cpu, DeepSpeed's own setting): the same choice, without the warning. A user's value is kept."""
+    import importlib.util
+
+    if "DS_ACCELERATOR" in os.environ or importlib.util.find_spec("deepspeed") is None:
+        return
+    import torch
+
+    others = ("intel_extension_for_pytorch", "torch_npu", "torch_mlu", "torch_sdaa", "habana_frameworks")
+    if torch.cuda.is_available() or torch.backends.mps.is_available() or any(
+            importlib.util.find_spec(name) is not None for name in others):
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -86,6 +87,30 @@ def deepspeed_launcher(nproc: int = 2, script: str = SFT) -> list[str]:
 def losses(output_dir: str | Path) -> list[float]:
     state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+
+def eval_entries(output_dir: str | Path) -> list[dict]:
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    return [entry for entry in state["log_history"] if "eval_loss" in entry]
+
+
+def eval_losses(output_dir: str | Path) -> list[float]:
+    return [entry["eval_loss"] for entry in eval_entries(output_dir)]
+
+
+# The warning lines an ordinary run may still print, each allowed by a name found in the line, and why it stays.
+ALLOWED_WARNINGS = {
+    # finetune.compat.check_versions: printed only when an installed library is outside the versions the
+    # workarounds were tested on; it names what may misbehave, so the user can act on it.
+    "is outside the range finetune was tested with": "an untested library version: actionable, and only then",
+}
+_WARNING_LINE = re.compile(r"warn|^[WE]\d{4} \d\d:\d\d:\d\d", re.IGNORECASE)  # words, and glog's W/E lines (torch elastic)
+
+
+def unexpected_warnings(output: str, allowed: dict[str, str] = ALLOWED_WARNINGS) -> list[str]:
+    """The lines of a job's output that look like warnings and are not allowed by name."""
+    return [line for line in output.splitlines()
+            if _WARNING_LINE.search(line) and not any(name in line for name in allowed)]
 
 
 @dataclass

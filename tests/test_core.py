@@ -23,7 +23,7 @@ import pytest
 from finetune import config as C
 from finetune.models import tiny
 from finetune.training import core
-from launch import LOOP, REPO, SFT, TRAIN, deepspeed_launcher, launcher, run, tiny_job
+from launch import LOOP, REPO, SFT, TRAIN, deepspeed_launcher, launcher, run, tiny_job, unexpected_warnings
 
 # ----------------------------------------------------------------------------------------------
 # Fast.
@@ -104,15 +104,17 @@ def test_flags_a_path_cannot_honour_are_listed():
     assert problems() == [] and problems(optim="sgd", save_strategy="steps", ds="zero2.json") == []
     assert "optim: the DeepSpeed config" in problems(("optim",), ds="zero3_offload.json", optim="sgd")[0]
     assert problems(ds="zero3_offload.json") == []  # --optim not given: the JSON's optimizer, as in the Trainer
-    for flag, value in [("save_strategy", "epoch"), ("logging_strategy", "epoch"), ("eval_strategy", "steps"),
-                        ("do_eval", True), ("lr_scheduler_type", "reduce_lr_on_plateau"), ("torch_compile", True),
+    for flag, value in [("save_strategy", "epoch"), ("logging_strategy", "epoch"), ("do_predict", True),
+                        ("lr_scheduler_type", "reduce_lr_on_plateau"), ("torch_compile", True),
                         ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1), ("ignore_data_skip", True),
-                        ("load_best_model_at_end", True)]:
+                        ("eval_on_start", True), ("eval_delay", 2)]:
         [problem] = problems(**{flag: value})
         assert flag in problem.split(":")[0], problem  # named
     # The loop compiles (prepare() with the Trainer's dynamo settings); the DeepSpeed engine script does not.
     cfg = SimpleNamespace(training=SimpleNamespace(torch_compile=True), sources={}, deepspeed_config=None)
     assert core.refused_flags(cfg, "finetune/loop.py") == [] and core.refused_flags(cfg, "scripts/sft.py")
+    # Evaluation, the best model and early stopping are the paths' own now (finetune.training.evaluate).
+    assert problems(eval_strategy="steps", do_eval=True, load_best_model_at_end=True, save_strategy="steps") == []
 
 
 def test_gradient_checkpointing_is_turned_on(parsed, tiny_chatml):
@@ -156,7 +158,7 @@ FLAGS = ["--max_steps", str(STEPS), "--learning_rate", str(LR), "--warmup_steps"
          "--max_seq_length", "128", "--disable_tqdm", "true", "--weight_decay", "0.1",
          "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", json.dumps({"min_lr_rate": MIN_LR_RATE}),
          "--max_grad_norm", "0.5", "--adam_beta2", "0.95", "--gradient_accumulation_steps", "2",
-         "--gradient_checkpointing", "true", "--logging_steps", "2"]
+         "--gradient_checkpointing", "true", "--logging_steps", "2", "--eval_steps", "6", "--per_device_eval_batch_size", "2"]
 PRESETS = ["zero2", "zero3"]  # zero3: CPU offload, the JSON's own optimizer (DeepSpeedCPUAdam)
 PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
@@ -164,11 +166,14 @@ PATHS = {
     "sft": lambda: deepspeed_launcher(2, script=SFT),
 }
 KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step")
+EVAL_KEYS = ("eval_loss", "eval_perplexity")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return tiny_job(tmp_path_factory.mktemp("core"), records=72, seed=7)
+    root, model, data = tiny_job(tmp_path_factory.mktemp("core"), records=72, seed=7)
+    tiny.write_jsonl(root / "eval.jsonl", tiny.synthetic_records(7, seed=99))  # uneven over 2 ranks
+    return root, model, data
 
 
 _runs: dict[str, list[dict]] = {}
@@ -178,9 +183,11 @@ def history(job, name: str, cmd: list[str], micro: int) -> list[dict]:
     if name not in _runs:
         root, model, data = job
         out = root / name
-        run(cmd + ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
-                   "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", str(micro), *FLAGS],
-            timeout=600).check()
+        result = run(cmd + ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+                            "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", str(micro),
+                            "--eval_dataset", str(root / "eval.jsonl"), *FLAGS], timeout=600).check()
+        # Gradient checkpointing, DDP and DeepSpeed, on every path: no warning line but those allowed by name.
+        assert not unexpected_warnings(result.output), f"{name}: {unexpected_warnings(result.output)}"
         _runs[name] = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return _runs[name]
 
@@ -228,6 +235,11 @@ def test_non_default_flags_match_the_one_process_trainer(path, preset, job):
     ref_end, got_end = ref[-1], got[-1]
     assert "train_loss" in got_end and (got_end["step"], got_end["epoch"]) == (ref_end["step"], ref_end["epoch"])
     diffs["train_loss"] = relative(ref_end["train_loss"], got_end["train_loss"])
+    # Evaluation (7 records, batches of 2, uneven over 2 ranks) after steps 6 and 12, on every path and preset.
+    ref_evals, got_evals = [e for e in ref if "eval_loss" in e], [e for e in got if "eval_loss" in e]
+    assert [e["step"] for e in got_evals] == [e["step"] for e in ref_evals] == [6, 12]
+    assert all(e["eval_samples"] == 7 for e in ref_evals + got_evals)
+    diffs.update({k: max(relative(r[k], g[k]) for r, g in zip(ref_evals, got_evals)) for k in EVAL_KEYS})
     _write_table(path, preset, diffs)
     assert all(d <= 1e-4 for d in diffs.values()), f"{path} {preset}: {diffs}\n{ref_logs}\n{got_logs}"
 
@@ -239,7 +251,7 @@ def _write_table(path: str, preset: str, diffs: dict) -> None:
     _table[f"{path} {preset}"] = diffs
     target = os.environ.get("FINETUNE_CORE_TABLE")
     if target:
-        cols = [*KEYS, "train_loss"]
+        cols = [*KEYS, "train_loss", *EVAL_KEYS]
         lines = ["| path x preset | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         lines += [f"| {k} | " + " | ".join(f"{v[c]:.1e}" for c in cols) + " |" for k, v in _table.items()]
         Path(target).write_text("\n".join(lines) + "\n")

@@ -2,7 +2,9 @@
 
 The same 20-step run (fixed seed, global batch 8, variable-length records) as one process, DDP,
 ZeRO-1, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload on 2 processes, started with the launchers users
-type (python, accelerate launch with flags or with accelerate_configs/*.yaml, torchrun).
+type (python, accelerate launch with flags or with accelerate_configs/*.yaml, torchrun). Every run also
+evaluates every 5 steps on 13 records (uneven over 2 ranks, batches of 3): the eval losses are equal too, every
+record counted once. And no run prints a warning line that finetune.testing.ALLOWED_WARNINGS does not name.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from launch import LOOP, TRAIN, launcher, losses, run, tiny_job
+from finetune.models import tiny
+from launch import LOOP, TRAIN, eval_entries, eval_losses, launcher, losses, run, tiny_job, unexpected_warnings
 
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+EVAL_RECORDS, EVAL_STEPS = 13, 5
 # name -> (launcher, accelerate config file, --config, processes, per-device batch, accumulation)
 RUNS = {
     "single": ("python", None, "ddp", 1, 8, 1),
@@ -42,7 +46,9 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return tiny_job(tmp_path_factory.mktemp("parity"), records=72, seed=7)
+    root, model, data = tiny_job(tmp_path_factory.mktemp("parity"), records=72, seed=7)
+    tiny.write_jsonl(root / "eval.jsonl", tiny.synthetic_records(EVAL_RECORDS, seed=99))
+    return root, model, data
 
 
 class Run(NamedTuple):
@@ -75,6 +81,7 @@ def train(name: str, setup) -> Run:
         "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro),
         "--gradient_accumulation_steps", str(accum), "--learning_rate", "2e-3", "--warmup_steps", "2",
         "--seed", "1234", "--max_seq_length", "128", "--disable_tqdm", "true",
+        "--eval_dataset", str(root / "eval.jsonl"), "--eval_steps", str(EVAL_STEPS), "--per_device_eval_batch_size", "3",
     ]
     start = time.time()
     result = run(cmd, timeout=600).check()
@@ -85,6 +92,7 @@ def train(name: str, setup) -> Run:
     assert tuple(map(int, m.groups())) == (micro, accum, nproc, 8), m.group(0)
     if name.startswith("loop_"):  # the preset really switched the engine (a DDP run would give the same losses)
         assert ("engine: DEEPSPEED" in result.output) == ("zero" in name), result.output[-3000:]
+    assert not unexpected_warnings(result.output), f"{name}: {unexpected_warnings(result.output)}"
     return Run(out, elapsed, result.output)
 
 
@@ -99,6 +107,10 @@ def _write_table(done: dict[str, Run]) -> None:
     for i in range(STEPS):
         lines.append(f"| {i + 1} | " + " | ".join(f"{curves[n][i]:.6f}" for n in names) + " |")
     lines.append("| wall s | " + " | ".join(f"{done[n].seconds:.1f}" for n in names) + " |")
+    evals = {n: eval_losses(done[n].out) for n in names}
+    lines += ["", "| eval at step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for i in range(STEPS // EVAL_STEPS):
+        lines.append(f"| {(i + 1) * EVAL_STEPS} | " + " | ".join(f"{evals[n][i]:.6f}" for n in names) + " |")
     Path(target).write_text("\n".join(lines) + "\n")
 
 
@@ -116,6 +128,13 @@ def assert_same_run(name: str, reference: str, runs) -> None:
     assert ref[-1] < ref[0] - 0.5, f"loss did not fall: {ref}"  # the run really trains
     for step, (a, b) in enumerate(zip(ref, got), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"{name} step {step}: {b} vs {reference} {a}"
+    # Eval: the token-normalized loss of the whole eval set, each of the 13 records counted once.
+    ref_eval, got_eval = eval_entries(ref_out), eval_entries(out)
+    assert [e["step"] for e in got_eval] == [e["step"] for e in ref_eval] == list(range(EVAL_STEPS, STEPS + 1, EVAL_STEPS))
+    assert all(e["eval_samples"] == EVAL_RECORDS and e["eval_tokens"] == ref_eval[0]["eval_tokens"] for e in got_eval)
+    assert ref_eval[-1]["eval_loss"] < ref_eval[0]["eval_loss"]
+    for a, b in zip(ref_eval, got_eval):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * a["eval_loss"], f"{name} eval step {b['step']}: {b} vs {a}"
     w_ref, w_got = load_weights(ref_out), load_weights(out)
     assert w_ref.keys() == w_got.keys()
     for key in w_ref:

@@ -25,6 +25,14 @@ def test_exact_match():
     assert not Q.exact_match("", ref)
 
 
+def test_field_accuracy_metric_hook():
+    """The quickstart's partial credit as an --eval_metric hook: the mean over the completions."""
+    from finetune.config.training import load_metric
+
+    hook = load_metric("finetune.apps.quickstart:field_accuracy_metric")
+    assert hook(['{"a": 1, "b": 2}', "x"], ['{"a": 1, "b": 3}', '{"a": 1}']) == {"field_accuracy": 0.25}
+
+
 def test_field_accuracy():
     ref = '{"name": "Ana Silva", "city": "Porto", "item": "oak chair", "quantity": 3}'
     assert Q.field_accuracy(ref, ref) == 1.0
@@ -125,3 +133,8 @@ def test_quickstart_short_run(smollm2_dir, tmp_path):
         assert number in text, number
     assert (report / "examples.md").is_file() and (out / "model" / "adapter_model.safetensors").is_file()
     assert f"report: {report.resolve()}/report.md" in proc.stdout  # the headline says where the report is
+    # The run's own report (`finetune report`): its curves and final metrics agree with the quickstart's numbers.
+    run_report = out / "model" / "report"
+    assert (run_report / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run_report / "metrics.json").read_text())["train"]["last_loss"] == tr["last_loss"]
+    assert f"{run_report.resolve()}/README.md" in text

@@ -22,7 +22,7 @@ from finetune.training import engine as sft  # scripts/sft.py is its launcher fi
 from finetune.data.prepare import Collator
 from finetune.training.outputs import staging_dir
 from finetune.data.sampler import DistributedBatchOrder, rank_indices
-from launch import BIN, REPO, free_port, losses, run, tiny_job
+from launch import BIN, REPO, eval_entries, free_port, losses, run, tiny_job, unexpected_warnings
 
 SFT = REPO / "scripts" / "sft.py"
 STEPS = 20
@@ -108,7 +108,9 @@ def test_bad_config_exits_with_every_problem(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return tiny_job(tmp_path_factory.mktemp("sft"), records=72, seed=7)
+    root, model, data = tiny_job(tmp_path_factory.mktemp("sft"), records=72, seed=7)
+    tiny.write_jsonl(root / "eval.jsonl", tiny.synthetic_records(13, seed=99))  # uneven over 2 ranks
+    return root, model, data
 
 
 def common_flags(setup, out: Path) -> list[str]:
@@ -117,6 +119,7 @@ def common_flags(setup, out: Path) -> list[str]:
         "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
         "--dataset_cache_dir", str(root / "cache"), "--max_steps", str(STEPS), "--learning_rate", "2e-3",
         "--warmup_steps", "2", "--seed", "1234", "--max_seq_length", "128", "--disable_tqdm", "true",
+        "--eval_dataset", str(root / "eval.jsonl"), "--eval_steps", "10", "--per_device_eval_batch_size", "3",
     ]
 
 
@@ -127,6 +130,7 @@ def launch(name: str, cmd: list[str], micro: int, world: int) -> tuple[Path, str
     m = re.search(r"batch: (\d+) per device x (\d+) accumulation x (\d+) processes = global batch (\d+)", result.output)
     assert m, result.output[-3000:]
     assert tuple(map(int, m.groups())) == (micro, 1, world, 8), m.group(0)
+    assert not unexpected_warnings(result.output), f"{name}: {unexpected_warnings(result.output)}"
     return out, result.output
 
 
@@ -176,6 +180,12 @@ def test_sft_matches_the_trainer(ds_json, setup, trainer_run):
     ref_lrs = [e["learning_rate"] for e in json.loads((trainer_run / "trainer_state.json").read_text())["log_history"]
                if "loss" in e]
     assert lrs == pytest.approx(ref_lrs, rel=1e-6)
+    # Evaluation on the engine path: the whole eval set's token-normalized loss, as the Trainer's.
+    ref_eval, got_eval = eval_entries(trainer_run), eval_entries(out)
+    assert [e["step"] for e in got_eval] == [e["step"] for e in ref_eval] == [10, 20]
+    assert all(e["eval_samples"] == 13 for e in got_eval)
+    for a, b in zip(ref_eval, got_eval):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * a["eval_loss"], (a, b)
     w_ref, w_got = load_weights(trainer_run), load_weights(out)
     assert w_ref.keys() == w_got.keys()
     for key in w_ref:

@@ -157,8 +157,16 @@ def validate(cfg: QuickstartConfig) -> list[str]:
 
 def exact_match(completion: str, reference: str) -> bool:
     """The whole answer, character for character, after trimming surrounding whitespace (the task asks for exactly
-    one JSON object: a right object with extra prose or other key order is not a match)."""
-    return completion.strip() == reference.strip()
+    one JSON object: a right object with extra prose or other key order is not a match). The scorer of
+    `--eval_generate` (finetune.training.evaluate.exact_match), so training-time and quickstart numbers agree."""
+    from finetune.training.evaluate import exact_match as scorer
+
+    return scorer(completion, reference)
+
+
+def field_accuracy_metric(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """field_accuracy as an --eval_metric hook (finetune.apps.quickstart:field_accuracy_metric)."""
+    return {"field_accuracy": sum(map(field_accuracy, predictions, references)) / max(len(predictions), 1)}
 
 
 def field_accuracy(completion: str, reference: str) -> float:
@@ -447,7 +455,8 @@ global batch {tr['global_batch']}, learning rate {tr['learning_rate']:g}: {tr['s
 """ + "".join(f"| {k} | {v:.0f} |\n" for k, v in tm.items()) + f"""
 Machine: {m['cpu_count']} CPU cores ({m.get('eval_threads')} used for evaluation), {m['gpus']} GPU(s); load average {m['load_average_start']} at start,
 {m['load_average_end']} at end. Files: `metrics.json` (every number here, and every completion), `loss_curve.png`,
-`examples.md`.
+`examples.md`; the training run's own report (`finetune report`: curves of loss, learning rate and tokens/s, final
+metrics) is `{metrics.get('output', {}).get('run_report', 'model/report')}/README.md`.
 """
 
 
@@ -517,6 +526,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     run_dir = out / "model"
     training = train(cfg, model_dir, run_dir, log)
     timings["train"] = time.time() - t
+    from finetune.apps.report import write_report as run_report
+
+    run_report_dir = run_report(run_dir)  # `finetune report`: the run's curves and final metrics
 
     t = time.time()
     adapter = str(run_dir) if cfg.method == "lora" else None
@@ -541,7 +553,8 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
         "machine": {"cpu_count": os.cpu_count(), "gpus": torch.cuda.device_count(), "eval_threads": threads, "load_average_start": load_start,
                     "load_average_end": _load()},
         "config": {k: v for k, v in asdict(cfg).items()},
-        "output": {"model": str(run_dir.resolve()), "report": str((out / "report").resolve())},
+        "output": {"model": str(run_dir.resolve()), "report": str((out / "report").resolve()),
+                   "run_report": str(run_report_dir.resolve())},
     }
     if gguf_file:
         metrics["output"]["gguf"] = gguf_file

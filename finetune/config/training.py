@@ -164,6 +164,18 @@ class DataConfig:
         metadata={"help": "Send each micro-batch as one flattened row without padding (records kept apart as with "
                           "--packing). Same records per step as the padded run; pays off with flash_attention_2."},
     )
+    eval_dataset: str | None = field(
+        default=None,
+        metadata={"help": "Evaluation data: a local file or folder, or a Hub data set id, in the formats --dataset takes "
+                          "(same --dataset_format, max_seq_length and masks). Turns on --eval_strategy steps."},
+    )
+    eval_dataset_split: str = field(default="validation", metadata={"help": "Split of a Hub --eval_dataset."})
+    eval_split_size: float = field(
+        default=0.0,
+        metadata={"help": "Hold out part of the training data for evaluation instead: a fraction (0.05) or a number of "
+                          "records (200); a seeded split (--data_seed or --seed), disjoint from training, recorded in "
+                          "OUTPUT_DIR/eval_split.json. Turns on --eval_strategy steps."},
+    )
 
     def __post_init__(self):
         # `--dataset a.jsonl` once is the plain string it always was; repeated, a list.
@@ -175,6 +187,34 @@ class DataConfig:
         if not self.dataset:
             return []
         return list(self.dataset) if isinstance(self.dataset, list) else [self.dataset]
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation while training (finetune.training.evaluate); its schedule is TrainingArguments' --eval_strategy,
+    --eval_steps, and the best model --load_best_model_at_end / --metric_for_best_model."""
+
+    eval_generate: int = field(
+        default=0,
+        metadata={"help": "At every evaluation, complete the first N eval records greedily and log eval_exact_match "
+                          "(the completion equals the record's answer after trimming whitespace)."},
+    )
+    eval_max_new_tokens: int = field(
+        default=0, metadata={"help": "Longest --eval_generate completion (0: the reference answer's length + 16)."}
+    )
+    eval_metric: str | None = field(
+        default=None,
+        metadata={"help": "A metric over the --eval_generate completions: 'package.module:function', called as "
+                          "function(predictions, references) -> float or {name: float}; logged as eval_<name>."},
+    )
+    early_stopping_patience: int = field(
+        default=0,
+        metadata={"help": "Stop when --metric_for_best_model has not improved for N evaluations (0: never); needs "
+                          "--load_best_model_at_end, so the model saved is the best one."},
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "How much the metric must improve to count as an improvement for early stopping."}
+    )
 
 
 @dataclass
@@ -216,6 +256,11 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "average_tokens_across_devices": True,
     "remove_unused_columns": False,
     "dataloader_num_workers": 0,
+    # DDP's default (find unused parameters) costs an extra pass over the autograd graph every step and warns about
+    # it; every parameter of a Llama-style model (and of its LoRA adapters) gets a gradient in every step.
+    "ddp_find_unused_parameters": False,
+    # Real (non-padding) input tokens seen, and tokens per second, in every log entry (finetune report plots them).
+    "include_num_input_tokens_seen": "non_padding",
 }
 
 # Keys the project sets itself; a user value would break an invariant, so they are refused.
@@ -232,11 +277,12 @@ class FinetuneConfig:
     deepspeed_config: Path | None
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
     fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
 
     def resolved(self) -> dict[str, Any]:
         """The flat dict of every key that is not at the HF default, reusable as a --recipe."""
         out: dict[str, Any] = {}
-        for section in (self.launch, self.model, self.data):
+        for section in (self.launch, self.model, self.data, self.evaluation):
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
@@ -245,7 +291,7 @@ class FinetuneConfig:
             # The repo id and the exact commit, not the cache folder: the recipe reruns on another machine.
             out["model_name_or_path"], out["model_revision"] = hub.repo_id, hub.commit
         # Absolute paths, so the saved recipe works from any directory.
-        for key in ("model_name_or_path", "dataset", "dataset_cache_dir", "config", "nvme_path"):
+        for key in ("model_name_or_path", "dataset", "eval_dataset", "dataset_cache_dir", "config", "nvme_path"):
             if isinstance(out.get(key), list):
                 out[key] = [str(Path(v).resolve()) if Path(v).exists() else v for v in out[key]]
             elif out.get(key) and Path(out[key]).exists():
@@ -289,7 +335,7 @@ def command(prog: str = "finetune train", extra: dict[str, type] | None = None, 
     --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections."""
     from transformers import TrainingArguments
 
-    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig}
+    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "evaluation": EvalConfig}
     # A command's own flags come before TrainingArguments' (a name in both is the command's).
     sections.update(extra or {})
     sections["training"] = TrainingArguments
@@ -318,27 +364,36 @@ def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train") ->
 
 def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", extra: dict[str, type] | None = None):
     """The training flags converted and merged, before any check: (model, data, launch, training values, sources,
-    problems, extra) where extra holds the instances of the command's `extra` sections. For commands that take
-    the training flags and check them their own way (`finetune plan`)."""
+    problems, extra) where extra holds the instances of EvalConfig ("evaluation") and of the command's `extra`
+    sections. For commands that take the training flags and check them their own way (`finetune plan`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     got = command(prog, extra).collect(argv)
     values, sources, problems = got.values, got.sources, got.problems
+    training = values["training"]
     if "save_steps" in sources and "save_strategy" not in sources:
         # Asking for a checkpoint every N steps is asking for step checkpoints (our default save_strategy is no).
-        values["training"]["save_strategy"] = "steps"
+        training["save_strategy"] = "steps"
+    if (values["data"].get("eval_dataset") or values["data"].get("eval_split_size")) and "eval_strategy" not in sources:
+        training["eval_strategy"] = "steps"  # an eval set is given to be evaluated on
+    if _plain(training.get("eval_strategy")) == "steps" and "eval_steps" not in sources:
+        # transformers would evaluate every --logging_steps (every step here); the best model needs an evaluation at
+        # every checkpoint, so evaluate where it saves, else ten times per run.
+        training["eval_steps"] = training.get("save_steps") if "save_steps" in sources else 0.1
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
-    extras = {name: cls(**values[name]) for name, cls in (extra or {}).items()}
-    return model, data, launch, values["training"], sources, problems, extras
+    extras = {name: cls(**values[name]) for name, cls in {"evaluation": EvalConfig, **(extra or {})}.items()}
+    return model, data, launch, training, sources, problems, extras
 
 
 def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:
     """Parse and validate. Raises ConfigError listing every problem found."""
-    model, data, launch, training_values, sources, problems, _ = parse_sections(argv)
+    model, data, launch, training_values, sources, problems, extras = parse_sections(argv)
+    evaluation = extras["evaluation"]
     # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
     problems += validate(model, data, launch, training_values, check_paths=check_paths)
+    problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths)
     ds_path = resolve_preset(launch.config)
 
     training = None
@@ -347,7 +402,68 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
         problems += more
     if problems:
         raise ConfigError(problems)
-    return FinetuneConfig(model, data, launch, training, ds_path, sources)
+    return FinetuneConfig(model, data, launch, training, ds_path, sources, evaluation=evaluation)
+
+
+def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool) -> list[str]:
+    """The evaluation flags: an eval set for every evaluation asked for, a metric that will exist."""
+    problems = []
+    has_eval = bool(data.eval_dataset or data.eval_split_size)
+    if data.eval_dataset and data.eval_split_size:
+        problems.append("eval_dataset / eval_split_size: give one of them (an eval file, or a share of the training data)")
+    size = data.eval_split_size
+    if size < 0 or (size >= 1 and size != int(size)):
+        problems.append(f"eval_split_size: a fraction below 1 (0.05) or a whole number of records (200), got {size}")
+    strategy = _plain(training.get("eval_strategy", "no"))
+    if strategy != "no" and not has_eval:
+        problems.append(f"eval_strategy: '{strategy}' needs an eval set: --eval_dataset FILE or --eval_split_size 0.05")
+    if ev.eval_generate < 0:
+        problems.append(f"eval_generate: must not be negative, got {ev.eval_generate}")
+    elif ev.eval_generate and not has_eval:
+        problems.append("eval_generate: needs an eval set: --eval_dataset FILE or --eval_split_size 0.05")
+    elif ev.eval_generate and not data.completion_only_loss:
+        problems.append("eval_generate: needs prompt/answer records trained on the answer only (completion_only_loss "
+                        "true): the prompt is what comes before the last trained span")
+    if ev.eval_metric and not ev.eval_generate:
+        problems.append("eval_metric: scores --eval_generate completions; add --eval_generate N")
+    elif ev.eval_metric and check_paths:
+        try:
+            load_metric(ev.eval_metric)
+        except ValueError as e:
+            problems.append(f"eval_metric: {e}")
+    if ev.early_stopping_patience < 0:
+        problems.append(f"early_stopping_patience: must not be negative, got {ev.early_stopping_patience}")
+    elif ev.early_stopping_patience and not training.get("load_best_model_at_end"):
+        problems.append("early_stopping_patience: needs --load_best_model_at_end true (the run keeps and saves the "
+                        "best model it found), with an eval set")
+    metric = training.get("metric_for_best_model")
+    if metric and (training.get("load_best_model_at_end") or ev.early_stopping_patience) and not ev.eval_metric:
+        known = ["loss", "perplexity"] + (["exact_match"] if ev.eval_generate else [])
+        name = metric[len("eval_"):] if metric.startswith("eval_") else metric
+        if name not in known:
+            problems.append(f"metric_for_best_model: '{metric}' is not logged{did_you_mean(name, known)} (logged: "
+                            f"{', '.join('eval_' + k for k in known)}; --eval_metric adds its own)")
+    return problems
+
+
+def load_metric(spec: str):
+    """'package.module:function' (or 'package.module.function') -> the function; ValueError naming what is missing."""
+    import importlib
+
+    module_name, sep, name = spec.partition(":")
+    if not sep:
+        module_name, _, name = spec.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"'{spec}' is not 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name} ({e}); is it on PYTHONPATH?") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise ValueError(f"{module_name} has no function '{name}'{did_you_mean(name, public)}")
+    return fn
 
 
 def _check_accelerate_agrees(launch: LaunchConfig, config_given: bool) -> list[str]:
@@ -737,6 +853,14 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_
     from transformers import TrainingArguments
 
     kwargs = dict(values)
+    # --gradient_checkpointing (the name users, TRL and our docs know) is transformers 5's deprecated alias of
+    # --activation_checkpointing: pass it under the new name, so it means the same without a FutureWarning.
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if old in kwargs:
+            value = kwargs.pop(old)
+            if kwargs.get(new) is None:
+                kwargs[new] = value
     if not torch.cuda.is_available():
         kwargs["use_cpu"] = True
     if ds_path is not None:

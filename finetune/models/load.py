@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
-from finetune.compat import guard_4bit_training  # noqa: F401
+from finetune.compat import guard_4bit_training, quiet_checkpointing_alias  # noqa: F401
 
 class WeightsError(ValueError):
     """The weights file does not hold the weights the config describes; the message names keys and file."""
@@ -106,11 +106,12 @@ def load_model(model_cfg, training_args=None):
     from finetune.models.hub import stamp_config
 
     stamp_config(model.config, getattr(model_cfg, "_hub", None))
-    gradient_checkpointing = bool(training_args and training_args.gradient_checkpointing)
+    gradient_checkpointing = bool(training_args and training_args.activation_checkpointing)
     if quant is not None:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        with quiet_checkpointing_alias():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
         guard_4bit_training(model)
         print(describe_quantization(model, model_cfg, quant), flush=True)
     if model_cfg.use_peft:
@@ -220,4 +221,5 @@ def add_lora(model, model_cfg, seed: int):
     set_seed(seed)
     hub = getattr(model_cfg, "_hub", None)
     # A Hub base: adapter_config.json records the commit (base_model_name_or_path is the snapshot folder).
-    return get_peft_model(model, config, revision=hub.commit if hub else None)
+    with quiet_checkpointing_alias():
+        return get_peft_model(model, config, revision=hub.commit if hub else None)

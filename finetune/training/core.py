@@ -59,13 +59,15 @@ def refused_flags(cfg, script: str) -> list[str]:
         problems.append(f"save_strategy: {script} saves checkpoints every --save_steps only, not '{strategy}'")
     if (strategy := flag("logging_strategy", "steps")) not in ("no", "steps"):
         problems.append(f"logging_strategy: {script} logs every --logging_steps only, not '{strategy}'")
-    if flag("eval_strategy", "no") != "no" or flag("do_eval") or flag("do_predict"):
-        problems.append(f"eval_strategy / do_eval / do_predict: {script} does not evaluate (finetune/train.py does)")
+    if flag("do_predict"):
+        problems.append(f"do_predict: {script} does not predict (finetune/train.py does)")
     if (scheduler := flag("lr_scheduler_type", "linear")) in ("reduce_lr_on_plateau", "greedy"):
-        problems.append(f"lr_scheduler_type: '{scheduler}' steps on evaluation metrics; {script} has none")
+        problems.append(f"lr_scheduler_type: '{scheduler}' steps on evaluation metrics; {script} does not support it "
+                        "(finetune/train.py does)")
     unsupported = {
         "save_total_limit": flag("save_total_limit") is not None,
-        "load_best_model_at_end": flag("load_best_model_at_end"),
+        "eval_on_start": flag("eval_on_start"),
+        "eval_delay": bool(flag("eval_delay", 0)),
         "ignore_data_skip": flag("ignore_data_skip"),
         "torch_compile": flag("torch_compile") and "loop" not in script,  # the loop compiles as the Trainer does
         "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
@@ -388,19 +390,42 @@ class LogWindow:
     session_loss: float = 0.0
     session_steps: int = 0
     started: float = field(default_factory=time.time)
+    count_tokens: bool = False  # --include_num_input_tokens_seen: the Trainer's num_input_tokens_seen and speed
+    tokens_seen: int = 0
+    session_tokens: int = 0
 
     @classmethod
     def for_run(cls, args, max_steps: int, state: dict | None = None) -> "LogWindow":
         every = args.logging_steps
         every = math.ceil(max_steps * every) if every < 1 else int(every)  # a ratio of the run, as the Trainer
         log = cls(every=max(every, 1), enabled=_value(args.logging_strategy) == "steps",
-                  first_step=args.logging_first_step)
+                  first_step=args.logging_first_step,
+                  count_tokens=_value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False))
         if state:
             log.history, (log.loss, log.steps) = state["log_history"], state["window"]
+            log.tokens_seen = state.get("tokens_seen", 0)
         return log
 
     def state(self) -> dict:
-        return {"log_history": self.history, "window": [self.loss, self.steps]}
+        return {"log_history": self.history, "window": [self.loss, self.steps], "tokens_seen": self.tokens_seen}
+
+    def count(self, chunk: list[dict], device) -> None:
+        """The step's real input tokens, all ranks (the Trainer's include_num_input_tokens_seen "non_padding")."""
+        if self.count_tokens:
+            import torch
+
+            mine = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in chunk)
+            n = int(all_sum(torch.tensor(mine, dtype=torch.int64, device=device)).item())
+            self.tokens_seen, self.session_tokens = self.tokens_seen + n, self.session_tokens + n
+
+    def _speed(self, entry: dict, train: bool) -> None:
+        # What Trainer.log adds: the tokens seen, and on training entries the session's runtime and tokens/s.
+        if self.count_tokens:
+            entry["num_input_tokens_seen"] = self.tokens_seen
+            if train:
+                runtime = time.time() - self.started
+                entry["train_runtime"] = round(runtime, 4)
+                entry["train_tokens_per_second"] = round(self.session_tokens / runtime, 3) if runtime > 0 else 0.0
 
     def add(self, step: int, loss: float, learning_rate: float, grad_norm: float | None, epoch: float) -> dict | None:
         self.loss, self.steps = self.loss + loss, self.steps + 1
@@ -410,9 +435,18 @@ class LogWindow:
         entry = {"loss": self.loss / self.steps}
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm
-        entry.update(learning_rate=learning_rate, epoch=epoch, step=step)
+        entry.update(learning_rate=learning_rate, epoch=epoch)
+        self._speed(entry, train=True)
+        entry["step"] = step
         self.history.append(entry)
         self.loss, self.steps = 0.0, 0
+        return entry
+
+    def add_eval(self, metrics: dict, step: int, epoch: float) -> dict:
+        entry = {**metrics, "epoch": epoch}
+        self._speed(entry, train=False)
+        entry["step"] = step
+        self.history.append(entry)
         return entry
 
     def finish(self, step: int, epoch: float, samples_per_step: int) -> None:
@@ -426,8 +460,12 @@ class LogWindow:
         self.history.append(entry)
 
 
-def trainer_state(log: LogWindow, step: int, max_steps: int) -> dict:
-    return {"global_step": step, "max_steps": max_steps, "logging_steps": log.every, "log_history": log.history}
+def trainer_state(log: LogWindow, step: int, max_steps: int, evaluator=None) -> dict:
+    state = {"global_step": step, "max_steps": max_steps, "logging_steps": log.every, "log_history": log.history}
+    if evaluator is not None:
+        state.update({k: v for k, v in evaluator.state().items() if k != "patience_counter"},
+                     eval_steps=evaluator.every, num_input_tokens_seen=log.tokens_seen)
+    return state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,12 +480,13 @@ class Position:
     epoch: int = 0
     micro_done: int = 0  # micro-batches of `epoch` already trained (this rank)
     log: dict | None = None
+    evaluation: dict | None = None  # the best metric so far and early stopping's count (finetune.training.evaluate)
 
-    def to_json(self, args, log: LogWindow) -> dict:
+    def to_json(self, args, log: LogWindow, evaluator=None) -> dict:
         return {"global_step": self.step, "epoch": self.epoch, "micro_batches_done_in_epoch": self.micro_done,
                 "data": {"world_size": world(), "per_device_train_batch_size": args.per_device_train_batch_size,
                          "seed": data_seed(args), "drop_last": args.dataloader_drop_last},
-                **log.state()}
+                **log.state(), "evaluation": evaluator.state() if evaluator is not None else None}
 
     @classmethod
     def read(cls, folder: Path | None) -> "Position":
@@ -455,7 +494,8 @@ class Position:
             return cls()
         p = json.loads((Path(folder) / POSITION).read_text())
         return cls(p["global_step"], p["epoch"], p["micro_batches_done_in_epoch"],
-                   {"log_history": p["log_history"], "window": p["window"]})
+                   {"log_history": p["log_history"], "window": p["window"], "tokens_seen": p.get("tokens_seen", 0)},
+                   p.get("evaluation"))
 
 
 @dataclass
@@ -471,15 +511,38 @@ class Job:
     save: Callable
     device: object
     fingerprint: dict | None = None  # the run's (finetune.training.outputs.run_fingerprint), for the checkpoint marker
+    evaluator: object = None  # finetune.training.evaluate.Evaluator: when to evaluate, the best model, early stopping
+    load: Callable | None = None  # load(folder): a checkpoint's weights back into the model (the best, at the end)
+    reporters: object = None  # finetune.training.evaluate.Reporters: --report_to (TensorBoard, ...)
+
+
+def _show(entry: dict) -> None:
+    rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
 
 
 def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: Path | None) -> tuple[LogWindow, Position]:
-    """Run from the resumed position (or step 0) to max_steps; checkpoints every --save_steps."""
+    """Run from the resumed position (or step 0) to max_steps, or until early stopping; evaluates, checkpoints every
+    --save_steps, and with --load_best_model_at_end ends with the best checkpoint's weights in the model."""
     pos = Position.read(resume)
     log = LogWindow.for_run(args, max_steps, pos.log)
+    ev = job.evaluator
+    if ev is not None:
+        ev.load(pos.evaluation)
     save_every = checkpoint.save_interval(args, max_steps)
     accum, skip = args.gradient_accumulation_steps, pos.micro_done
-    while pos.step < max_steps:
+    stop = False
+
+    def report(entry: dict) -> None:
+        _show(entry)
+        if job.reporters is not None:
+            job.reporters.log(entry)
+
+    def evaluate(epoch: float) -> bool:
+        metrics = ev.run()
+        report(log.add_eval(metrics, pos.step, epoch))
+        return ev.record(metrics, pos.step)
+
+    while pos.step < max_steps and not stop:
         set_epoch(loader, pos.epoch)
         batches = iter(loader)
         pos.micro_done = 0
@@ -494,19 +557,35 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             # The epoch's last step may have fewer micro-batches (as the Trainer's).
             chunk = [next(batches) for _ in range(min(accum, micro_per_epoch - pos.micro_done))]
             pos.micro_done += len(chunk)
+            log.count(chunk, job.device)
             loss, lr, grad_norm = job.step(chunk, global_tokens(chunk, job.device))
             pos.step += 1
+            epoch = pos.epoch + pos.micro_done / micro_per_epoch
             entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
-                            None if grad_norm is None else float(grad_norm),
-                            pos.epoch + pos.micro_done / micro_per_epoch)
+                            None if grad_norm is None else float(grad_norm), epoch)
             if entry is not None:
-                rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
+                report(entry)
+            # Then evaluate, then save: the Trainer's order (_maybe_log_save_evaluate).
+            if ev is not None and ev.due_after_step(pos.step):
+                stop = evaluate(epoch)
             if save_every and pos.step % save_every == 0 and pos.step < max_steps:
-                save_checkpoint(args, job, pos.to_json(args, log))
+                if ev is not None:
+                    ev.saving(args.output_dir, pos.step)
+                save_checkpoint(args, job, pos.to_json(args, log, ev))
+            if stop:
+                break
         if pos.micro_done >= micro_per_epoch:
             pos.epoch += 1
+            if ev is not None and ev.due_after_epoch() and not stop:
+                stop = evaluate(float(pos.epoch))
+    if ev is not None and (best := ev.best_to_load(pos.step)) is not None:
+        rank0_print(f"loading the best model: {best.name} ({args.metric_for_best_model or 'loss'} {ev.best_metric})")
+        job.load(best)
     log.finish(pos.step, pos.epoch + pos.micro_done / micro_per_epoch if pos.micro_done < micro_per_epoch
                else float(pos.epoch), args.per_device_train_batch_size * accum * world())
+    if job.reporters is not None:
+        job.reporters.log(log.history[-1])
+        job.reporters.close()
     return log, pos
 
 

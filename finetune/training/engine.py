@@ -24,8 +24,8 @@ from functools import partial
 
 from finetune import config as C
 from finetune.data.prepare import make_collator
-from finetune.training import checkpoint, core
-from finetune.training.outputs import data_or_exit, exit_with, plan_or_exit, resume_or_exit
+from finetune.training import checkpoint, core, evaluate
+from finetune.training.outputs import exit_with, plan_or_exit, resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     resume = resume_or_exit(cfg, path="sft", world_size=world)
 
     # Tokenizer and data: tokenized once per node (local rank 0), cached.
-    tokenizer, dataset, stats = data_or_exit(cfg, args.local_process_index)
+    tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
     loader = build_loader(dataset, make_collator(cfg, tokenizer), args, world, rank)
     max_steps = core.max_steps_of(args, len(loader))
 
@@ -88,15 +88,24 @@ def main(argv: list[str] | None = None) -> None:
     def save(folder, position: dict) -> None:
         engine.save_checkpoint(args.output_dir, tag=folder.name, client_state={"finetune": position})
 
+    # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
+    eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
+    synced = engine.zero_optimization_stage() == 3 and world > 1
+    evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
+        engine, engine.module, eval_set, engine.device, synced_gpus=synced), max_steps)
+
+    def load(folder) -> None:  # the best checkpoint, for the final save (loaded as a resume loads it)
+        engine.load_checkpoint(str(folder.parent), tag=folder.name)
+
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
     job = core.Job("sft", engine.zero_optimization_stage(), partial(train_step, engine, world), save, engine.device,
-                   cfg.fingerprint)
+                   cfg.fingerprint, evaluator=evaluator, load=load, reporters=evaluate.Reporters(args, max_steps, engine.module))
     log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     state_dict = core.consolidated_state_dict(engine, engine.module)
-    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps),
+    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps, evaluator),
                     cfg)
     checkpoint.end_process_group()
 

@@ -17,8 +17,8 @@ import torch
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.data.sampler import distributed_dataloader
-from finetune.training import checkpoint, core
-from finetune.training.outputs import data_or_exit, plan_or_exit, rank0_print, resume_or_exit
+from finetune.training import checkpoint, core, evaluate
+from finetune.training.outputs import plan_or_exit, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     resume = resume_or_exit(cfg, path="loop", world_size=world)
 
     # Tokenizer and data.
-    tokenizer, dataset, stats = data_or_exit(cfg, accelerator.local_process_index)
+    tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, accelerator.local_process_index)
     dataloader = distributed_dataloader(
         dataset, make_collator(cfg, tokenizer), world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
@@ -101,16 +101,24 @@ def main(argv: list[str] | None = None) -> None:
     def save(folder, position: dict) -> None:
         accelerator.save_state(str(folder))  # model, optimizer, schedule; the engine's own checkpoint under DeepSpeed
 
+    # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
+    eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
+    synced = zero_stage == 3 and world > 1
+    evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
+        model, accelerator.unwrap_model(model), eval_set, accelerator.device, synced_gpus=synced), max_steps)
+
     # Train.
     model.train()
-    job = core.Job("loop", zero_stage, step, save, accelerator.device, cfg.fingerprint)
+    job = core.Job("loop", zero_stage, step, save, accelerator.device, cfg.fingerprint, evaluator=evaluator,
+                   load=lambda folder: accelerator.load_state(str(folder)),
+                   reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)))
     log, pos = core.train(args, job, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(model)
     state_dict = core.consolidated_state_dict(model if deepspeed else None, module)
-    core.save_final(module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps),
+    core.save_final(module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps, evaluator),
                     cfg)
     checkpoint.end_process_group()
 

@@ -11,6 +11,7 @@ Checkpoints: the Trainer writes them; we add the completion marker once every ra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -18,12 +19,11 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import compat
-from finetune.training import checkpoint, core
+from finetune.training import checkpoint, core, evaluate
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models.load import WeightsError, load_model
-from finetune.training.outputs import (data_or_exit, describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit,
-                                       save_final, saving)
+from finetune.training.outputs import describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final, saving
 from finetune.models.verify import VerificationError
 from finetune.data.sampler import distributed_dataloader
 
@@ -63,6 +63,18 @@ class Trainer(transformers.Trainer):
         lr = getattr(self, "_step_learning_rate", None)
         return super()._get_learning_rate() if lr is None else lr
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        # finetune.training.evaluate instead of evaluation_loop, whose loss is a mean of batch means over a
+        # DistributedSampler-padded set: the token-normalized loss of the whole set, as on the other two paths.
+        # Logged, and handed to the callbacks (early stopping), as Trainer.evaluate does.
+        eval_set = self.eval_set if eval_dataset is None else dataclasses.replace(self.eval_set, dataset=eval_dataset)
+        synced = self.zero_stage() == 3 and self.accelerator.num_processes > 1
+        metrics = evaluate.evaluate(self.model_wrapped, self.accelerator.unwrap_model(self.model), eval_set,
+                                    self.args.device, synced_gpus=synced, prefix=metric_key_prefix)
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
     def zero_stage(self) -> int:
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
 
@@ -99,7 +111,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     resume = resume_or_exit(cfg, path="trainer", world_size=args.world_size)
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
-    tokenizer, train_dataset, stats = data_or_exit(cfg, args.local_process_index)
+    tokenizer, train_dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
 
     # Model (and LoRA).
     try:
@@ -111,15 +123,21 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
 
     # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
     # the whole global batch (average_tokens_across_devices), so how the batch is split does not matter.
+    callbacks = list(callbacks or [])  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
+    if cfg.evaluation.early_stopping_patience:
+        callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
+                                                            cfg.evaluation.early_stopping_threshold))
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         data_collator=make_collator(cfg, tokenizer),
         processing_class=tokenizer,
-        callbacks=callbacks,  # TrainerCallbacks of a caller (the quickstart's progress bar and time bound)
+        callbacks=callbacks,
     )
     trainer.fingerprint = cfg.fingerprint
+    trainer.eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
 
     # Train.
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)

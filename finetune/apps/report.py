@@ -1,0 +1,183 @@
+"""`finetune report OUTPUT_DIR`: a run folder's curves and final metrics, as PNG, markdown and JSON.
+
+Reads the run's log_history (trainer_state.json of the final save, else of its newest checkpoint), the same on
+all three training paths, and writes OUTPUT_DIR/report/: loss.png (training and eval loss per step),
+learning_rate.png, tokens_per_second.png (when the run counted tokens), metrics.json and README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+
+
+class ReportError(Exception):
+    pass
+
+
+@dataclass
+class ReportArgs:
+    """The run to report on"""
+
+    output_dir: str | None = field(default=None, metadata={"help": "A run's --output_dir (or one of its checkpoints).",
+                                                            "positional": True, "required": True})
+    report_dir: str | None = field(default=None, metadata={"help": "Where to write the report (default: OUTPUT_DIR/report)."})
+
+
+def find_state(output_dir: str | Path) -> tuple[Path, dict]:
+    """(file, trainer state): the final save's, else the newest checkpoint's (a run still going, or stopped)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        raise ReportError(f"{out}: no such folder (give a run's --output_dir)")
+    candidates = [out / "trainer_state.json"]
+    steps = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+    for _, folder in reversed(steps):
+        candidates += [folder / "trainer_state.json", folder / "finetune_position.json"]
+    for path in candidates:
+        if path.is_file():
+            try:
+                state = json.loads(path.read_text())
+            except ValueError as e:
+                raise ReportError(f"{path}: not valid JSON ({e})") from None
+            if state.get("log_history"):
+                return path, state
+    raise ReportError(f"{out}: no trainer_state.json with a log history, here or in a checkpoint-N folder; "
+                      "is it a finetune run's --output_dir?")
+
+
+def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(e["step"], e[key]) for e in history if isinstance(e.get(key), (int, float)) and "step" in e
+             and not (key == "loss" and "train_loss" in e)]
+    return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+
+
+def summary(state: dict) -> dict:
+    """The final metrics: the last training window, the last evaluation, the best one, the run's totals."""
+    history = state["log_history"]
+    train = [e for e in history if "loss" in e]
+    evals = [e for e in history if "eval_loss" in e]
+    end = next((e for e in reversed(history) if "train_loss" in e), {})
+    out = {"global_step": state.get("global_step"), "max_steps": state.get("max_steps")}
+    if train:
+        out["train"] = {"first_loss": train[0]["loss"], "last_loss": train[-1]["loss"], "last_step": train[-1]["step"],
+                        "learning_rate": train[-1].get("learning_rate")}
+        tps = [e["train_tokens_per_second"] for e in train if "train_tokens_per_second" in e]
+        if tps:
+            out["train"]["tokens_per_second"] = tps[-1]
+        if "num_input_tokens_seen" in train[-1]:
+            out["train"]["tokens_seen"] = train[-1]["num_input_tokens_seen"]
+    if evals:
+        out["eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"}
+        out["eval"]["evaluations"] = len(evals)
+    for key in ("best_metric", "best_global_step", "best_model_checkpoint"):
+        if state.get(key) is not None:
+            out.setdefault("best", {})[key] = state[key]
+    if end:
+        out["run"] = {k: end[k] for k in ("train_loss", "train_runtime", "train_samples_per_second", "epoch") if k in end}
+    return out
+
+
+def _plot(path: Path, title: str, ylabel: str, curves: list[tuple[str, list[int], list[float], str]], log: bool = False):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+    for label, xs, ys, marker in curves:
+        if xs:
+            ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    if log and all(y > 0 for _, _, ys, _ in curves for y in ys):
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if len([c for c in curves if c[1]]) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def markdown(source: Path, metrics: dict, images: list[str]) -> str:
+    lines = [f"# Run report: {source.parent.name if source.parent.name != 'report' else source.parent.parent.name}",
+             "", f"From `{source}` (step {metrics.get('global_step')} of {metrics.get('max_steps')}).", ""]
+    titles = {"loss.png": "loss", "learning_rate.png": "learning rate", "tokens_per_second.png": "tokens per second"}
+    for name in images:
+        lines += [f"![{titles[name]}]({name})", ""]
+    for section in ("train", "eval", "best", "run"):
+        if section in metrics:
+            lines += [f"## {section}", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {k} | {_fmt(v)} |" for k, v in metrics[section].items()]
+            lines.append("")
+    lines.append("All numbers: `metrics.json`.")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(output_dir: str | Path, report_dir: str | Path | None = None) -> Path:
+    """Write the report folder (staged, then renamed into place: complete or absent); returns it."""
+    source, state = find_state(output_dir)
+    report = Path(report_dir) if report_dir else Path(output_dir) / "report"
+    history = state["log_history"]
+    staging = report.parent / f".{report.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    images = []
+    train_x, train_y = series(history, "loss")
+    eval_x, eval_y = series(history, "eval_loss")
+    if train_x or eval_x:
+        _plot(staging / "loss.png", "loss", "loss (trained tokens)",
+              [("train", train_x, train_y, "."), ("eval", eval_x, eval_y, "o")], log=True)
+        images.append("loss.png")
+    lr_x, lr_y = series(history, "learning_rate")
+    if lr_x:
+        _plot(staging / "learning_rate.png", "learning rate", "learning rate", [("learning rate", lr_x, lr_y, ".")])
+        images.append("learning_rate.png")
+    tps_x, tps_y = series(history, "train_tokens_per_second")
+    if tps_x:
+        _plot(staging / "tokens_per_second.png", "throughput", "input tokens / s (run average)",
+              [("tokens/s", tps_x, tps_y, ".")])
+        images.append("tokens_per_second.png")
+    metrics = summary(state)
+    (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (staging / "README.md").write_text(markdown(source, metrics, images))
+    old = report.parent / f".{report.name}.old-{os.getpid()}"
+    if report.exists():
+        os.rename(report, old)
+    os.rename(staging, report)
+    shutil.rmtree(old, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from finetune.config.parser import Command
+
+    cmd = Command("finetune report", {"args": ReportArgs},
+                  description="Write OUTPUT_DIR/report/: loss, learning-rate and throughput curves (PNG), the final "
+                              "metrics as markdown and JSON.")
+    args: ReportArgs = cmd.parse_or_exit(argv).args
+    try:
+        print(write_report(args.output_dir, args.report_dir))
+    except ReportError as e:
+        print(f"finetune report: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
