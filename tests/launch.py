@@ -2,5 +2,5 @@
 
 from finetune.testing import (  # noqa: F401
     BIN, LOOP, REPO, SFT, TRAIN, Job, Killed, Result, deepspeed_launcher, env, free_port, launcher, losses,
-    rank_pids, run, run_and_kill_rank, tiny_job,
+    node_launcher, rank_pids, run, run_and_kill_rank, run_nodes, run_nodes_and_kill_rank, tiny_job, write_hostfile,
 )
