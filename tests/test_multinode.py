@@ -26,7 +26,9 @@ from launch import LOOP, SFT, TRAIN, free_port, losses, node_launcher, run, run_
 
 STEPS, SAVE = 6, 2  # 20 records, global batch 4: 5 steps per epoch, so the resumed run crosses into epoch 2
 SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": SFT}
-TOL = 1e-6
+# Two ranks sum the loss and gradients in another order than one process: a few float32 ulps at a loss of 6
+# (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
+TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
 
 
