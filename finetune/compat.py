@@ -40,7 +40,7 @@ TESTED: dict[str, Tested] = {
         "(without it LoRA silently stops learning) and the exact-layout comparison when a 4-bit save is verified",
     ),
     "transformers": Tested(
-        ">=5.23,<5.24",
+        ">=5.23,<5.25",
         "the Trainer path's checkpoint hooks (private Trainer methods), reloading for verification inside a ZeRO-3 "
         "run, and `finetune generate --device_map auto|balanced|sequential`",
     ),
@@ -305,7 +305,7 @@ BNB_WARNINGS_LOGGER = "bitsandbytes.autograd._functions"
 
 
 # ----------------------------------------------------------------------------------------------
-# transformers 5.23 and accelerate 1.15.
+# transformers 5.23-5.24 and accelerate 1.15.
 
 
 @contextmanager

@@ -38,7 +38,7 @@ def test_inside_the_tested_ranges_says_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("package, version", [
-    ("deepspeed", "0.20.0"), ("deepspeed", "0.19.7"), ("bitsandbytes", "0.51.0"), ("transformers", "5.24.0"),
+    ("deepspeed", "0.20.0"), ("deepspeed", "0.19.7"), ("bitsandbytes", "0.51.0"), ("transformers", "5.25.0"),
     ("transformers", "6.0.0.dev0"), ("accelerate", "1.16.0"), ("deepspeed", "not-a-version"),
 ])
 def test_outside_a_range_gets_one_message_naming_package_version_range_and_risk(monkeypatch, package, version):
