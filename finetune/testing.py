@@ -84,6 +84,32 @@ def deepspeed_launcher(nproc: int = 2, script: str = SFT) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script]
 
 
+def node_launcher(kind: str, node_rank: int, port: int, nnodes: int = 2, script: str = TRAIN,
+                  hostfile: Path | None = None) -> list[str]:
+    """The launch line of one node of an `nnodes`-node job, one rank per node, all "nodes" on 127.0.0.1.
+
+    Every node's line names the same `port` (node 0's rendezvous); deepspeed's runner also needs a `hostfile`
+    (see write_hostfile) and starts this node's ranks itself (`--no_ssh`)."""
+    if kind == "torchrun":
+        return [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", "1",
+                "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+    if kind == "accelerate":  # --num_processes counts every node's processes
+        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", str(nnodes), "--machine_rank",
+                str(node_rank), "--num_processes", str(nnodes), "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", script]
+    if kind == "deepspeed":
+        assert hostfile is not None, "deepspeed needs a hostfile: write_hostfile()"
+        return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
+                "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+    raise ValueError(kind)
+
+
+def write_hostfile(path: Path, nnodes: int = 2) -> Path:
+    """DeepSpeed's hostfile for `nnodes` one-slot nodes (with --no_ssh the names are only labels)."""
+    path.write_text("".join(f"node{i} slots=1\n" for i in range(nnodes)))
+    return path
+
+
 def losses(output_dir: str | Path) -> list[float]:
     state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
@@ -410,3 +436,64 @@ def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout
             job.kill()
         job.drain()
         return Stopped(target, pid, seconds, job.output, survivors)
+
+
+# Several "nodes" on loopback: one launcher per node, started together, each one's processes tracked.
+
+
+def run_nodes(cmds: list[list[str]], timeout: float = 300, **extra_env: str) -> list[Result]:
+    """Run one launch line per node at once, to their end (at most `timeout` s in all); no process may outlive it."""
+    jobs = [Job(cmd, REPO, env(**extra_env)) for cmd in cmds]
+    try:
+        deadline = time.monotonic() + timeout
+        for job in jobs:
+            if not job.wait(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"timed out after {timeout}s: {' '.join(job.cmd)}\n" + _outputs(jobs))
+        for job in jobs:
+            left = job.finish()
+            if left:
+                raise AssertionError(f"{' '.join(job.cmd)} exited ({job.returncode}) leaving {left} running\n"
+                                     + _outputs(jobs))
+        return [Result(job.returncode, job.output) for job in jobs]
+    finally:
+        for job in jobs:
+            job.__exit__()
+
+
+def run_nodes_and_kill_rank(cmds: list[list[str]], when, node: int = 1, timeout: float = 300,
+                            exit_bound: float = 120, delay: float = 0.0, **extra_env: str) -> list[Killed]:
+    """Start one launch line per node; as soon as `when()` is true (or the file `when` exists), wait `delay` s and
+    `kill -9` the rank on node `node` (one rank per node). Then every node's launcher must exit by itself within
+    `exit_bound` s, none left running. exit_seconds: from the kill to that node's launcher exit."""
+    until = when.exists if isinstance(when, Path) else when
+    jobs = [Job(cmd, REPO, env(**extra_env)) for cmd in cmds]
+    try:
+        target = jobs[node]
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline or any(job.returncode is not None for job in jobs):
+                raise AssertionError(f"{when} not reached (timeout {timeout}s or a node exited)\n" + _outputs(jobs))
+            for job in jobs:
+                job.watch()
+            time.sleep(0.02)
+        if delay:
+            time.sleep(delay)
+        ranks = rank_pids(target.proc.pid)
+        assert len(ranks) == 1, f"expected one rank under node {node}'s launcher: {ranks}\n" + _outputs(jobs)
+        os.kill(next(iter(ranks.values())), signal.SIGKILL)
+        killed_at = time.time()
+        out = []
+        for job in jobs:
+            if not job.wait(max(0.0, killed_at + exit_bound - time.time())):
+                raise AssertionError(f"still running {exit_bound}s after the kill: {' '.join(job.cmd)}\n"
+                                     + _outputs(jobs))
+            out.append(time.time() - killed_at)
+        return [Killed(job.returncode, job.output, seconds, job.finish()) for job, seconds in zip(jobs, out)]
+    finally:
+        for job in jobs:
+            job.__exit__()
+
+
+def _outputs(jobs: list[Job]) -> str:
+    return "\n".join(f"--- node {i}: {' '.join(job.cmd[:2])} (exit {job.returncode})\n{job.output[-4000:]}"
+                     for i, job in enumerate(jobs))

@@ -162,13 +162,72 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
     starts a job and restarts it after a crash. A folder named explicitly must be complete and compatible.
+    Collective: every rank looks in its own view of `output_dir`, and all must find the same checkpoint (nodes
+    without a shared filesystem do not), else every rank raises the same ResumeError; none starts alone.
     """
     if not requested:
         return None
+    folder, error = None, None
+    try:
+        folder = _resolve_here(requested, output_dir, path=path, world_size=world_size, zero_stage=zero_stage,
+                               nvme=nvme)
+    except ResumeError as e:
+        error = str(e)
+    views = gather((None if folder is None else folder.name, error))
+    errors = [(r, e) for r, (_, e) in enumerate(views) if e is not None]
+    if errors:
+        r, e = errors[0]
+        raise ResumeError(e if r == 0 else f"on rank {r}: {e}")
+    if len({name for name, _ in views}) > 1:
+        raise ResumeError(disagreement(requested, output_dir, [name for name, _ in views]))
+    if folder is None:
+        _note(f"resume: no complete checkpoint in {output_dir}; starting from step 0")
+    else:
+        _note(f"resume: from {folder}")
+    return folder
+
+
+SHARED_FS_HINT = ("every rank must see the same checkpoints: put --output_dir on a filesystem all nodes share, or copy "
+                  "every node's checkpoint folder into each node's --output_dir (a node writes only its own ranks' "
+                  "files) (docs/multi-node.md)")
+
+
+def disagreement(requested: str, output_dir: str | Path, seen: list) -> str:
+    """The refusal when ranks found different checkpoints (or a final model on some ranks only)."""
+    groups: dict[str, list[int]] = {}
+    for r, name in enumerate(seen):
+        groups.setdefault("none" if name is None else str(name), []).append(r)
+    views = "; ".join(f"{_ranks(rs)}: {name}" for name, rs in groups.items())
+    return (f"--resume_from_checkpoint {requested}: the ranks do not see the same checkpoint in --output_dir "
+            f"{output_dir} ({views}), so they would resume from different steps and the job would hang; "
+            f"{SHARED_FS_HINT}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))
+
+
+def gather(value) -> list:
+    """Every rank's `value` (picklable), in rank order; collective. [value] without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
+                  nvme: bool) -> Path | None:
+    """This rank's answer for resolve(), from the files it sees."""
     if requested == "latest":
         folder = latest(output_dir)
         if folder is None:
-            _note(f"resume: no complete checkpoint in {output_dir}; starting from step 0")
             return None
     else:
         folder = Path(requested)
@@ -191,7 +250,6 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
             f"{'without' if saved_nvme else 'with'} it; DeepSpeed cannot load ZeRO partitions across that change. "
             + ("Resume with --config zero3_nvme --nvme_path FOLDER." if saved_nvme
                else "Resume with the preset it was saved with (zero3: CPU offload)."))
-    _note(f"resume: from {folder}")
     return folder
 
 

@@ -27,8 +27,9 @@ def rank0_print(*args, **kwargs) -> None:
 
 
 def exit_with(message: str) -> NoReturn:
-    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit.
-    if is_rank0():
+    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit. One
+    # line per node (its local rank 0): each node's launcher output says why its ranks stopped.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(f"finetune: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -88,6 +89,13 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
 
     args = cfg.training
     finished = guard_output_dir(cfg)
+    if args.resume_from_checkpoint == "latest":
+        # Collective: a final model that only some nodes see (no shared filesystem) must not finish those ranks and
+        # leave the others training alone.
+        views = checkpoint.gather(finished)
+        if len(set(views)) > 1:
+            exit_with(checkpoint.disagreement("latest", args.output_dir, [
+                None if step is None else f"final model (global_step {step})" for step in views]))
     if finished is not None and args.resume_from_checkpoint == "latest":
         rank0_print(f"resume: {args.output_dir} already holds this run's final model (global_step {finished}); "
                     "nothing to do. To train further raise --max_steps; to train it again use a new --output_dir "
@@ -210,9 +218,11 @@ def guard_output_dir(cfg) -> int | None:
     if final_why:
         foreign.insert(0, (out, final_why))
     overwrite = cfg.launch.overwrite_output_dir
-    _barrier()  # every rank has looked before rank 0 removes anything
-    if foreign and not overwrite:
-        where, why = foreign[0]
+    # Collective (every rank has looked before rank 0 removes anything): nodes without a shared filesystem see
+    # different folders, and what any rank finds stops every rank.
+    seen = [f for f in checkpoint.gather(foreign[0] if foreign else None) if f is not None]
+    if seen and not overwrite:
+        where, why = seen[0]
         what = "a final model" if where == out else f"the checkpoint {where.name}"
         exit_with(f"--output_dir {out} holds {what} of another run ({why}); a run never writes over or resumes "
                   "another run's outputs. Use a new --output_dir, or --overwrite_output_dir to replace them")

@@ -1,0 +1,155 @@
+"""Random-kill resume trials: `kill -9` of a random rank at a random moment, then `--resume_from_checkpoint latest`.
+
+For each path (Trainer: finetune/train.py under accelerate launch; loop: finetune/loop.py under accelerate launch;
+engine: scripts/sft.py under deepspeed) and preset (zero2, zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted
+2-rank reference run. Each trial (seeded) starts the same job into a fresh folder, waits until the job has logged a
+random step, waits a random fraction of a second more (so the kill lands anywhere in a step or a checkpoint save),
+kills a random rank, and runs the same command again; the resumed run's per-step losses (all STEPS of them) must equal
+the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume after step 6 is in the second epoch.
+
+    python bench/resume_trials.py --trials 10 --work /tmp/trials --write   # the table in bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from finetune.testing import (LOOP, REPO, TRAIN, Job, deepspeed_launcher, env, launcher, losses, rank_pids,  # noqa: E402
+                              run)
+
+STEPS, SAVE, RECORDS, TOL = 8, 2, 24, 1e-6
+PATHS = {
+    "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
+    "loop": lambda: launcher("accelerate", 2, script=LOOP),
+    "sft": lambda: deepspeed_launcher(2),
+}
+PRESETS = ("zero2", "zero3")
+BEGIN, END = "<!-- resume_trials:begin -->", "<!-- resume_trials:end -->"
+
+
+def setup(work: Path) -> tuple[Path, Path]:
+    from finetune.models import tiny
+
+    model = work / "model"
+    if not (model / "config.json").is_file():
+        tiny.build(model, style="chatml")
+    return model, tiny.write_jsonl(work / "data.jsonl", tiny.synthetic_records(RECORDS, seed=7))
+
+
+def command(path: str, preset: str, work: Path, out: Path) -> list[str]:
+    model, data = work / "model", work / "data.jsonl"
+    return PATHS[path]() + [
+        "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+        "--dataset_cache_dir", str(work / "cache"), "--max_steps", str(STEPS), "--save_steps", str(SAVE),
+        "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
+        "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
+    ]
+
+
+def steps_logged(output: str) -> int:
+    return output.count("{'loss'")
+
+
+def kill_at(cmd: list[str], step: int, rank: int, delay: float, timeout: float = 600) -> dict:
+    """Run `cmd`; once `step` steps are logged and `delay` s passed, SIGKILL rank `rank`; wait for every process."""
+    with Job(cmd, REPO, env()) as job:
+        if not job.wait(timeout, until=lambda: steps_logged(job.output) >= step):
+            raise AssertionError(f"step {step} not logged in {timeout}s\n{job.output[-4000:]}")
+        if job.returncode is not None:
+            raise AssertionError(f"the job ended before step {step} was killed\n{job.output[-4000:]}")
+        time.sleep(delay)
+        ranks = rank_pids(job.proc.pid)
+        logged = steps_logged(job.output)
+        if job.returncode is not None or rank not in ranks:
+            raise AssertionError(f"the job ended before the kill ({job.returncode}, {ranks})\n{job.output[-4000:]}")
+        os.kill(ranks[rank], signal.SIGKILL)
+        killed = time.time()
+        if not job.wait(120):
+            raise AssertionError(f"still running 120s after the kill\n{job.output[-4000:]}")
+        exit_s = time.time() - killed
+        left = job.finish()
+        if job.returncode == 0 or left:
+            raise AssertionError(f"after the kill: exit {job.returncode}, left running {left}\n{job.output[-4000:]}")
+        return {"logged_at_kill": logged, "exit_s": round(exit_s, 1)}
+
+
+def reference(path: str, preset: str, work: Path) -> list[float]:
+    out = work / f"ref-{path}-{preset}"
+    if not (out / "trainer_state.json").is_file():
+        run(command(path, preset, work, out), timeout=900).check()
+    return losses(out)
+
+
+def trial(path: str, index: int, seed: int, work: Path) -> dict:
+    rng = random.Random(f"{seed}-{path}-{index}")
+    preset = PRESETS[index % len(PRESETS)]
+    step, rank, delay = rng.randint(1, STEPS - 2), rng.randint(0, 1), round(rng.uniform(0.0, 0.5), 2)
+    expected = reference(path, preset, work)
+    out = work / f"trial-{path}-{index}"
+    cmd = command(path, preset, work, out)
+    start = time.time()
+    row = {"path": path, "trial": index, "preset": preset, "kill_after_step": step, "rank": rank, "delay_s": delay}
+    row.update(kill_at(cmd, step, rank, delay))
+    resumed = run(cmd, timeout=900).check()
+    found = re.search(r"resume: from \S*checkpoint-(\d+)", resumed.output)
+    row["resumed_from"] = int(found.group(1)) if found else 0
+    got = losses(out)
+    row["max_diff"] = max(abs(a - b) for a, b in zip(expected, got)) if len(got) == len(expected) == STEPS else None
+    row["ok"] = row["max_diff"] is not None and row["max_diff"] <= TOL
+    row["seconds"] = round(time.time() - start, 1)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| path | trial | preset | killed rank | after step (+s) | steps logged at kill | resumed from step "
+             "| launcher exit after kill (s) | max loss diff | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        diff = "n/a" if r["max_diff"] is None else f"{r['max_diff']:.1e}"
+        lines.append(f"| {r['path']} | {r['trial']} | {r['preset']} | {r['rank']} | {r['kill_after_step']} "
+                     f"(+{r['delay_s']}) | {r['logged_at_kill']} | {r['resumed_from']} | {r['exit_s']} | {diff} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=10, help="trials per path (presets alternate)")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", type=Path, default=Path("/tmp/finetune-resume-trials"))
+    p.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    setup(args.work)
+    rows, results = [], args.work / "trials.jsonl"
+    for i in range(args.trials):  # paths interleaved: a cut-short run still covers each path
+        for path in args.paths:
+            row = trial(path, i, args.seed, args.work)
+            rows.append(row)
+            with open(results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    text = table(rows)
+    print(text)
+    if args.write:
+        target = REPO / "bench" / "RESULTS.md"
+        body = target.read_text()
+        block = f"{BEGIN}\n{text}\n{END}"
+        body = (body[:body.index(BEGIN)] + block + body[body.index(END) + len(END):]) if BEGIN in body \
+            else body.rstrip() + f"\n\n## Random-kill resume trials (bench/resume_trials.py)\n\n{block}\n"
+        target.write_text(body)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
