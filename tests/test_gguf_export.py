@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +18,8 @@ from finetune.convert import gguf_export as X
 from finetune.convert import gguf_import as G
 from finetune.models import tiny
 from finetune.models.verify import fixed_input, logits_of
+
+from conftest import MISTRAL_TEMPLATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -322,14 +323,6 @@ def test_pre_tokenizer_names(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # SentencePiece vocabularies ("llama" tokenizer model): a real one, Mistral-7B's 32k (tests/data/sentencepiece)
 
-SENTENCEPIECE = Path(__file__).parent / "data" / "sentencepiece"
-MISTRAL_TEMPLATE = (  # Mistral-7B-Instruct-v0.1's chat template
-    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
-    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-)
 # Plain text, leading/double spaces, newlines and tabs, accents, CJK, emoji and a rare symbol (byte fallback: these
 # are not in the vocabulary), digits, code, a special token inside text.
 SP_TEXTS = [
@@ -341,28 +334,6 @@ SP_TEXTS = [
 # transformers 5.23's GGUF reader builds a non-legacy LlamaTokenizer (no "▁" there), a GGUF file has no key for
 # it. Checked against llama.cpp itself in test_gguf_llamacpp.py.
 AFTER_SPECIAL = ["<s>[INST] hi [/INST]", "x<s>y"]
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_model(tmp_path_factory):
-    """A tiny random Llama (hidden 32, 2 layers) with the real Mistral 32k SentencePiece-style tokenizer."""
-    import gzip
-
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("sentencepiece") / "model"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes(gzip.decompress((SENTENCEPIECE / "tokenizer.json.gz").read_bytes()))
-    cfg = json.loads((SENTENCEPIECE / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = MISTRAL_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = AutoTokenizer.from_pretrained(folder)
-    torch.manual_seed(7)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.slow
