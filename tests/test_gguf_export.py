@@ -19,6 +19,8 @@ from finetune.convert import gguf_import as G
 from finetune.models import tiny
 from finetune.models.verify import fixed_input, logits_of
 
+from conftest import MISTRAL_TEMPLATE
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -198,14 +200,14 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     assert code == 2 and "model_type 'mistral' cannot be written as GGUF" in err, err
     assert not out_dir.exists()
 
-    # A SentencePiece-style vocabulary (Metaspace pre-tokenizer): refused by name.
+    # A vocabulary that is neither byte-level BPE nor BPE with byte fallback (Metaspace over a BPE without it).
     sp = tmp_path / "sp"
     shutil.copytree(src, sp)
     tj = json.loads((sp / "tokenizer.json").read_text())
     tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
     (sp / "tokenizer.json").write_text(json.dumps(tj))
     code, err = run_main(capsys, ["--to", "gguf", "--model_dir", str(sp), str(out_dir / "m.gguf")])
-    assert code == 2 and 'SentencePiece ("llama") vocabulary' in err, err
+    assert code == 2 and "a 'BPE' vocabulary without byte fallback" in err, err
     assert not out_dir.exists()
 
     # An existing output without --overwrite: untouched; with --overwrite: replaced.
@@ -316,3 +318,64 @@ def test_pre_tokenizer_names(tmp_path):
     with pytest.raises(ExportError, match="is not one finetune can name for llama.cpp"):
         X.pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": "\\s+"}}, dict(byte_level, use_regex=False)]}}, tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# SentencePiece vocabularies ("llama" tokenizer model): a real one, Mistral-7B's 32k (tests/data/sentencepiece)
+
+# Plain text, leading/double spaces, newlines and tabs, accents, CJK, emoji and a rare symbol (byte fallback: these
+# are not in the vocabulary), digits, code, a special token inside text.
+SP_TEXTS = [
+    "Hello world", "Hello, world! How are you?", " leading space", "two  spaces   three", "line one\nline two\n\n",
+    "\ttabbed\tvalues", "naïve café, Straße, ÆØÅ, ﬁ ligature", "日本語のテキスト 中文 한국어", "emoji 🦙🚀 and ⨂ ∰",
+    "1234567 + 89 = 1234656", "def f(x):\n    return x ** 2  # square", "</s> after an end", "x" * 50, "",
+]
+# Text right after a special token: the HF tokenizer (legacy=true) and llama.cpp put "▁" before "[INST]";
+# transformers 5.23's GGUF reader builds a non-legacy LlamaTokenizer (no "▁" there), a GGUF file has no key for
+# it. Checked against llama.cpp itself in test_gguf_llamacpp.py.
+AFTER_SPECIAL = ["<s>[INST] hi [/INST]", "x<s>y"]
+
+
+@pytest.mark.slow
+def test_sentencepiece_vocabulary(sentencepiece_model, tmp_path, capsys):
+    """Mistral's vocabulary written as llama.cpp's "llama" tokenizer: tokens with scores and types, no merges.
+    transformers rebuilds the tokenizer from the file alone (its merges derived from our scores) and it encodes every
+    sample like the HF tokenizer; the transformers-loaded file's logits equal the HF model's (f32, 1e-5)."""
+    from transformers import AutoTokenizer
+
+    src = sentencepiece_model
+    tok = AutoTokenizer.from_pretrained(src)
+    out = tmp_path / "f32" / "mistral-tiny.gguf"
+    report = X.export_gguf(src, out, gguf_type="f32")
+    assert report.logit_diff <= 1e-5 and report.weight_diff == 0.0
+    _, meta = fields(out)
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    assert "tokenizer.ggml.merges" not in meta  # llama.cpp's SentencePiece tokenizer reads scores
+    tokens, scores, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"], meta["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(scores) == len(types) == 32000
+    assert tokens == tok.convert_ids_to_tokens(list(range(32000)))
+    assert (types[0], types[1], types[2]) == (2, 3, 3)  # <unk> UNKNOWN, <s> and </s> CONTROL
+    assert [i for i, t in enumerate(types) if t == 6] == list(range(3, 259))  # <0x00>..<0xFF> BYTE
+    assert set(types[259:]) == {1}  # NORMAL
+    # Scores follow tokenizer.json's merge order: "▁t" (the first merge) outranks "in" (the second), and the
+    # whitespace runs HF ranks last come after every other merged token.
+    vocab = tok.get_vocab()
+    assert scores[vocab["▁t"]] == 0.0 and scores[vocab["in"]] == -1.0
+    assert scores[vocab["▁▁"]] < scores[vocab["▁the"]] < scores[vocab["in"]]
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
+    assert meta["tokenizer.ggml.add_bos_token"] is True and meta["tokenizer.chat_template"] == MISTRAL_TEMPLATE
+    assert (out.parent / "Modelfile").read_text() == "FROM ./mistral-tiny.gguf\n"  # [INST] style: no TEMPLATE
+
+    gguf_tok = AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
+    for text in SP_TEXTS:
+        want = tok(text)["input_ids"]
+        assert gguf_tok(text)["input_ids"] == want, (text, tok.convert_ids_to_tokens(want))
+        assert gguf_tok.decode(want, skip_special_tokens=True) == tok.decode(want, skip_special_tokens=True)
+    assert any(3 <= i < 259 for i in tok("emoji 🦙🚀 and ⨂ ∰")["input_ids"])  # the sample does use byte fallback
+
+
+def test_sentencepiece_scores_follow_merges():
+    """A token scores minus the rank of the first merge that makes it; characters 0; unmade longer tokens lowest."""
+    tj = {"model": {"vocab": {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abb": 4, "ba": 5, "zz": 6},
+                    "merges": ["a b", "b a", "ab b", "a bb"]}}
+    assert X.sentencepiece_scores(tj, 8) == [-5.0, 0.0, 0.0, -0.0, -2.0, -1.0, -5.0, 0.0]

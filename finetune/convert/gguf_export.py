@@ -173,57 +173,133 @@ def pre_tokenizer_name(tokenizer_json: dict, where: Path) -> str:
     )
 
 
-def check_tokenizer(model_dir: Path) -> str:
-    """The llama.cpp pre-tokenizer name of MODEL_DIR's tokenizer; ExportError for a vocabulary we cannot write."""
-    tok_file = model_dir / "tokenizer.json"
-    if not tok_file.is_file():
-        what = "a SentencePiece tokenizer.model" if (model_dir / "tokenizer.model").is_file() else "no tokenizer.json"
-        raise ExportError(f"{model_dir}: {what}; finetune's GGUF export writes byte-level BPE (\"gpt2\") vocabularies only")
-    tj = json.loads(tok_file.read_text())
-    model_type = (tj.get("model") or {}).get("type")
-    byte_level = any(p.get("type") == "ByteLevel" for p in
-                     ([tj.get("pre_tokenizer") or {}] + list((tj.get("pre_tokenizer") or {}).get("pretokenizers", []))))
-    if model_type != "BPE" or not byte_level:
-        kind = "SentencePiece (\"llama\")" if model_type in ("BPE", "Unigram") else repr(model_type)
-        raise ExportError(f"{tok_file}: a {kind} vocabulary; finetune's GGUF export writes byte-level BPE (\"gpt2\") "
-                          "vocabularies only")
-    return pre_tokenizer_name(tj, model_dir)
+def _pre_parts(tj: dict) -> list[dict]:
+    pre = tj.get("pre_tokenizer") or {}
+    return list(pre.get("pretokenizers", [])) if pre.get("type") == "Sequence" else [pre]
 
 
-def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
-    """Write the BPE vocabulary, merges, special ids and chat template; return what the Modelfile needs."""
-    import gguf
+def sentencepiece_space_prefix(tj: dict, where: Path) -> bool:
+    """Whether a SentencePiece-style tokenizer.json puts "\u2581" before the text (llama.cpp's add_space_prefix):
+    the legacy normalizer (Prepend "\u2581", Replace " ") or a Metaspace pre-tokenizer."""
+    norm = tj.get("normalizer") or {}
+    norms = norm.get("normalizers", []) if norm.get("type") == "Sequence" else ([norm] if norm else [])
+    kinds = [n.get("type") for n in norms]
+    parts = [p for p in _pre_parts(tj) if p]
+    if kinds == ["Prepend", "Replace"] and norms[0].get("prepend") == "\u2581" and not parts:
+        return True
+    if kinds == ["Replace"] and not parts:
+        return False
+    if not norms and [p.get("type") for p in parts] == ["Metaspace"] and parts[0].get("replacement") == "\u2581":
+        scheme = parts[0].get("prepend_scheme", "always" if parts[0].get("add_prefix_space", True) else "never")
+        if scheme in ("always", "never"):
+            return scheme == "always"
+    raise ExportError(
+        f"{where}/tokenizer.json: a SentencePiece-style vocabulary whose normalizer {json.dumps(norm)[:120]} and "
+        f"pre-tokenizer {json.dumps(tj.get('pre_tokenizer'))[:120]} finetune cannot express for llama.cpp "
+        "(known: Llama-2/Mistral's Prepend + Replace normalizer, or a Metaspace pre-tokenizer prepending always or never)"
+    )
+
+
+def load_tokenizer(model_dir: Path):
+    """(HF tokenizer, its backend as tokenizer.json data): what the tokenizer does once transformers built it
+    (transformers 5 rebuilds a LlamaTokenizer's pre-tokenizer from tokenizer_config.json, not from the file)."""
     from transformers import AutoTokenizer
 
-    pre = check_tokenizer(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer.model").is_file():
+        raise ExportError(f"{model_dir}: no tokenizer.json (or tokenizer.model); the GGUF file needs the tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return tokenizer, json.loads(tokenizer.backend_tokenizer.to_str())
+    except Exception as e:  # a slow-only tokenizer, or a tokenizer.model without sentencepiece installed
+        raise ExportError(f"{model_dir}: no fast tokenizer could be built ({type(e).__name__}: {e}); "
+                          "finetune's GGUF export reads the tokenizer.json form") from None
+
+
+def check_tokenizer(model_dir: Path, tj: dict) -> tuple[str, str | bool]:
+    """("gpt2", pre-tokenizer name) for a byte-level BPE tokenizer, ("llama", add_space_prefix) for a
+    SentencePiece-style one (BPE with byte fallback over "\u2581"-spelled pieces, as Llama-2 and Mistral ship);
+    ExportError for a vocabulary finetune cannot write."""
+    model = tj.get("model") or {}
+    byte_level = any(p.get("type") == "ByteLevel" for p in _pre_parts(tj))
+    if model.get("type") == "BPE" and byte_level:
+        return "gpt2", pre_tokenizer_name(tj, model_dir)
+    if model.get("type") == "BPE" and model.get("byte_fallback") and not byte_level:
+        return "llama", sentencepiece_space_prefix(tj, model_dir)
+    raise ExportError(
+        f"{model_dir}/tokenizer.json: a {model.get('type')!r} vocabulary"
+        + (" without byte fallback" if model.get("type") == "BPE" else "")
+        + "; finetune's GGUF export writes byte-level BPE (\"gpt2\") and SentencePiece-style BPE with byte fallback "
+        "(\"llama\") vocabularies"
+    )
+
+
+def sentencepiece_scores(tj: dict, vocab_size: int) -> list[float]:
+    """One score per id, as llama.cpp's SentencePiece tokenizer reads them: it merges the adjacent pair whose joined
+    text is the best-scored token. A token's score is minus the rank of the first merge that makes it, so it merges
+    in tokenizer.json's order; tokens no merge makes (characters, bytes, control tokens) score 0 (characters) or
+    below every merge, so they are never preferred."""
+    vocab = tj["model"]["vocab"]
+    merges = tj["model"].get("merges") or []
+    scores = [0.0] * vocab_size
+    made: dict[str, int] = {}
+    for rank, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        made.setdefault(left + right, rank)
+    floor = -float(len(merges) + 1)
+    for token, i in vocab.items():
+        if i < vocab_size:
+            scores[i] = -float(made[token]) if token in made else (0.0 if len(token) == 1 else floor)
+    return scores
+
+
+def add_tokenizer(writer, model_dir: Path, vocab_size: int, tokenizer, tj: dict) -> dict:
+    """Write the vocabulary (BPE: merges; SentencePiece: scores), special ids and chat template; return what the
+    Modelfile needs."""
+    import re
+
+    import gguf
+
+    kind, detail = check_tokenizer(model_dir, tj)
     vocab = tokenizer.get_vocab()
     if len(vocab) > vocab_size:
         raise ExportError(f"{model_dir}: the tokenizer has {len(vocab)} tokens but the model only {vocab_size} embeddings")
     reverse = {i: t for t, i in vocab.items()}
     added = tokenizer.added_tokens_decoder
+    byte_token = re.compile(r"<0x[0-9A-Fa-f]{2}>")
     tokens, types = [], []
     for i in range(vocab_size):
         if i not in reverse:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
+        elif kind == "llama" and i == tokenizer.unk_token_id:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.UNKNOWN)
         elif i in added:
             tokens.append(added[i].content)
             types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        elif kind == "llama" and byte_token.fullmatch(reverse[i]):
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.BYTE)
         else:
             tokens.append(reverse[i])
             types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    writer.add_tokenizer_model(kind)
+    if kind == "gpt2":
+        writer.add_tokenizer_pre(detail)
+    else:
+        writer.add_tokenizer_pre("default")
+        writer.add_add_space_prefix(detail)
+        writer.add_token_scores(sentencepiece_scores(tj, vocab_size))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-    if not special.merges:
+    # SentencePiece files carry scores, not merges (as llama.cpp's converter writes them; its tokenizer reads scores).
+    special = gguf.SpecialVocab(model_dir, load_merges=kind == "gpt2", n_vocab=vocab_size)
+    if kind == "gpt2" and not special.merges:
         raise ExportError(f"{model_dir}/tokenizer.json: no merges in the BPE model")
     if special.chat_template is None and getattr(tokenizer, "chat_template", None):
         special.chat_template = tokenizer.chat_template
     special.add_to_gguf(writer, quiet=True)
-    return {"tokenizer": tokenizer, "pre": pre, "chat_template": special.chat_template}
+    return {"tokenizer": tokenizer, "kind": kind, "chat_template": special.chat_template}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,8 +365,11 @@ def modelfile_text(gguf_name: str, tokenizer) -> tuple[str, str | None]:
 # Writing and verifying
 
 
-def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str) -> tuple[list, dict]:
+def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
+    """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified."""
     import gguf
+
+    tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
     config = model.config
     rope = _rope_parameters(config)
@@ -315,7 +394,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str) ->
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     try:
-        tok = add_tokenizer(writer, model_dir, config.vocab_size)
+        tok = add_tokenizer(writer, model_dir, config.vocab_size, tokenizer, tj)
         tensors = gguf_tensors(model, gguf_type)
         plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)  # numpy dtype says it
         for tensor_name, data, qtype, _ in tensors:
@@ -362,7 +441,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     bound = LOGIT_BOUNDS[gguf_type] * (1.0 if gguf_type == "f32" else ref.abs().max().item())
     if not diff <= bound:
         raise VerificationError(f"GGUF-loaded logits differ from the HF model's by {diff:.3g} (limit {bound:.3g} for {gguf_type})")
-    sample = "Hello world! 123 45678 the quick brown fox\n  jumped <|im_end|> äöü 日本"
+    sample = "Hello world! 123 45678 the quick brown fox\n  jumped <|im_end|> äöü 日本 🦙"
     if gguf_tok(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
         raise VerificationError("the GGUF tokenizer (as transformers builds it) encodes a sample differently from the HF one")
     weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for *_, hf in tensors)
@@ -400,7 +479,8 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
     check_output(output, overwrite)
     config = AutoConfig.from_pretrained(str(model_dir))
     _check_architecture(config, model_dir)
-    check_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    check_tokenizer(model_dir, tokenizer[1])
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     made_parent = not output.parent.exists()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -408,7 +488,7 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
     try:
-        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem)
+        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = verify_gguf(tmp, model, tok["tokenizer"], tensors, gguf_type)
         style = None
         if modelfile:
