@@ -47,6 +47,7 @@ TYPOS = [
     ("import-gguf", ["a.gguf", "out", "--overwrit"], "overwrite"),
     ("quickstart", ["--max_step", "3"], "max_steps"),
     ("tiny", ["out", "--layer", "3"], "layers"),
+    ("report", ["run", "--report_dri", "x"], "report_dir"),
 ]
 
 
@@ -82,6 +83,7 @@ TWO_BAD = [
      ["--method: 'qlora' is not one of lora, full", "--max_steps: must be at least 1, got 0"]),
     ("tiny", ["out", "--hidden", "30", "--style", "chatm"],
      ["--hidden: must be a positive multiple of 8, got 30", "--style: 'chatm' is not one of chatml, llama3, plain; did you mean 'chatml'?"]),
+    ("report", ["--report_dir"], ["--report_dir: report_dir: needs a value", "OUTPUT_DIR: required"]),
 ]
 
 
@@ -114,6 +116,7 @@ def test_help(command, capsys):
         "import-gguf": ["[GGUF_FILE] OUTPUT_DIR", "--smollm2", "--overwrite"],
         "quickstart": ["--model_dir", "--config, --deepspeed, --deepspeed_config", "--max_minutes", "[-- ARGS]"],
         "tiny": ["OUT_DIR", "--style", "--hidden"],
+        "report": ["OUTPUT_DIR", "--report_dir"],
     }[command]
     for flag in flags:
         assert flag in out, (flag, out[:2000])

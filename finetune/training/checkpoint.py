@@ -170,7 +170,7 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
     folder, error = None, None
     try:
         folder = _resolve_here(requested, output_dir, path=path, world_size=world_size, zero_stage=zero_stage,
-                               nvme=nvme)
+                               nvme=nvme, fingerprint=fingerprint)
     except ResumeError as e:
         error = str(e)
     views = gather((None if folder is None else folder.name, error))
@@ -223,7 +223,7 @@ def gather(value) -> list:
 
 
 def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-                  nvme: bool) -> Path | None:
+                  nvme: bool, fingerprint: dict | None) -> Path | None:
     """This rank's answer for resolve(), from the files it sees."""
     if requested == "latest":
         folder = latest(output_dir)
