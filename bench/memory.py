@@ -460,6 +460,7 @@ def loss_grid(cells=DEFAULT_LOSS_CELLS, work: Path | None = None) -> Path:
     import tempfile
 
     work = Path(work or tempfile.mkdtemp(prefix="finetune-bench-loss-"))
+    work.mkdir(parents=True, exist_ok=True)
     model = smollm2_folder()
     (work / "model.txt").write_text(str(model))
     for cell in cells:
