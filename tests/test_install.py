@@ -109,6 +109,8 @@ def test_every_module_and_preset_is_installed(installed, tmp_path):
             f"for name in {['finetune.' + m for m in modules if m != '__main__']!r}:\n"
             "    module = importlib.import_module(name.removesuffix('.__init__'))\n"
             f"    assert module.__file__.startswith({str(package)!r}), module.__file__\n"
+            "from finetune.apps import quickstart as Q\n"
+            f"assert Q.DEFAULT_TRAIN.is_file() and Q.DEFAULT_EVAL.is_file() and str(Q.DEFAULT_TRAIN).startswith({str(package)!r})\n"
             "from finetune import config as C\n"
             "print(C.resolve_preset('zero3'))\n")
     result = bounded([str(installed), "-c", code], cwd=tmp_path, timeout=240)

@@ -32,8 +32,9 @@ from finetune.config.training import CONFIG_ALIASES
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_ROOT = REPO  # the folder holding the finetune package (the checkout, or site-packages)
-DEFAULT_TRAIN = REPO / "data" / "quickstart" / "train.jsonl"
-DEFAULT_EVAL = REPO / "data" / "quickstart" / "heldout.jsonl"
+# Package data (an installed finetune has it too); the checkout's data/quickstart points here.
+DEFAULT_TRAIN = Path(__file__).resolve().parent / "quickstart_data" / "train.jsonl"
+DEFAULT_EVAL = Path(__file__).resolve().parent / "quickstart_data" / "heldout.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "models"
 METHODS = ("lora", "full")
 # Learning rates that learned the bundled task in ~50 steps: LoRA adapters need a far larger step than full weights.
@@ -146,8 +147,7 @@ def validate(cfg: QuickstartConfig) -> list[str]:
     for flag in ("train_file", "eval_file"):
         path = Path(getattr(cfg, flag))
         if not path.exists():
-            hint = " (the bundled data is in a checkout's data/quickstart; give the file's path)" if "quickstart" in str(path) else ""
-            problems.append(f"--{flag}: {path}: no such file{hint}")
+            problems.append(f"--{flag}: {path}: no such file")
     return problems
 
 
