@@ -84,3 +84,15 @@ def test_corrupted_save_is_an_error_in_the_deepspeed_script(tiny_chatml, tmp_pat
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     _assert_refused(proc.returncode, proc.stderr, tmp_path / "out")
+
+
+@pytest.mark.parametrize("script", ["finetune/train.py", "finetune/loop.py"])
+def test_bf16_save_is_verified_against_the_weights_dtype(script, tiny_chatml, tmp_path):
+    # Under --bf16, accelerate wraps forward in autocast; the reload runs without it, so the reference must too
+    # (comparing autocast logits with plain ones failed every CPU --bf16 run at 3e-3).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, script, *_argv(tiny_chatml, tmp_path), "--bf16"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "logits max diff 0 " in proc.stdout
+    assert (tmp_path / "out" / "config.json").is_file()

@@ -119,9 +119,13 @@ def logits_of(model, input_ids):
 
     was_training = model.training
     model.eval()
+    # Under --bf16/--fp16, accelerate replaces model.forward with an autocast wrapper (keeping the plain one as
+    # _original_forward); the reference must run in the weights' own dtype, as the reloaded copy does.
+    forward = getattr(model, "_original_forward", None) or model
+    device = _first_device(model)
     try:
-        with torch.no_grad():
-            return model(input_ids=input_ids.to(_first_device(model)), use_cache=False).logits.float().cpu()
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            return forward(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
     finally:
         model.train(was_training)
 
