@@ -319,6 +319,18 @@ def same_4bit_layout(*models) -> None:
         guard_4bit_training(model)
 
 
+# bitsandbytes 0.50.2, on a CPU with AVX512-BF16, tries at import to fetch a 4-bit GEMM kernel from the Hub through the
+# `kernels` package and logs "Failed to load CPU gemm_4bit_forward from kernels-community" on every process where it is
+# not installed (installing it would mean downloading code at run time). Its own CPU kernel is used instead.
+BNB_CPU_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def quiet_bnb_cpu_kernel_notice() -> None:
+    import logging
+
+    logging.getLogger(BNB_CPU_KERNEL_LOGGER).setLevel(logging.ERROR)
+
+
 # bitsandbytes logs its per-call CPU warnings under this (private) module's logger.
 BNB_WARNINGS_LOGGER = "bitsandbytes.autograd._functions"
 

@@ -144,3 +144,19 @@ def test_collective_deprecations_silenced_and_nothing_else():
         warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
         warnings.warn("`torch.distributed.all_reduce_coalesced` will be deprecated.", FutureWarning)
     assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` will be deprecated."]
+
+
+def test_bitsandbytes_hub_kernel_notice_is_quiet():
+    import subprocess
+    import sys
+
+    def stderr_of(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+
+    quiet = stderr_of("import finetune, bitsandbytes")
+    assert "kernels-community" not in quiet, quiet
+    # The control: where bitsandbytes looks for the Hub kernel (AVX512-BF16 CPUs), it says so without finetune.
+    if "True" in subprocess.run([sys.executable, "-c", "from bitsandbytes.functional import has_avx512bf16; "
+                                 "print(bool(has_avx512bf16()))"],
+                                capture_output=True, text=True, timeout=120).stdout:
+        assert "kernels-community" in stderr_of("import bitsandbytes")

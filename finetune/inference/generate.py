@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from finetune import compat
 
 PRESET_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -492,7 +493,8 @@ def attach_adapter(model, adapter: str):
 
     hooks = _offload_hooks(model)
     if not hooks:
-        return PeftModel.from_pretrained(model, adapter, is_trainable=False)
+        with compat.quiet_checkpointing_alias():
+            return PeftModel.from_pretrained(model, adapter, is_trainable=False)
     config = PeftConfig.from_pretrained(adapter)
     config.inference_mode = True
     weights = load_file(str(Path(adapter) / "adapter_model.safetensors"))

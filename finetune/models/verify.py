@@ -231,7 +231,8 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
         if quantization is None and device is not None:
             base.to(device)
         try:
-            model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
+            with compat.quiet_checkpointing_alias():
+                model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
         except Exception as e:  # noqa: BLE001 - any failure to reload is the verification failing
             raise VerificationError(f"{folder}: the adapter does not reload onto {base_path}: {e}") from e
         return model.eval(), "adapter"
