@@ -160,3 +160,18 @@ def test_bitsandbytes_hub_kernel_notice_is_quiet():
                                  "print(bool(has_avx512bf16()))"],
                                 capture_output=True, text=True, timeout=120).stdout:
         assert "kernels-community" in stderr_of("import bitsandbytes")
+
+
+@pytest.mark.parametrize("module", ["finetune.convert.export", "finetune.inference.generate", "finetune.training.core"])
+def test_no_deepspeed_accelerator_warning_on_a_cpu_machine(module):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("DeepSpeed finds CUDA here and says nothing")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    err = subprocess.run([sys.executable, "-c", f"import {module}, deepspeed"], capture_output=True, text=True,
+                         env=env, timeout=120).stderr
+    assert "Setting accelerator to CPU" not in err, err
