@@ -129,6 +129,11 @@ ALLOWED_WARNINGS = {
     # finetune.compat.check_versions: printed only when an installed library is outside the versions the
     # workarounds were tested on; it names what may misbehave, so the user can act on it.
     "is outside the range finetune was tested with": "an untested library version: actionable, and only then",
+    # DeepSpeed's own launcher (the `deepspeed` command, before any finetune code runs) on one node with no hostfile
+    # at /job/hostfile: true and harmless; a multi-node job passes --hostfile (docs/multi-node.md). Its runner has
+    # no flag that drops this line alone.
+    "Unable to find hostfile, will proceed with training with local resources only":
+        "DeepSpeed's launcher on one node without a hostfile: what it says, and the user's launch line decides it",
 }
 _WARNING_LINE = re.compile(r"warn|^[WE]\d{4} \d\d:\d\d:\d\d", re.IGNORECASE)  # words, and glog's W/E lines (torch elastic)
 
