@@ -90,7 +90,10 @@ def test_corrupted_save_is_an_error_in_the_deepspeed_script(tiny_chatml, tmp_pat
 def test_bf16_save_is_verified_against_the_weights_dtype(script, tiny_chatml, tmp_path):
     # Under --bf16, accelerate wraps forward in autocast; the reload runs without it, so the reference must too
     # (comparing autocast logits with plain ones failed every CPU --bf16 run at 3e-3).
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # A fresh single process: nothing an in-process test left in os.environ (a MASTER_PORT, a RANK) may reach it.
+    dist = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dist and not k.startswith("ACCELERATE_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, script, *_argv(tiny_chatml, tmp_path), "--bf16"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
