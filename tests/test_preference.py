@@ -198,10 +198,10 @@ def test_collator_two_rows_per_pair():
     features = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "chosen_labels": [3, X], "rejected_ids": [5],
                  "rejected_labels": [5]},
                 {"prompt_ids": [6], "chosen_ids": [7], "chosen_labels": [7], "rejected_ids": [8, 9, 10],
-                 "rejected_labels": [8, 9, 10], "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.5}]
-    features[0].update(ref_chosen_logps=-0.5, ref_rejected_logps=-0.25)
+                 "rejected_labels": [8, 9, 10], "pair_index": 7}]
+    features[0]["pair_index"] = 3
     batch = PR.PairCollator(pad_token_id=0)(features)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4], [6, 7, 0, 0], [1, 2, 5, 0], [6, 8, 9, 10]]
     assert batch["labels"].tolist() == [[X, X, 3, X], [X, 7, X, X], [X, X, 5, X], [X, 8, 9, 10]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
-    assert batch["ref_logps"].tolist() == [-0.5, -1.5, -0.25, -2.5]
+    assert batch["pair_index"].tolist() == [3, 7]

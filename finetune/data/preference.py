@@ -321,7 +321,6 @@ class PairCollator:
             labels[i, len(p):n] = torch.as_tensor(list(lab))
             mask[i, :n] = 1
         batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-        if "ref_chosen_logps" in features[0]:
-            batch["ref_logps"] = torch.tensor([f[f"ref_{side}_logps"] for side in ("chosen", "rejected") for f in features],
-                                              dtype=torch.float64)
+        if "pair_index" in features[0]:  # where the pair's precomputed reference log-probs are (finetune.training.dpo)
+            batch["pair_index"] = torch.tensor([f["pair_index"] for f in features], dtype=torch.long)
         return batch

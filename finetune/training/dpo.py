@@ -121,3 +121,187 @@ def micro_batch_loss(policy, batch: dict, reference, options: Options, n_pairs, 
     if metrics is not None:
         metrics.add(chosen, rejected, reward_chosen, reward_rejected)
     return losses.sum() / n_pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference: live (adapters disabled, or a frozen copy), or precomputed once and cached.
+
+
+@contextlib.contextmanager
+def eval_mode(module):
+    """Score as at inference (no dropout), then back to training mode."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+def precompute(module, dataset, collator, batch_size: int, device, autocast=contextlib.nullcontext,
+               rank: int = 0, world: int = 1, log=print) -> torch.Tensor:
+    """[pairs, 2] reference log-probs (chosen, rejected) of every pair, under the reference of `module` (its
+    adapters disabled). Rank r scores pairs r, r + W, ...; every rank runs as many forwards (ZeRO-3 gathers the
+    weights collectively in each), then the rows are summed over ranks."""
+    import math
+
+    n = len(dataset)
+    mine = list(range(rank, n, world))
+    steps = math.ceil(math.ceil(n / world) / batch_size)
+    out = torch.zeros(n, 2, dtype=torch.float64, device=device)
+    log(f"dpo: computing the reference log-probabilities of {n} pairs once ({steps} forwards per rank)")
+    with torch.no_grad(), eval_mode(module), reference_context(module):
+        for s in range(steps):
+            idx = mine[s * batch_size:(s + 1) * batch_size]
+            batch = collator([dataset[i] for i in (idx or [0])])
+            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+            with autocast():
+                logps = sequence_logps(module, batch).double()
+            if idx:
+                out[torch.tensor(idx, device=device)] = torch.stack(logps.chunk(2), dim=1)
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(out)
+    return out.cpu()
+
+
+def ref_cache_file(cfg, data_key: str) -> "Path":
+    """Where a data set's reference log-probs are cached: beside its tokenized pairs, keyed by the base weights and
+    what changes their numbers (dtype, quantization, mixed precision, attention kernel)."""
+    import hashlib
+    from pathlib import Path
+
+    from finetune.data.prepare import cache_root
+    from finetune.training.outputs import _hash_path
+
+    m, args = cfg.model, cfg.training
+    parts = (_hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
+             m.load_in_8bit, m.load_in_4bit, m.bnb_4bit_quant_type, m.attn_implementation, bool(args.bf16),
+             bool(args.fp16), str(cfg.deepspeed_config or ""))
+    h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return Path(cache_root(cfg.data)) / f"{data_key}.ref-{h}.pt"
+
+
+def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, autocast, *, resumed: bool, log):
+    """The cached reference log-probs, or computed now (before the first update) and cached. A full fine-tuning
+    run resumed without them cannot recompute them: its weights have moved."""
+    import os
+
+    from finetune.training import core
+    from finetune.training.outputs import exit_with
+
+    path = ref_cache_file(cfg, data_key)
+    if path.is_file():
+        log(f"dpo: reference log-probabilities from the cache ({path})")
+        return torch.load(path, weights_only=True)
+    if resumed and not cfg.model.use_peft:
+        exit_with(f"--precompute_ref_log_probs: resuming, but the reference log-probabilities are gone from the "
+                  f"cache ({path}), and the model has been trained since; restart without --resume_from_checkpoint")
+    table = precompute(module, dataset, collator, cfg.training.per_device_train_batch_size, device, autocast,
+                       core.rank(), core.world(), log)
+    if core.rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(table, tmp)
+        os.replace(tmp, path)
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# The Trainer path (finetune.training.trainer.main with --method dpo).
+
+
+def pairs_or_exit(cfg, local_rank: int):
+    """(tokenizer, pairs, stats, cache key): prepare_pairs with data errors as one message, every rank alike."""
+    from finetune.data.preference import prepare_pairs
+    from finetune.data.prepare import DataError
+    from finetune.models.load import WeightsError, load_tokenizer
+    from finetune.training.outputs import exit_with, rank0_print
+
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except WeightsError as e:
+        exit_with(str(e))
+    try:
+        dataset, stats, key = prepare_pairs(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print)
+    except DataError as e:
+        exit_with(f"data error: {e}")
+    rank0_print(stats.summary())
+    return tokenizer, dataset.add_column("pair_index", list(range(len(dataset)))), stats, key
+
+
+def frozen_copy(model):
+    """Full fine-tuning's reference: a frozen copy of the model as loaded (before any update)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def make_trainer(cfg, model, tokenizer, dataset, data_key: str, resume, callbacks):
+    from finetune.data.preference import PairCollator
+    from finetune.training.trainer import Trainer
+
+    class PreferenceTrainer(Trainer):
+        """compute_loss and the pair count of the global batch are DPO's; the rest is the Trainer path's."""
+
+        loss_is_scaled_for_ga = True  # each micro-batch's loss is already over the global batch's pairs
+
+        def _get_num_items_in_batch(self, batch_samples, device):
+            n = torch.tensor(pair_count(batch_samples), device=device)
+            return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if self.ref_table is None and cfg.objective.precompute_ref_log_probs:
+                self.ref_table = load_or_precompute(
+                    cfg, data_key, self.accelerator.unwrap_model(self.model), self.train_dataset, self.data_collator,
+                    self.args.device, self.accelerator.autocast, resumed=resume is not None, log=_rank0)
+            index = inputs.pop("pair_index", None)
+            if self.ref_table is not None:
+                rows = self.ref_table[index.cpu()]
+                inputs["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.args.device)
+            if num_items_in_batch is None:  # outside training (no global count): this batch's mean
+                num_items_in_batch = inputs["input_ids"].shape[0] // 2
+            loss = micro_batch_loss(model, inputs, self.reference, self.options, num_items_in_batch, self.metrics,
+                                    self.accelerator.autocast)
+            # DDP and DeepSpeed average the gradients over ranks; the loss is over the global batch already.
+            loss = loss * self.accelerator.num_processes
+            return (loss, None) if return_outputs else loss
+
+        def reference(self, batch):
+            batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+            if self.ref_model is not None:
+                if self._ref_placed is None:
+                    # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
+                    p = next(self.accelerator.unwrap_model(self.model).parameters())
+                    self.ref_model.to(device=p.device, dtype=p.dtype)
+                    self._ref_placed = True
+                return sequence_logps(self.ref_model, batch)
+            module = self.accelerator.unwrap_model(self.model)
+            with eval_mode(module), reference_context(module):
+                return sequence_logps(module, batch)
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:  # a training entry: every rank is here (the Trainer gathered the loss just before)
+                reduce = (lambda t: self.accelerator.reduce(t.to(self.args.device), reduction="sum")) \
+                    if self.args.world_size > 1 else None
+                logs = {**logs, **self.metrics.pop(reduce)}
+            super().log(logs, start_time)
+
+    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=dataset, data_collator=PairCollator(
+        tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks)
+    trainer.options = Options(cfg.objective.beta, cfg.objective.label_smoothing)
+    trainer.metrics = Metrics()
+    trainer.ref_table, trainer._ref_placed = None, None
+    trainer.ref_model = None
+    if not cfg.model.use_peft and not cfg.objective.precompute_ref_log_probs:
+        trainer.ref_model = trainer._ref_model_holder = frozen_copy(model)
+    return trainer
+
+
+def _rank0(*args):
+    from finetune.training.outputs import rank0_print
+
+    rank0_print(*args)

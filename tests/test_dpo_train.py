@@ -1,0 +1,135 @@
+"""`finetune train --method dpo`: per-step losses against a run written out by hand, and the references agreeing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from finetune.models import tiny
+from tests.test_dpo import reference_loss
+
+PAIRS = [
+    {"prompt": "copy: red cat", "chosen": "red cat", "rejected": "cat red"},
+    {"prompt": "count: one two three", "chosen": "3", "rejected": "three, I think"},
+    {"prompt": [{"role": "user", "content": "capital of France?"}], "chosen": "Paris", "rejected": "It is Lyon."},
+    {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "five"}]},
+]
+BETA, LR, STEPS = 0.5, 0.5, 3
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    return root, model, data
+
+
+def train(job, name: str, *flags: str) -> list[dict]:
+    """One process, in this one: 4 pairs = the global batch (2 per micro-batch x 2 accumulation), SGD at a constant
+    learning rate, no clipping: every step's loss is the mean over all pairs, whatever their order."""
+    from finetune.training.trainer import main
+
+    root, model, data = job
+    out = root / name
+    main(["--method", "dpo", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+          "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", "2",
+          "--gradient_accumulation_steps", "2", "--max_steps", str(STEPS), "--optim", "sgd", "--learning_rate", str(LR),
+          "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", str(BETA),
+          "--seed", "3", *flags])
+    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+
+def by_hand(model_dir, tokenizer_batch) -> list[float]:
+    """The same run in plain torch: full-batch loss (tests/test_dpo.reference_loss), p -= lr * grad."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = copy.deepcopy(policy).eval()
+    losses = []
+    for _ in range(STEPS):
+        policy.zero_grad()
+        loss = reference_loss(policy, ref, tokenizer_batch, BETA, 0.0)
+        loss.backward()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p -= LR * p.grad
+        losses.append(loss.item())
+    return losses
+
+
+def full_batch(model_dir):
+    from finetune.config import ModelConfig
+    from finetune.data import preference as PR
+    from finetune.models.load import load_tokenizer
+
+    t = load_tokenizer(ModelConfig(model_name_or_path=str(model_dir)))
+    features = []
+    for i, r in enumerate(PAIRS):
+        p, c, cl, rj, rl = PR.tokenize_pair(t, r, f"test:{i}")
+        features.append({"prompt_ids": p, "chosen_ids": c, "chosen_labels": cl, "rejected_ids": rj, "rejected_labels": rl})
+    return PR.PairCollator(t.pad_token_id)(features)
+
+
+def test_full_fine_tuning_equals_hand_computed_run(job, isolated, one_thread):
+    root, model, _ = job
+    logs = train(job, "full")
+    expected = by_hand(model, full_batch(model))
+    got = [e["loss"] for e in logs]
+    assert got[0] == pytest.approx(0.693147, abs=1e-6)  # the policy starts as its reference: log 2
+    assert got[-1] < got[0] - 0.05  # it learns the preference
+    assert got == pytest.approx(expected, abs=1e-5), (got, expected)
+    for e in logs:  # the DPO metrics of every logged step, consistent with each other
+        assert e["rewards/margins"] == pytest.approx(e["rewards/chosen"] - e["rewards/rejected"], abs=1e-5)
+        assert 0.0 <= e["rewards/accuracies"] <= 1.0 and e["logps/chosen"] < 0
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[-1]["rewards/accuracies"] > 0.5
+    # The precomputed reference (the model before training, scored once and cached) gives the same run.
+    pre = [e["loss"] for e in train(job, "full-pre", "--precompute_ref_log_probs")]
+    assert pre == pytest.approx(got, abs=1e-6)
+    assert list((root / "cache").glob("*.ref-*.pt"))
+
+
+def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
+    live = [e["loss"] for e in train(job, "lora", "--use_peft", "--lora_r", "4", "--learning_rate", "2")]
+    pre = [e["loss"] for e in train(job, "lora-pre", "--use_peft", "--lora_r", "4", "--learning_rate", "2",
+                                    "--precompute_ref_log_probs")]
+    assert live[0] == pytest.approx(0.693147, abs=1e-6)  # LoRA's B starts at zero: the policy is its base
+    assert live[-1] < live[0]
+    assert pre == pytest.approx(live, abs=1e-6)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--method", "dop"], "method: 'dop' is not one of sft, dpo; did you mean 'dpo'?"),
+    (["--beta", "0.2"], "beta: a DPO option; add --method dpo"),
+    (["--method", "dpo", "--beta", "0"], "beta: must be positive, got 0.0"),
+    (["--method", "dpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
+    (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
+    (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
+                                                             "yet (DPO's own is --label_smoothing)"),
+    (["--method", "dpo", "--config", "zero3"], "--config zero3: full fine-tuning DPO under ZeRO-3 would need the frozen"),
+])
+def test_config_problems(job, flags, problem):
+    from finetune import config as C
+
+    root, model, data = job
+    with pytest.raises(C.ConfigError) as e:
+        C.parse(["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(root / "o"), *flags])
+    assert any(p.startswith(problem) for p in e.value.problems), e.value.problems
+
+
+def test_config_accepts_dpo_and_records_it(job, tmp_path, isolated):
+    from finetune import config as C
+
+    root, model, data = job
+    base = ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(tmp_path / "o")]
+    cfg = C.parse(base + ["--method", "dpo", "--beta", "0.3", "--use_peft", "--config", "zero3"], check_paths=False)
+    assert (cfg.objective.method, cfg.objective.beta, cfg.objective.label_smoothing) == ("dpo", 0.3, 0.0)
+    assert cfg.resolved()["method"] == "dpo" and cfg.resolved()["beta"] == 0.3
+    # An SFT run's recipe is what it was before --method existed.
+    assert "method" not in C.parse(base, check_paths=False).resolved()
