@@ -240,7 +240,57 @@ def frozen_copy(model):
     return ref.eval()
 
 
+class Reference:
+    """The reference of a run, the same on every path. `unwrap()` gives the trained module (the engine's, once
+    prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy made
+    here (before any update); --precompute_ref_log_probs scores every pair once, at the first step (when the engine
+    can run the model), or reads them from the cache."""
+
+    def __init__(self, cfg, model, unwrap, data_key: str, dataset, collator, device, autocast, *, resumed: bool, log):
+        self.cfg, self.unwrap, self.data_key, self.dataset, self.collator = cfg, unwrap, data_key, dataset, collator
+        self.device, self.autocast, self.resumed, self.log = device, autocast, resumed, log
+        self.precompute = cfg.objective.precompute_ref_log_probs
+        self.copy = frozen_copy(model) if not cfg.model.use_peft and not self.precompute else None
+        self.table, self.placed = None, False
+
+    def describe(self) -> str:
+        o = self.cfg.objective
+        if self.precompute:
+            what = "log-probabilities computed once before training, cached with the tokenized data"
+        elif self.copy is not None:
+            what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
+        else:
+            what = "the model with its LoRA adapters disabled (no copy)"
+        return f"dpo: beta {o.beta}, label smoothing {o.label_smoothing}; reference: {what}"
+
+    def prepare(self, batch: dict) -> dict:
+        """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs."""
+        batch = dict(batch)
+        index = batch.pop("pair_index", None)
+        if self.precompute:
+            if self.table is None:
+                self.table = load_or_precompute(self.cfg, self.data_key, self.unwrap(), self.dataset, self.collator,
+                                                self.device, self.autocast, resumed=self.resumed, log=self.log)
+            rows = self.table[index.cpu()]
+            batch["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.device)
+        return batch
+
+    def logps(self, batch: dict) -> torch.Tensor:
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        if self.copy is not None:
+            if not self.placed:
+                # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
+                p = next(self.unwrap().parameters())
+                self.copy.to(device=p.device, dtype=p.dtype)
+                self.placed = True
+            return sequence_logps(self.copy, batch)
+        module = self.unwrap()
+        with eval_mode(module), reference_context(module):
+            return sequence_logps(module, batch)
+
+
 def make_trainer(cfg, model, tokenizer, dataset, data_key: str, resume, callbacks):
+    """The Trainer path's trainer for --method dpo."""
     from finetune.data.preference import PairCollator
     from finetune.training.trainer import Trainer
 
@@ -254,50 +304,32 @@ def make_trainer(cfg, model, tokenizer, dataset, data_key: str, resume, callback
             return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if self.ref_table is None and cfg.objective.precompute_ref_log_probs:
-                self.ref_table = load_or_precompute(
-                    cfg, data_key, self.accelerator.unwrap_model(self.model), self.train_dataset, self.data_collator,
-                    self.args.device, self.accelerator.autocast, resumed=resume is not None, log=_rank0)
-            index = inputs.pop("pair_index", None)
-            if self.ref_table is not None:
-                rows = self.ref_table[index.cpu()]
-                inputs["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.args.device)
             if num_items_in_batch is None:  # outside training (no global count): this batch's mean
                 num_items_in_batch = inputs["input_ids"].shape[0] // 2
-            loss = micro_batch_loss(model, inputs, self.reference, self.options, num_items_in_batch, self.metrics,
-                                    self.accelerator.autocast)
+            loss = micro_batch_loss(model, self.reference.prepare(inputs), self.reference.logps, self.options,
+                                    num_items_in_batch, self.metrics, self.accelerator.autocast)
             # DDP and DeepSpeed average the gradients over ranks; the loss is over the global batch already.
             loss = loss * self.accelerator.num_processes
             return (loss, None) if return_outputs else loss
 
-        def reference(self, batch):
-            batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-            if self.ref_model is not None:
-                if self._ref_placed is None:
-                    # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
-                    p = next(self.accelerator.unwrap_model(self.model).parameters())
-                    self.ref_model.to(device=p.device, dtype=p.dtype)
-                    self._ref_placed = True
-                return sequence_logps(self.ref_model, batch)
-            module = self.accelerator.unwrap_model(self.model)
-            with eval_mode(module), reference_context(module):
-                return sequence_logps(module, batch)
-
         def log(self, logs, start_time=None):
             if "loss" in logs:  # a training entry: every rank is here (the Trainer gathered the loss just before)
-                reduce = (lambda t: self.accelerator.reduce(t.to(self.args.device), reduction="sum")) \
-                    if self.args.world_size > 1 else None
-                logs = {**logs, **self.metrics.pop(reduce)}
+                logs = {**logs, **self.metrics.pop(self.reduce)}
             super().log(logs, start_time)
 
-    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=dataset, data_collator=PairCollator(
-        tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks)
-    trainer.options = Options(cfg.objective.beta, cfg.objective.label_smoothing)
-    trainer.metrics = Metrics()
-    trainer.ref_table, trainer._ref_placed = None, None
-    trainer.ref_model = None
-    if not cfg.model.use_peft and not cfg.objective.precompute_ref_log_probs:
-        trainer.ref_model = trainer._ref_model_holder = frozen_copy(model)
+        def reduce(self, t):
+            return self.accelerator.reduce(t.to(self.args.device), reduction="sum") if self.args.world_size > 1 else t
+
+    collator = PairCollator(tokenizer.pad_token_id)
+    reference = Reference(cfg, model, None, data_key, dataset, collator, cfg.training.device, contextlib.nullcontext,
+                          resumed=resume is not None, log=_rank0)
+    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=dataset, data_collator=collator,
+                                processing_class=tokenizer, callbacks=callbacks)
+    reference.unwrap = lambda: trainer.accelerator.unwrap_model(trainer.model)
+    reference.autocast = trainer.accelerator.autocast
+    trainer.reference, trainer.options, trainer.metrics = reference, Options(cfg.objective.beta,
+                                                                             cfg.objective.label_smoothing), Metrics()
+    _rank0(reference.describe())
     return trainer
 
 
