@@ -31,10 +31,12 @@ def job(tmp_path_factory):
     return root, model, data
 
 
-def train(job, name: str, *flags: str) -> list[dict]:
+def train(job, name: str, *flags: str, path: str = "trainer") -> list[dict]:
     """One process, in this one: 4 pairs = the global batch (2 per micro-batch x 2 accumulation), SGD at a constant
     learning rate, no clipping: every step's loss is the mean over all pairs, whatever their order."""
-    from finetune.training.trainer import main
+    from finetune.training import loop, trainer
+
+    main = {"trainer": trainer.main, "loop": loop.main}[path]
 
     root, model, data = job
     out = root / name
@@ -133,3 +135,20 @@ def test_config_accepts_dpo_and_records_it(job, tmp_path, isolated):
     assert cfg.resolved()["method"] == "dpo" and cfg.resolved()["beta"] == 0.3
     # An SFT run's recipe is what it was before --method existed.
     assert "method" not in C.parse(base, check_paths=False).resolved()
+
+
+KEYS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/margins",
+        "rewards/accuracies", "logps/chosen", "logps/rejected", "epoch", "step")
+
+
+@pytest.mark.parametrize("flags", [(), ("--use_peft", "--lora_r", "4", "--learning_rate", "2"),
+                                   ("--precompute_ref_log_probs",)], ids=["full", "lora", "precompute"])
+def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, flags):
+    name = "-".join(flags) or "full"
+    want = train(job, f"trainer{name}", *flags, "--logging_steps", "2", "--max_steps", "4")
+    got = train(job, f"loop{name}", *flags, "--logging_steps", "2", "--max_steps", "4", path="loop")
+    assert [e["step"] for e in got] == [e["step"] for e in want] == [2, 4]
+    for g, w in zip(got, want):
+        assert set(KEYS) <= set(g) and set(KEYS) <= set(w)
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-6), (k, got, want)
