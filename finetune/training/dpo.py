@@ -108,12 +108,14 @@ def micro_batch_loss(policy, batch: dict, reference, options: Options, n_pairs, 
     """This micro-batch's pairs' loss sum over `n_pairs` (the pairs of the global batch). `policy` is the (wrapped)
     model trained; `reference` computes the reference log-probs of the batch (a callable), unless the batch carries
     them (`ref_logps`, precomputed)."""
-    logps = sequence_logps(policy, batch)
     if "ref_logps" in batch:
-        ref = batch["ref_logps"].to(logps.device, logps.dtype)
+        ref = batch["ref_logps"]
     else:
+        # Before the policy's forward: the reference's logits are gone before the policy's activations pile up.
         with torch.no_grad(), autocast():
-            ref = reference(batch).to(logps.dtype)
+            ref = reference(batch)
+    logps = sequence_logps(policy, batch)
+    ref = ref.to(logps.device, logps.dtype)
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = ref.chunk(2)
     losses, reward_chosen, reward_rejected = sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected,
