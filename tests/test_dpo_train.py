@@ -152,3 +152,33 @@ def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, flags):
         assert set(KEYS) <= set(g) and set(KEYS) <= set(w)
         for k in KEYS:
             assert g[k] == pytest.approx(w[k], abs=1e-6), (k, got, want)
+
+
+def test_plan_counts_the_reference(tmp_path):
+    from finetune.plan import planner as plan
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    shape = dict(vocab_size=301, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(shape))
+    base = ["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
+            "--max_seq_length", "128"]
+    sft = plan.make_plan(base + ["--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
+    full = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2"])
+    params = full["model"]["parameters"]
+    # Two rows per pair: a DPO micro-batch of 2 pairs holds what an SFT micro-batch of 4 records does.
+    assert full["activations_saved"] == sft["activations_saved"]
+    assert full["per_device"]["reference model"] == 4 * params  # fp32 on CPU: the whole model again
+    assert full["per_device_total"] == sft["per_device_total"] + 4 * params
+    assert "reference a frozen copy of the model" in full["job"]["method"]
+    assert "does not fit" not in full["rejected"].get("zero3", "")
+    for flags, what in ((["--use_peft"], "the base, adapters disabled (no copy)"),
+                        (["--precompute_ref_log_probs"], "precomputed log-probabilities (no copy)")):
+        other = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2", *flags])
+        assert "reference model" not in other["per_device"] and what in other["job"]["method"]
+    # Full fine-tuning DPO is never recommended under ZeRO-3 (refused without --precompute_ref_log_probs).
+    job = plan.job_from_config(plan.parse_plan_args(base + ["--method", "dpo"])[0], world_size=2, devices_per_node=2,
+                               accelerator="cpu")
+    rec = plan.recommend(job, plan.Limits(1, 1), candidates=("zero3",))
+    assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
