@@ -31,7 +31,7 @@ def job(tmp_path_factory):
     return root, model, data
 
 
-def train(job, name: str, *flags: str, path: str = "trainer") -> list[dict]:
+def train(job, name: str, *flags: str, path: str = "trainer", accum: int = 2) -> list[dict]:
     """One process, in this one: 4 pairs = the global batch (2 per micro-batch x 2 accumulation), SGD at a constant
     learning rate, no clipping: every step's loss is the mean over all pairs, whatever their order."""
     from finetune.training import loop, trainer
@@ -42,7 +42,7 @@ def train(job, name: str, *flags: str, path: str = "trainer") -> list[dict]:
     out = root / name
     main(["--method", "dpo", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
           "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", "2",
-          "--gradient_accumulation_steps", "2", "--max_steps", str(STEPS), "--optim", "sgd", "--learning_rate", str(LR),
+          "--gradient_accumulation_steps", str(accum), *([] if "--max_steps" in flags else ["--max_steps", str(STEPS)]), "--optim", "sgd", "--learning_rate", str(LR),
           "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", str(BETA),
           "--seed", "3", *flags])
     return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
@@ -147,6 +147,7 @@ def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, flags):
     name = "-".join(flags) or "full"
     want = train(job, f"trainer{name}", *flags, "--logging_steps", "2", "--max_steps", "4")
     got = train(job, f"loop{name}", *flags, "--logging_steps", "2", "--max_steps", "4", path="loop")
+    assert want[-1]["loss"] < want[0]["loss"]
     assert [e["step"] for e in got] == [e["step"] for e in want] == [2, 4]
     for g, w in zip(got, want):
         assert set(KEYS) <= set(g) and set(KEYS) <= set(w)
@@ -182,3 +183,26 @@ def test_plan_counts_the_reference(tmp_path):
                                accelerator="cpu")
     rec = plan.recommend(job, plan.Limits(1, 1), candidates=("zero3",))
     assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
+
+
+@pytest.mark.parametrize("path", ["trainer", "loop"])
+@pytest.mark.parametrize("flags", [(), ("--precompute_ref_log_probs",), ("--use_peft", "--lora_r", "4")],
+                         ids=["copy", "precompute", "lora"])
+def test_resume_gives_the_same_losses(job, isolated, one_thread, tmp_path, path, flags):
+    """The run's own mid-epoch checkpoint (step 3 of 4; 2 steps per epoch) resumed in a new folder: the same steps.
+    The frozen copy is the base as loaded, not the checkpoint; the precomputed reference comes from the cache."""
+    import shutil
+
+    root = job[0]
+    name = f"resume-{path}-{'-'.join(flags) or 'copy'}"
+    common = (*flags, "--max_steps", "4", "--save_steps", "3")
+    whole = train(job, name, *common, path=path, accum=1)
+    resumed_dir = root / f"{name}-resumed"
+    shutil.copytree(root / name / "checkpoint-3", resumed_dir / "checkpoint-3")
+    resumed = train(job, f"{name}-resumed", *common, "--resume_from_checkpoint", "latest", path=path, accum=1)
+    # The resumed history is the checkpoint's (steps 1-3) and step 4 trained again.
+    assert [e["step"] for e in whole] == [e["step"] for e in resumed] == [1, 2, 3, 4]
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    for w, r in zip(whole, resumed):
+        for k in KEYS:
+            assert r[k] == pytest.approx(w[k], abs=1e-6), (k, whole, resumed)
