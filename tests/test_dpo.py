@@ -113,3 +113,42 @@ def test_equal_policy_and_reference_give_log_2(tiny):
     with torch.no_grad():
         loss = dpo.micro_batch_loss(ref, batch, lambda b: dpo.sequence_logps(ref, b), dpo.Options(), 3)
     assert loss.item() == pytest.approx(0.693147, abs=1e-6)
+
+
+def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated):
+    """TRL's DPOTrainer (the bench extra) on the same pairs: the same tokens, loss and gradients."""
+    trl = pytest.importorskip("trl")
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(tiny_plain)))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_plain, dtype=torch.float32)
+    ref = copy.deepcopy(policy).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    records = [r for r in RECORDS if isinstance(r["prompt"], str)]
+    args = trl.DPOConfig(output_dir=str(tmp_path), beta=0.3, report_to="none", use_cpu=True,
+                         per_device_train_batch_size=len(records), max_length=None)
+    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer)
+    ours = pair_features(tokenizer, records)
+    theirs = [trainer.train_dataset[i] for i in range(len(records))]
+    for o, t in zip(ours, theirs):  # TRL's tokens are ours: the prompt with BOS, each answer then EOS, all scored
+        assert (o["prompt_ids"], o["chosen_ids"], o["rejected_ids"]) == (t["prompt_ids"], t["chosen_ids"], t["rejected_ids"])
+        assert o["chosen_labels"] == o["chosen_ids"] and o["rejected_labels"] == o["rejected_ids"]
+    policy.zero_grad()
+    expected = trainer.compute_loss(policy, trainer.data_collator(theirs))
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    got = dpo.micro_batch_loss(policy, PR.PairCollator(tokenizer.pad_token_id)(ours),
+                               lambda b: dpo.sequence_logps(ref, b), dpo.Options(0.3), len(records))
+    got.backward()
+    assert abs(got.item() - expected.item()) < 1e-5 and abs(got.item() - 0.6931) > 1e-3
+    for n, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-5)

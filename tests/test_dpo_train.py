@@ -220,3 +220,56 @@ def test_quantized_base_lora(job, isolated, one_thread, bits):
     assert logs[-1]["loss"] < logs[0]["loss"] - 0.01 and logs[-1]["rewards/margins"] > 0
     pre = train(job, f"quant{bits}-pre", *flags, "--precompute_ref_log_probs")
     assert [e["loss"] for e in pre] == pytest.approx([e["loss"] for e in logs], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: 2 processes against 1, per step (8 pairs, global batch 4: 2 steps per epoch, 4 steps).
+
+MORE_PAIRS = PAIRS + [
+    {"prompt": "copy: blue dog", "chosen": "blue dog", "rejected": "dog blue"},
+    {"prompt": "reverse: a b c", "chosen": "c b a", "rejected": "a b c"},
+    {"prompt": "2+3?", "chosen": "5", "rejected": "6"},
+    {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "colour of snow?"}],
+     "chosen": "white", "rejected": "Snow is usually white, I believe."},
+]
+# (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2, LoRA and the precomputed
+# reference under ZeRO-3 (where full fine-tuning needs --precompute_ref_log_probs).
+CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
+         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--precompute_ref_log_probs"))]
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo-multi")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MORE_PAIRS))
+    return root, model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, preset, flags", CASES, ids=[f"{p}-{c}" for p, c, _ in CASES])
+def test_two_processes_equal_one(multi, path, preset, flags):
+    from tests.launch import LOOP, TRAIN, launcher, run, unexpected_warnings
+
+    root, model, data = multi
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+
+    def history(name: str, cmd: list[str], micro: int) -> list[dict]:
+        out = root / name
+        result = run(cmd + ["--config", preset, "--method", "dpo", "--model_name_or_path", str(model), "--dataset",
+                            str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                            "--max_steps", "4", "--learning_rate", "0.05", "--lr_scheduler_type", "constant",
+                            "--beta", str(BETA), "--seed", "3", "--disable_tqdm", "true", *flags], timeout=600).check()
+        assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    name = f"{path}-{preset}"
+    one = history(f"{name}-1", [sys.executable, script], micro=2)
+    two = history(f"{name}-2", launcher("accelerate", 2, script=script), micro=1)
+    assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    assert one[-1]["loss"] < one[0]["loss"]
+    for a, b in zip(one, two):
+        for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
