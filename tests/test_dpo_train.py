@@ -185,6 +185,7 @@ def test_plan_counts_the_reference(tmp_path):
     assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["trainer", "loop"])
 @pytest.mark.parametrize("flags", [(), ("--precompute_ref_log_probs",), ("--use_peft", "--lora_r", "4")],
                          ids=["copy", "precompute", "lora"])
@@ -208,6 +209,7 @@ def test_resume_gives_the_same_losses(job, isolated, one_thread, tmp_path, path,
             assert r[k] == pytest.approx(w[k], abs=1e-6), (k, whole, resumed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["--load_in_4bit", "--load_in_8bit"])
 def test_quantized_base_lora(job, isolated, one_thread, bits):
     """8/4-bit bases with LoRA: the reference is the quantized base with the adapters off (scored in eval mode,
