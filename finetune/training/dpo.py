@@ -194,7 +194,9 @@ def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, au
     from finetune.training.outputs import exit_with
 
     path = ref_cache_file(cfg, data_key)
-    if path.is_file():
+    # Every rank decides alike (a node without the cached file would otherwise score alone and wait forever).
+    cached = int(core.all_sum(torch.tensor(int(path.is_file()), device=device)).item()) == core.world()
+    if cached:
         log(f"dpo: reference log-probabilities from the cache ({path})")
         return torch.load(path, weights_only=True)
     if resumed and not cfg.model.use_peft:
