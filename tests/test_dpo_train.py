@@ -234,10 +234,10 @@ MORE_PAIRS = PAIRS + [
     {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "colour of snow?"}],
      "chosen": "white", "rejected": "Snow is usually white, I believe."},
 ]
-# (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2, LoRA and the precomputed
-# reference under ZeRO-3 (where full fine-tuning needs --precompute_ref_log_probs).
-CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
-         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--precompute_ref_log_probs"))]
+# (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live
+# reference (adapters off inside the engine) and full fine-tuning's precomputed one (its only way there).
+CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()), ("trainer", "zero3", ("--use_peft", "--lora_r", "4")),
+         ("loop", "zero3", ("--precompute_ref_log_probs",))]
 
 
 @pytest.fixture(scope="module")
