@@ -31,7 +31,7 @@ def job(tmp_path_factory):
     return root, model, data
 
 
-def train(job, name: str, *flags: str, path: str = "trainer", accum: int = 2) -> list[dict]:
+def train(job, name: str, *flags: str, path: str = "trainer", accum: int = 2, entries: str = "loss") -> list[dict]:
     """One process, in this one: 4 pairs = the global batch (2 per micro-batch x 2 accumulation), SGD at a constant
     learning rate, no clipping: every step's loss is the mean over all pairs, whatever their order."""
     from finetune.training import loop, trainer
@@ -45,7 +45,7 @@ def train(job, name: str, *flags: str, path: str = "trainer", accum: int = 2) ->
           "--gradient_accumulation_steps", str(accum), *([] if "--max_steps" in flags else ["--max_steps", str(STEPS)]), "--optim", "sgd", "--learning_rate", str(LR),
           "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", str(BETA),
           "--seed", "3", *flags])
-    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if entries in e]
 
 
 def by_hand(model_dir, tokenizer_batch) -> list[float]:
@@ -115,6 +115,9 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
     (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
                                                              "yet (DPO's own is --label_smoothing)"),
     (["--method", "dpo", "--config", "zero3"], "--config zero3: full fine-tuning DPO under ZeRO-3 would need the frozen"),
+    (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),
+    (["--method", "dpo", "--eval_split_size", "2", "--load_best_model_at_end", "--metric_for_best_model",
+      "rewards/acuracies", "--save_steps", "2"], "metric_for_best_model: 'rewards/acuracies' is not logged; did you mean"),
 ])
 def test_config_problems(job, flags, problem):
     from finetune import config as C
@@ -183,6 +186,32 @@ def test_plan_counts_the_reference(tmp_path):
                                accelerator="cpu")
     rec = plan.recommend(job, plan.Limits(1, 1), candidates=("zero3",))
     assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
+
+
+EVAL_KEYS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
+             "eval_rewards/accuracies", "eval_logps/chosen", "eval_logps/rejected", "eval_samples")
+
+
+@pytest.mark.parametrize("held_out", ["split", "file"])
+def test_evaluation_on_both_paths(job, isolated, one_thread, held_out):
+    """Eval pairs scored like training pairs, each once: the same metrics on the Trainer path and the loop. The
+    file case evaluates the training pairs themselves with the precomputed reference: before any update (the
+    Trainer's --eval_on_start) the loss is log 2, the policy being its reference."""
+    flags = (("--eval_split_size", "2", "--per_device_eval_batch_size", "3") if held_out == "split" else
+             ("--eval_dataset", str(job[2]), "--precompute_ref_log_probs"))
+    flags += ("--eval_steps", "2", "--max_steps", "4")
+    start = ("--eval_on_start", "true") if held_out == "file" else ()
+    want = train(job, f"trainer-eval-{held_out}", *flags, *start, accum=1, entries="eval_loss")
+    if start:
+        first, want = want[0], want[1:]
+        assert first["step"] == 0 and first["eval_loss"] == pytest.approx(0.693147, abs=1e-6)
+        assert first["eval_samples"] == 4 and want[0]["eval_loss"] < first["eval_loss"] - 0.3
+    got = train(job, f"loop-eval-{held_out}", *flags, path="loop", accum=1, entries="eval_loss")
+    assert [e["step"] for e in got] == [e["step"] for e in want] == [2, 4]
+    assert got[0]["eval_samples"] == (2 if held_out == "split" else 4)
+    for g, w in zip(got, want):
+        for k in EVAL_KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-6), (k, got, want)
 
 
 @pytest.mark.slow

@@ -428,8 +428,9 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
     problems += validate(model, data, launch, training_values, check_paths=check_paths)
-    problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths)
-    problems += validate_method(extras["objective"], model, data, launch, training_values)
+    problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths,
+                                    method=extras["objective"].method)
+    problems += validate_method(extras["objective"], model, data, launch, training_values, evaluation)
     ds_path = resolve_preset(launch.config)
 
     training = None
@@ -443,7 +444,7 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
 
 
 def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, launch: LaunchConfig,
-                    training: dict[str, Any]) -> list[str]:
+                    training: dict[str, Any], evaluation: EvalConfig | None = None) -> list[str]:
     """--method and its options; what DPO does not support yet is refused by name."""
     if m.method not in METHODS:
         return [f"method: '{m.method}' is not one of {', '.join(METHODS)}{did_you_mean(m.method, list(METHODS))}"]
@@ -458,7 +459,7 @@ def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, la
     if not 0.0 <= m.label_smoothing < 0.5:
         problems.append(f"label_smoothing: must be in [0, 0.5), got {m.label_smoothing}")
     for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
-                     ("eval_dataset", bool(data.eval_dataset)), ("eval_split_size", bool(data.eval_split_size)),
+                     ("eval_generate", bool(evaluation and evaluation.eval_generate)),
                      ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
                      ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
                      ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
@@ -475,7 +476,8 @@ def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, la
     return problems
 
 
-def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool) -> list[str]:
+def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool,
+                        method: str = "sft") -> list[str]:
     """The evaluation flags: an eval set for every evaluation asked for, a metric that will exist."""
     problems = []
     has_eval = bool(data.eval_dataset or data.eval_split_size)
@@ -509,6 +511,8 @@ def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, An
     metric = training.get("metric_for_best_model")
     if metric and (training.get("load_best_model_at_end") or ev.early_stopping_patience) and not ev.eval_metric:
         known = ["loss", "perplexity"] + (["exact_match"] if ev.eval_generate else [])
+        if method == "dpo":  # finetune.training.dpo.evaluate's
+            known = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"]
         name = metric[len("eval_"):] if metric.startswith("eval_") else metric
         if name not in known:
             problems.append(f"metric_for_best_model: '{metric}' is not logged{did_you_mean(name, known)} (logged: "

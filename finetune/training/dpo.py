@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -168,11 +169,10 @@ def precompute(module, dataset, collator, batch_size: int, device, autocast=cont
     return out.cpu()
 
 
-def ref_cache_file(cfg, data_key: str) -> "Path":
+def ref_cache_file(cfg, data_key: str) -> Path:
     """Where a data set's reference log-probs are cached: beside its tokenized pairs, keyed by the base weights and
     what changes their numbers (dtype, quantization, mixed precision, attention kernel)."""
     import hashlib
-    from pathlib import Path
 
     from finetune.data.prepare import cache_root
     from finetune.training.outputs import _hash_path
@@ -216,23 +216,66 @@ def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, au
 # The Trainer path (finetune.training.trainer.main with --method dpo).
 
 
+@dataclass
+class Pairs:
+    """Tokenized pairs with their row numbers (`pair_index`, where their precomputed reference log-probs are) and
+    the key those are cached under."""
+
+    dataset: object
+    key: str
+
+
+def _indexed(dataset, key: str) -> Pairs:
+    return Pairs(dataset.add_column("pair_index", list(range(len(dataset)))), key)
+
+
 def pairs_or_exit(cfg, local_rank: int):
-    """(tokenizer, pairs, stats, cache key): prepare_pairs with data errors as one message, every rank alike."""
+    """(tokenizer, training Pairs, eval Pairs or None, stats): prepare_pairs for --dataset and --eval_dataset (or
+    --eval_split_size pairs held out), data errors as one message on every rank alike."""
+    import dataclasses
+
     from finetune.data.preference import prepare_pairs
     from finetune.data.prepare import DataError
     from finetune.models.load import WeightsError, load_tokenizer
-    from finetune.training.outputs import exit_with, rank0_print
+    from finetune.training import core, evaluate
+    from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
 
+    data = cfg.data
     try:
         tokenizer = load_tokenizer(cfg.model)
     except WeightsError as e:
         exit_with(str(e))
     try:
-        dataset, stats, key = prepare_pairs(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print)
+        dataset, stats, key = prepare_pairs(data, tokenizer, local_rank=local_rank, log=rank0_print)
     except DataError as e:
         exit_with(f"data error: {e}")
     rank0_print(stats.summary())
-    return tokenizer, dataset.add_column("pair_index", list(range(len(dataset)))), stats, key
+    if data.eval_dataset:
+        eval_data = dataclasses.replace(data, dataset=data.eval_dataset, dataset_split=data.eval_dataset_split)
+        try:
+            held_out, eval_stats, eval_key = prepare_pairs(eval_data, tokenizer, local_rank=local_rank, log=rank0_print)
+        except DataError as e:
+            exit_with(f"eval data error (--eval_dataset): {e}")
+        rank0_print(f"eval {eval_stats.summary()}")
+        return tokenizer, _indexed(dataset, key), _indexed(held_out, eval_key), stats
+    if not data.eval_split_size:
+        return tokenizer, _indexed(dataset, key), None, stats
+    seed = core.data_seed(cfg.training)
+    try:
+        train_idx, eval_idx = evaluate.split_indices(len(dataset), data.eval_split_size, seed)
+    except ValueError as e:
+        exit_with(str(e))
+    rank0_print(f"eval: {len(eval_idx)} of {len(dataset)} pairs held out (seed {seed}), {len(train_idx)} train")
+    if core.rank() == 0:
+        out = Path(cfg.training.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / evaluate.SPLIT_FILE, {
+            "dataset": str(data.dataset), "eval_split_size": data.eval_split_size, "seed": seed,
+            "examples": len(dataset), "eval_indices": eval_idx, "note": "indices of the tokenized pairs of --dataset"})
+    # The rows of each part are numbered anew: their cached log-probs are keyed by the split too.
+    split = f"{key}-split{data.eval_split_size}-{seed}"
+    return (tokenizer, _indexed(dataset.select(train_idx), f"{split}-train"),
+            _indexed(dataset.select(eval_idx), f"{split}-eval"), stats)
 
 
 def frozen_copy(model):
@@ -247,15 +290,16 @@ def frozen_copy(model):
 class Reference:
     """The reference of a run, the same on every path. `unwrap()` gives the trained module (the engine's, once
     prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy made
-    here (before any update); --precompute_ref_log_probs scores every pair once, at the first step (when the engine
-    can run the model), or reads them from the cache."""
+    here (before any update); --precompute_ref_log_probs scores every pair of every set once, at the first step
+    (when the engine can run the model, and before any update), or reads them from the cache."""
 
-    def __init__(self, cfg, model, unwrap, data_key: str, dataset, collator, device, autocast, *, resumed: bool, log):
-        self.cfg, self.unwrap, self.data_key, self.dataset, self.collator = cfg, unwrap, data_key, dataset, collator
+    def __init__(self, cfg, model, unwrap, sets: list[Pairs], collator, device, autocast, *, resumed: bool, log):
+        self.cfg, self.unwrap, self.sets, self.collator = cfg, unwrap, [p for p in sets if p is not None], collator
         self.device, self.autocast, self.resumed, self.log = device, autocast, resumed, log
         self.precompute = cfg.objective.precompute_ref_log_probs
         self.copy = frozen_copy(model) if not cfg.model.use_peft and not self.precompute else None
-        self.table, self.placed = None, False
+        self.tables: dict[str, torch.Tensor] = {}
+        self.placed = False
 
     def describe(self) -> str:
         o = self.cfg.objective
@@ -267,15 +311,18 @@ class Reference:
             what = "the model with its LoRA adapters disabled (no copy)"
         return f"dpo: beta {o.beta}, label smoothing {o.label_smoothing}; reference: {what}"
 
-    def prepare(self, batch: dict) -> dict:
-        """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs."""
+    def prepare(self, batch: dict, pairs: Pairs | None = None) -> dict:
+        """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs (of `pairs`,
+        by default the training set)."""
         batch = dict(batch)
         index = batch.pop("pair_index", None)
         if self.precompute:
-            if self.table is None:
-                self.table = load_or_precompute(self.cfg, self.data_key, self.unwrap(), self.dataset, self.collator,
-                                                self.device, self.autocast, resumed=self.resumed, log=self.log)
-            rows = self.table[index.cpu()]
+            if not self.tables:
+                for p in self.sets:
+                    self.tables[p.key] = load_or_precompute(self.cfg, p.key, self.unwrap(), p.dataset, self.collator,
+                                                            self.device, self.autocast, resumed=self.resumed,
+                                                            log=self.log)
+            rows = self.tables[(pairs or self.sets[0]).key][index.cpu()]
             batch["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.device)
         return batch
 
@@ -293,7 +340,47 @@ class Reference:
             return sequence_logps(module, batch)
 
 
-def make_trainer(cfg, model, tokenizer, dataset, data_key: str, resume, callbacks):
+def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options: Options, *,
+             prefix: str = "eval") -> dict:
+    """The DPO loss and metrics over every eval pair (each exactly once over the ranks; every rank runs as many
+    forwards, as ZeRO-3 needs): {eval_loss, eval_rewards/..., eval_logps/..., eval_samples, eval_runtime}."""
+    import math
+    import time
+
+    from finetune.training import core
+
+    start, n, world, rank = time.time(), len(pairs.dataset), core.world(), core.rank()
+    mine = list(range(rank, n, world))
+    metrics, loss_sum, index_sum = Metrics(), torch.zeros((), dtype=torch.float64), 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(math.ceil(math.ceil(n / world) / batch_size)):
+                idx = mine[b * batch_size:(b + 1) * batch_size]
+                batch = reference.collator([pairs.dataset[i] for i in (idx or [0])])  # out of pairs: a forward for nothing
+                batch = {k: v.to(reference.device) for k, v in batch.items()}
+                window = Metrics()
+                loss = micro_batch_loss(model, reference.prepare(batch, pairs), reference.logps, options, 1, window,
+                                        reference.autocast)
+                if idx:
+                    loss_sum += loss.double().cpu()
+                    metrics.sums = window.sums if metrics.sums is None else metrics.sums + window.sums
+                    index_sum += sum(idx)
+    finally:
+        model.train()
+    sums = torch.cat([torch.stack([loss_sum, torch.tensor(float(index_sum), dtype=torch.float64)]),
+                      metrics.sums.cpu() if metrics.sums is not None else torch.zeros(7, dtype=torch.float64)])
+    sums = core.all_sum(sums.to(reference.device)).cpu()
+    pairs_seen = float(sums[-1])
+    if pairs_seen != n or float(sums[1]) != n * (n - 1) / 2:
+        raise RuntimeError(f"evaluation covered {pairs_seen:.0f} of {n} pairs: a pair was counted twice or lost")
+    out = {"loss": float(sums[0]) / n}
+    out.update({k: float(v) / n for k, v in zip(METRICS, sums[2:-1].tolist())})
+    out.update(samples=n, runtime=round(time.time() - start, 4))
+    return {f"{prefix}_{k}": v for k, v in out.items()}
+
+
+def make_trainer(cfg, model, tokenizer, train: Pairs, held_out: Pairs | None, resume, callbacks):
     """The Trainer path's trainer for --method dpo."""
     from finetune.data.preference import PairCollator
     from finetune.training.trainer import Trainer
@@ -321,13 +408,22 @@ def make_trainer(cfg, model, tokenizer, dataset, data_key: str, resume, callback
                 logs = {**logs, **self.metrics.pop(self.reduce)}
             super().log(logs, start_time)
 
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+            pairs = held_out if eval_dataset is None else Pairs(eval_dataset, held_out.key)
+            metrics = evaluate(self.model_wrapped, self.reference, pairs, self.args.per_device_eval_batch_size,
+                               self.options, prefix=metric_key_prefix)
+            self.log(dict(metrics))
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
         def reduce(self, t):
             return self.accelerator.reduce(t.to(self.args.device), reduction="sum") if self.args.world_size > 1 else t
 
     collator = PairCollator(tokenizer.pad_token_id)
-    reference = Reference(cfg, model, None, data_key, dataset, collator, cfg.training.device, contextlib.nullcontext,
+    reference = Reference(cfg, model, None, [train, held_out], collator, cfg.training.device, contextlib.nullcontext,
                           resumed=resume is not None, log=_rank0)
-    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=dataset, data_collator=collator,
+    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=train.dataset,
+                                eval_dataset=held_out.dataset if held_out is not None else None, data_collator=collator,
                                 processing_class=tokenizer, callbacks=callbacks)
     reference.unwrap = lambda: trainer.accelerator.unwrap_model(trainer.model)
     reference.autocast = trainer.accelerator.autocast

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         from finetune.data.preference import PairCollator
         from finetune.training import dpo
 
-        tokenizer, dataset, stats, data_key = dpo.pairs_or_exit(cfg, accelerator.local_process_index)
-        eval_dataset, collator = None, PairCollator(tokenizer.pad_token_id)
+        tokenizer, pairs, held_out, stats = dpo.pairs_or_exit(cfg, accelerator.local_process_index)
+        dataset, eval_dataset, collator = pairs.dataset, None, PairCollator(tokenizer.pad_token_id)
     else:
         tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, accelerator.local_process_index)
         collator = make_collator(cfg, tokenizer)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
     model = core.load_model_for_training(cfg, stats, world)
     if dpo_run:  # the frozen copy of full fine-tuning is taken here, before any update
-        reference = dpo.Reference(cfg, model, lambda: accelerator.unwrap_model(model), data_key, dataset, collator,
+        reference = dpo.Reference(cfg, model, lambda: accelerator.unwrap_model(model), [pairs, held_out], collator,
                                   accelerator.device, accelerator.autocast, resumed=resume is not None, log=rank0_print)
         options, metrics = dpo.Options(cfg.objective.beta, cfg.objective.label_smoothing), dpo.Metrics()
         rank0_print(reference.describe())
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     synced = zero_stage == 3 and world > 1
     evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
         model, accelerator.unwrap_model(model), eval_set, accelerator.device, synced_gpus=synced), max_steps)
+    if dpo_run and held_out is not None:
+        evaluator = evaluate.evaluator(cfg, lambda: dpo.evaluate(
+            model, reference, held_out, args.per_device_eval_batch_size, options), max_steps)
 
     # Train.
     model.train()

@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
     dpo = cfg.objective.method == "dpo"
-    if dpo:  # preference pairs (finetune.training.dpo); no eval set yet
+    if dpo:  # preference pairs (finetune.training.dpo), evaluated by its own evaluate
         from finetune.training import dpo as preference
 
-        tokenizer, train_dataset, stats, data_key = preference.pairs_or_exit(cfg, args.local_process_index)
-        eval_dataset = None
+        tokenizer, pairs, held_out, stats = preference.pairs_or_exit(cfg, args.local_process_index)
+        train_dataset, eval_dataset = pairs.dataset, None
     else:
         tokenizer, train_dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
                                                             cfg.evaluation.early_stopping_threshold))
     if dpo:
-        trainer = preference.make_trainer(cfg, model, tokenizer, train_dataset, data_key, resume, callbacks)
+        trainer = preference.make_trainer(cfg, model, tokenizer, pairs, held_out, resume, callbacks)
     else:
         trainer = Trainer(
             model=model,
