@@ -15,7 +15,7 @@ after it; the completion's trained tokens are found by the same prefix rendering
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data import prepare as P
@@ -185,7 +185,6 @@ class PreferenceStats:
     chosen_tokens: int = 0  # trained (scored) tokens
     rejected_tokens: int = 0
     format: str = FORMAT
-    extra: dict = field(default_factory=dict)
 
     @property
     def examples(self) -> int:  # what describe_run counts: one example per pair
