@@ -204,6 +204,17 @@ def ratios(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def write_results(rows: list[dict], path: Path = REPO / "bench" / "RESULTS.md") -> None:
+    """Replace the rows between the markers of RESULTS.md's "Data preparation" section (added when missing)."""
+    begin, end = "<!-- data-table:begin -->", "<!-- data-table:end -->"
+    text = path.read_text()
+    if begin not in text:
+        text += f"\n## Data preparation\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    body = table(rows) + "\n\n" + "\n".join(f"- {line}" for line in ratios(rows).splitlines())
+    path.write_text(head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
@@ -214,11 +225,15 @@ def main(argv=None) -> None:
     ap.add_argument("--child", choices=["finetune", "plain"])
     ap.add_argument("--num_proc", type=int, default=1)
     ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    ap.add_argument("--write", action="store_true",
+                    help="with --table: also put the table and ratios into bench/RESULTS.md (section Data preparation)")
     a = ap.parse_args(argv)
     if a.table:
         rows = [json.loads(line) for line in Path(a.out).read_text().splitlines() if line.strip()]
         print(table(rows))
         print(ratios(rows))
+        if a.write:
+            write_results(rows)
         return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,10 @@ def hf_greedy(model, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
 def open_llamacpp(path: Path, n_ctx: int = 1024, threads: int = 2):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True, verbose=False)
+    # An f32 KV cache (GGML type 0): llama.cpp's default f16 cache alone moves SmolLM2's logits by 0.05 from the HF
+    # model's (f32 file; 1e-4 with the f32 cache), which would hide what the exported weights do.
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True, verbose=False,
+                 type_k=0, type_v=0)
 
 
 def llamacpp_greedy(llm, ids: list[int], max_new: int, eos: set[int]) -> list[int]:

@@ -521,6 +521,16 @@ def quiet_checkpointing_alias():
         yield
 
 
+def quiet_collective_deprecations() -> None:
+    """torch 2.13 deprecates `all_gather_into_tensor` and `reduce_scatter_tensor` (FutureWarning, once per call site
+    and rank), which DeepSpeed 0.19.8's ZeRO-1/2/3 call inside every step; nothing a user can act on. Silenced by
+    message for this process; other FutureWarnings still show."""
+    import warnings
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=f"`torch.distributed.{name}` is deprecated", category=FutureWarning)
+
+
 def default_deepspeed_accelerator() -> None:
     """DeepSpeed 0.19 warns at import, on every rank, when it finds no accelerator and falls back to its CPU one
     ("Setting accelerator to CPU"). On a machine with none of the devices it looks for, name the CPU accelerator

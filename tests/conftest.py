@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO))
 
 from finetune.models import tiny  # noqa: E402
 
-# The llama.cpp runtime check needs llama-cpp-python, which builds llama.cpp from source (about 20 minutes on 2
+# The llama.cpp runtime check needs llama-cpp-python, which builds llama.cpp from source (4 to 20 minutes on 2
 # cores): an optional extra, not in CI's `.[test,bench]`. Without it the file is not collected, and the session says so.
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 collect_ignore = [] if HAS_LLAMA_CPP else ["test_gguf_llamacpp.py"]
@@ -26,7 +26,7 @@ collect_ignore = [] if HAS_LLAMA_CPP else ["test_gguf_llamacpp.py"]
 def pytest_terminal_summary(terminalreporter):
     if not HAS_LLAMA_CPP:
         terminalreporter.write_line("tests/test_gguf_llamacpp.py not run: llama-cpp-python is not installed "
-                                    "(pip install '.[llamacpp]', builds llama.cpp, about 20 min; then pytest tests/test_gguf_llamacpp.py)")
+                                    "(pip install '.[llamacpp]', builds llama.cpp, 4-20 min; then pytest tests/test_gguf_llamacpp.py)")
 
 
 @pytest.fixture(scope="session")

@@ -130,3 +130,17 @@ def test_every_entry_point_checks_versions(entry):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("finetune: warning: deepspeed 0.99.0 is outside the range") == 1, proc.stderr[-3000:]
+
+
+def test_collective_deprecations_silenced_and_nothing_else():
+    import warnings
+
+    from finetune import compat
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.quiet_collective_deprecations()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
+        warnings.warn("`torch.distributed.all_reduce_coalesced` will be deprecated.", FutureWarning)
+    assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` will be deprecated."]

@@ -85,6 +85,9 @@ CASES = {
 }
 
 
+# One thread: with two, the unchunked reference's own matmuls split their sums by thread, which alone moved a LoRA
+# gradient by 1.06e-6 relative (measured), at the 1e-6 bound; one thread makes the comparison the chunking's only.
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", CASES)
 def test_same_loss_and_gradients(case):
     spec = {"tied": False, "packed": False, "targets": None, "num_items": 97, "chunk": 7, **CASES[case]}

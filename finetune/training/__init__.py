@@ -3,3 +3,4 @@
 from finetune import compat as _compat
 
 _compat.default_deepspeed_accelerator()  # before any training module imports DeepSpeed
+_compat.quiet_collective_deprecations()
