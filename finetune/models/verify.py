@@ -230,8 +230,11 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
         base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
         if quantization is None and device is not None:
             base.to(device)
+        from finetune.compat import quiet_checkpointing_alias
+
         try:
-            model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
+            with quiet_checkpointing_alias():  # peft asks the base for a name transformers deprecated
+                model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
         except Exception as e:  # noqa: BLE001 - any failure to reload is the verification failing
             raise VerificationError(f"{folder}: the adapter does not reload onto {base_path}: {e}") from e
         return model.eval(), "adapter"
