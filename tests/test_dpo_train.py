@@ -265,7 +265,9 @@ MORE_PAIRS = PAIRS + [
 ]
 # (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live
 # reference (adapters off inside the engine) and full fine-tuning's precomputed one (its only way there).
-CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()), ("trainer", "zero3", ("--use_peft", "--lora_r", "4")),
+# (LoRA without dropout: one process and two draw different dropout masks, as in tests/test_lora.py.)
+CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
+         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0")),
          ("loop", "zero3", ("--precompute_ref_log_probs",))]
 
 
@@ -302,5 +304,5 @@ def test_two_processes_equal_one(multi, path, preset, flags):
     assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
     assert one[-1]["loss"] < one[0]["loss"]
     for a, b in zip(one, two):
-        for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
+        for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
