@@ -267,7 +267,7 @@ MORE_PAIRS = PAIRS + [
 # reference (adapters off inside the engine) and full fine-tuning's precomputed one (its only way there).
 # (LoRA without dropout: one process and two draw different dropout masks, as in tests/test_lora.py.)
 CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
-         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0")),
+         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005")),
          ("loop", "zero3", ("--precompute_ref_log_probs",))]
 
 
@@ -293,7 +293,8 @@ def test_two_processes_equal_one(multi, path, preset, flags):
         result = run(cmd + ["--config", preset, "--method", "dpo", "--model_name_or_path", str(model), "--dataset",
                             str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
                             "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
-                            "--max_steps", "4", "--learning_rate", "0.05", "--lr_scheduler_type", "constant",
+                            "--max_steps", "4", "--lr_scheduler_type", "constant",
+                            *(() if "--learning_rate" in flags else ("--learning_rate", "0.05")),
                             "--beta", str(BETA), "--seed", "3", "--disable_tqdm", "true", *flags], timeout=600).check()
         assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
         return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
