@@ -217,6 +217,35 @@ class EvalConfig:
     )
 
 
+METHODS = ("sft", "dpo")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the run trains for: supervised fine-tuning, or preference pairs (DPO; docs/preference.md)."""
+
+    method: str = field(
+        default="sft",
+        metadata={"help": "sft: next-token loss on the records' completions; dpo: Direct Preference Optimization on "
+                          "{prompt, chosen, rejected} pairs (docs/preference.md)."},
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "DPO: how far the model may move from the reference (higher keeps it closer); the "
+                          "rewards logged are beta x log(policy / reference) of each completion."},
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "DPO: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."},
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "DPO: compute the reference log-probabilities once before training and cache them with "
+                          "the tokenized data, instead of a reference forward every step (full fine-tuning then "
+                          "keeps no reference copy)."},
+    )
+
+
 @dataclass
 class LaunchConfig:
     """How the job is run."""
@@ -278,11 +307,15 @@ class FinetuneConfig:
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
     fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def resolved(self) -> dict[str, Any]:
         """The flat dict of every key that is not at the HF default, reusable as a --recipe."""
         out: dict[str, Any] = {}
-        for section in (self.launch, self.model, self.data, self.evaluation):
+        # An SFT run's recipe (and so its run fingerprint) leaves the method keys out, as before they existed.
+        sections = (self.launch, self.model, self.data, self.evaluation)
+        sections += (self.objective,) if self.objective.method != "sft" else ()
+        for section in sections:
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
@@ -335,7 +368,8 @@ def command(prog: str = "finetune train", extra: dict[str, type] | None = None, 
     --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections."""
     from transformers import TrainingArguments
 
-    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "evaluation": EvalConfig}
+    sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "evaluation": EvalConfig,
+                "objective": ObjectiveConfig}
     # A command's own flags come before TrainingArguments' (a name in both is the command's).
     sections.update(extra or {})
     sections["training"] = TrainingArguments
@@ -382,7 +416,8 @@ def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", 
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
-    extras = {name: cls(**values[name]) for name, cls in {"evaluation": EvalConfig, **(extra or {})}.items()}
+    extras = {name: cls(**values[name]) for name, cls in {"evaluation": EvalConfig, "objective": ObjectiveConfig,
+                                                          **(extra or {})}.items()}
     return model, data, launch, training, sources, problems, extras
 
 
@@ -393,7 +428,9 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
     problems += _check_accelerate_agrees(launch, "config" in sources)
     problems += validate(model, data, launch, training_values, check_paths=check_paths)
-    problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths)
+    problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths,
+                                    method=extras["objective"].method)
+    problems += validate_method(extras["objective"], model, data, launch, training_values, evaluation)
     ds_path = resolve_preset(launch.config)
 
     training = None
@@ -402,10 +439,45 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
         problems += more
     if problems:
         raise ConfigError(problems)
-    return FinetuneConfig(model, data, launch, training, ds_path, sources, evaluation=evaluation)
+    return FinetuneConfig(model, data, launch, training, ds_path, sources, evaluation=evaluation,
+                          objective=extras["objective"])
 
 
-def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool) -> list[str]:
+def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, launch: LaunchConfig,
+                    training: dict[str, Any], evaluation: EvalConfig | None = None) -> list[str]:
+    """--method and its options; what DPO does not support yet is refused by name."""
+    if m.method not in METHODS:
+        return [f"method: '{m.method}' is not one of {', '.join(METHODS)}{did_you_mean(m.method, list(METHODS))}"]
+    defaults = ObjectiveConfig()
+    if m.method == "sft":
+        given = [k for k in ("beta", "label_smoothing", "precompute_ref_log_probs")
+                 if getattr(m, k) != getattr(defaults, k)]
+        return [f"{k}: a DPO option; add --method dpo" for k in given]
+    problems = []
+    if m.beta <= 0:
+        problems.append(f"beta: must be positive, got {m.beta}")
+    if not 0.0 <= m.label_smoothing < 0.5:
+        problems.append(f"label_smoothing: must be in [0, 0.5), got {m.label_smoothing}")
+    for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
+                     ("eval_generate", bool(evaluation and evaluation.eval_generate)),
+                     ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
+                     ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
+                     ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
+        if on:
+            hint = " (DPO's own is --label_smoothing)" if flag == "label_smoothing_factor" else ""
+            problems.append(f"{flag}: not supported with --method dpo yet{hint}")
+    if isinstance(data.dataset, list):
+        problems.append("dataset: --method dpo takes one --dataset (mixing preference sets is not supported yet)")
+    zero3 = launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3
+    if zero3 and not model.use_peft and not m.precompute_ref_log_probs:
+        problems.append(f"--config {launch.config}: full fine-tuning DPO under ZeRO-3 would need the frozen reference "
+                        "copy partitioned too, which finetune does not do; add --precompute_ref_log_probs (the "
+                        "reference is then the model before training, scored once), or train LoRA (--use_peft)")
+    return problems
+
+
+def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool,
+                        method: str = "sft") -> list[str]:
     """The evaluation flags: an eval set for every evaluation asked for, a metric that will exist."""
     problems = []
     has_eval = bool(data.eval_dataset or data.eval_split_size)
@@ -439,6 +511,8 @@ def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, An
     metric = training.get("metric_for_best_model")
     if metric and (training.get("load_best_model_at_end") or ev.early_stopping_patience) and not ev.eval_metric:
         known = ["loss", "perplexity"] + (["exact_match"] if ev.eval_generate else [])
+        if method == "dpo":  # finetune.training.dpo.evaluate's
+            known = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"]
         name = metric[len("eval_"):] if metric.startswith("eval_") else metric
         if name not in known:
             problems.append(f"metric_for_best_model: '{metric}' is not logged{did_you_mean(name, known)} (logged: "

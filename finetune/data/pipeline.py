@@ -359,13 +359,16 @@ def wait_for(done: Path, error_file: Path, lock: Path | None, what: str, log, *,
     return True
 
 
-def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log) -> tuple[object, DataStats]:
-    """One source, tokenized once (per job where the cache folder is shared) and loaded memory-mapped."""
+def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log, build=None, stats_cls=DataStats,
+                   kind: str = "", with_key: bool = False):
+    """One source, tokenized once (per job where the cache folder is shared) and loaded memory-mapped: (Dataset,
+    stats), and the cache key too `with_key`. `build` and `stats_cls`: another map than tokenize_source (the
+    preference pairs of finetune.data.preference), cached under keys starting with `kind`."""
     import datasets
 
     root = P.cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    key = P._fingerprint(cfg, tokenizer, hub)
+    key = (f"{kind}-" if kind else "") + P._fingerprint(cfg, tokenizer, hub)
     final, error_file, lock = root / key, root / f"{key}.error", root / f"{key}.lock"
     name = hub.repo_id if hub is not None else str(cfg.dataset)
     done = final / "stats.json"
@@ -375,14 +378,15 @@ def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log) 
         elif try_lock(lock) or not wait_for(done, error_file, lock, name, log, take_over=True):
             try:
                 if not done.is_file():  # another node may have finished between our check and the lock
-                    _build(cfg, tokenizer, hub, root, key, num_proc, name)
+                    _build(cfg, tokenizer, hub, root, key, num_proc, name, build or tokenize_source)
             finally:
                 lock.unlink(missing_ok=True)
-    stats = DataStats(**json.loads(done.read_text()))
-    return datasets.load_from_disk(str(final)), stats
+    stats = stats_cls(**json.loads(done.read_text()))
+    dataset = datasets.load_from_disk(str(final))
+    return (dataset, stats, key) if with_key else (dataset, stats)
 
 
-def _build(cfg, tokenizer, hub, root: Path, key: str, num_proc: int, name: str) -> None:
+def _build(cfg, tokenizer, hub, root: Path, key: str, num_proc: int, name: str, build=None) -> None:
     final, error_file = root / key, root / f"{key}.error"
     error_file.unlink(missing_ok=True)
     work = root / f"{key}.tmp{os.getpid()}"
@@ -390,7 +394,7 @@ def _build(cfg, tokenizer, hub, root: Path, key: str, num_proc: int, name: str) 
     work.mkdir()
     try:
         try:
-            tokenize_source(cfg, tokenizer, hub, work, num_proc=num_proc, name=name)
+            (build or tokenize_source)(cfg, tokenizer, hub, work, num_proc=num_proc, name=name)
         except DataError as e:
             # Write then rename, so a waiting rank never reads a half-written (empty) message.
             tmp_error = root / f"{key}.error.tmp{os.getpid()}"

@@ -302,6 +302,13 @@ class Job:
     bnb_nested: bool = False
     padding_mask: bool = True  # batches padded to the longest record carry an attention mask (worst case)
     loss_chunk: int = 0  # --loss_chunk_size: tokens per chunk of the chunked cross-entropy (0: transformers' loss)
+    pairs: bool = False  # --method dpo: each example of a micro-batch is a pair, two rows (chosen, rejected)
+    reference_copy: bool = False  # DPO full fine-tuning: a frozen copy of the weights beside the trained ones
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch."""
+        return self.micro_batch * (2 if self.pairs else 1)
 
     @property
     def num_nodes(self) -> int:
@@ -666,7 +673,7 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
 
 def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
     """Saved activations of one micro-batch, tensor class by tensor class, and the backward pass as stages."""
-    b = job.micro_batch if micro_batch is None else micro_batch
+    b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1)
     ckpt = job.grad_ckpt if grad_ckpt is None else grad_ckpt
     sh = job.shape
     s_len = job.seq_len
@@ -829,6 +836,12 @@ def predict(job: Job) -> Prediction:
     notes = list(st.notes)
     stage = job.strategy.stage
     overhead = CPU_PROCESS_OVERHEAD if cpu else GPU_DEVICE_OVERHEAD
+    # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
+    # every rank (ZeRO-3 is refused for it). Its no-grad forward runs before the policy's and frees its logits first.
+    reference = prec.weight * job.shape.num_params if job.reference_copy else 0
+    if reference:
+        notes.append("DPO reference: a frozen copy of the model on every device (LoRA, or --precompute_ref_log_probs, "
+                     "keeps none)")
     static = {
         "parameters": st.params + st.persistent,
         "optimizer states": st.optim,
@@ -844,7 +857,7 @@ def predict(job: Job) -> Prediction:
         bw_grads += st.grads  # ZeRO-3 keeps its gradient partition buffer between steps
     forward = act.forward_peak
     if stage == 0 and job.world_size > 1 and not job.loss_chunk:
-        forward += prec.act * job.micro_batch * job.seq_len * job.shape.vocab_size  # DDP's _DDPSink clones the logits
+        forward += prec.act * job.rows * job.seq_len * job.shape.vocab_size  # DDP's _DDPSink clones the logits
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
         "backward": {"gradients": bw_grads, "activations": bw_acts + st.gathered + st.backward_buffers},
@@ -854,6 +867,8 @@ def predict(job: Job) -> Prediction:
     device = {"parameters": static["parameters"], "gradients": moments[peak_name]["gradients"],
               "optimizer states": static["optimizer states"], "activations": moments[peak_name]["activations"],
               "buffers": static["buffers"], "framework overhead": overhead}
+    if reference:
+        device["reference model"] = reference
     if cpu and (st.host_params or st.host_grads or st.host_optim):
         # On a CPU run "offloaded to CPU" is the same memory: count it in the process.
         device["parameters"] += st.host_params
@@ -985,6 +1000,9 @@ def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = Non
         if job.quant and strategy.stage == 3:
             rejected[name] = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3"
             continue
+        if job.reference_copy and strategy.stage == 3:
+            rejected[name] = "full fine-tuning DPO under ZeRO-3 needs --precompute_ref_log_probs (the frozen copy is not partitioned)"
+            continue
         base = job.replace(strategy=strategy)
         options = []
         for micro in _halvings(job.micro_batch):
@@ -1084,7 +1102,8 @@ def parse_plan_args(argv: list[str]):
         problems += more
     if problems:
         raise PlanError(problems)
-    return C.FinetuneConfig(model, data, launch, training, C.resolve_preset(launch.config), sources), flags
+    return C.FinetuneConfig(model, data, launch, training, C.resolve_preset(launch.config), sources,
+                            objective=extra["objective"]), flags
 
 
 def _preset_problems(model, data, launch, training_values: dict[str, Any]) -> list[str]:
@@ -1109,6 +1128,8 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     if accelerator == "gpu" and strategy.stage > 0 and mixed is None:
         mixed = "bf16"  # DeepSpeed on GPU: planned as mixed precision (pass --bf16)
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
+    objective = getattr(cfg, "objective", None)
+    dpo = getattr(objective, "method", "sft") == "dpo"
     return Job(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
@@ -1116,7 +1137,9 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         accelerator=accelerator, weight_dtype=dtype, mixed_precision=mixed, use_peft=model.use_peft,
         lora_r=model.lora_r, lora_targets=tuple(model.lora_target_modules), lora_dropout=model.lora_dropout,
         quant=quant, bnb_nested=model.use_bnb_nested_quant,
-        loss_chunk=0 if getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
+        # DPO scores log-probabilities from the logits, not with the chunked cross-entropy.
+        loss_chunk=0 if dpo or getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
+        pairs=dpo, reference_copy=dpo and not model.use_peft and not objective.precompute_ref_log_probs,
     )
 
 
@@ -1187,7 +1210,8 @@ def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation
             "world_size": job.world_size, "devices_per_node": job.devices_per_node, "num_nodes": job.num_nodes,
             "per_device_train_batch_size": job.micro_batch, "max_seq_length": job.seq_len,
             "gradient_accumulation_steps": job.grad_accum, "gradient_checkpointing": job.grad_ckpt,
-            "method": ("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft else "full",
+            "method": (("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft
+                       else "full") + (_dpo_reference(job) if job.pairs else ""),
             "precision": prec.note + ("; LoRA adapters in fp32: 4 + 4 + 8" if job.use_peft and prec.name == "bf16" else ""),
         },
         "limits": {"device_memory": limits.device_memory, "host_memory": limits.host_memory},
@@ -1206,6 +1230,12 @@ def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation
         "rejected": rec.rejected,
         "notes": pred.notes,
     }
+
+
+def _dpo_reference(job: Job) -> str:
+    what = ("a frozen copy of the model" if job.reference_copy else "the base, adapters disabled (no copy)"
+            if job.use_peft else "precomputed log-probabilities (no copy)")
+    return f"; DPO: 2 rows per pair, reference {what}"
 
 
 def render(plan: dict[str, Any]) -> str:

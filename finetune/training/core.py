@@ -72,6 +72,8 @@ def refused_flags(cfg, script: str) -> list[str]:
         "torch_compile": flag("torch_compile") and "loop" not in script,  # the loop compiles as the Trainer does
         "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
         "label_smoothing_factor": bool(flag("label_smoothing_factor", 0)),
+        # DPO runs on the Trainer path and the loop (finetune.training.dpo); the DeepSpeed engine script is SFT only.
+        "method dpo": "sft.py" in script and getattr(getattr(cfg, "objective", None), "method", "sft") == "dpo",
     }
     problems += [f"{key}: not supported by {script} (finetune/train.py supports it)" for key, on in unsupported.items() if on]
     return problems
@@ -427,7 +429,8 @@ class LogWindow:
                 entry["train_runtime"] = round(runtime, 4)
                 entry["train_tokens_per_second"] = round(self.session_tokens / runtime, 3) if runtime > 0 else 0.0
 
-    def add(self, step: int, loss: float, learning_rate: float, grad_norm: float | None, epoch: float) -> dict | None:
+    def add(self, step: int, loss: float, learning_rate: float, grad_norm: float | None, epoch: float,
+            metrics=None) -> dict | None:
         self.loss, self.steps = self.loss + loss, self.steps + 1
         self.session_loss, self.session_steps = self.session_loss + loss, self.session_steps + 1
         if not (self.enabled and (step % self.every == 0 or (self.first_step and step == 1))):
@@ -435,7 +438,7 @@ class LogWindow:
         entry = {"loss": self.loss / self.steps}
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm
-        entry.update(learning_rate=learning_rate, epoch=epoch)
+        entry.update(learning_rate=learning_rate, **(metrics() if metrics is not None else {}), epoch=epoch)
         self._speed(entry, train=True)
         entry["step"] = step
         self.history.append(entry)
@@ -514,6 +517,9 @@ class Job:
     evaluator: object = None  # finetune.training.evaluate.Evaluator: when to evaluate, the best model, early stopping
     load: Callable | None = None  # load(folder): a checkpoint's weights back into the model (the best, at the end)
     reporters: object = None  # finetune.training.evaluate.Reporters: --report_to (TensorBoard, ...)
+    # metrics() -> {name: value} of the logging window, added to each logged entry (DPO's rewards); every rank calls
+    # it at the same steps, so it may reduce over ranks.
+    metrics: Callable | None = None
 
 
 def _show(entry: dict) -> None:
@@ -562,7 +568,7 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             pos.step += 1
             epoch = pos.epoch + pos.micro_done / micro_per_epoch
             entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
-                            None if grad_norm is None else float(grad_norm), epoch)
+                            None if grad_norm is None else float(grad_norm), epoch, job.metrics)
             if entry is not None:
                 report(entry)
             # Then evaluate, then save: the Trainer's order (_maybe_log_save_evaluate).

@@ -50,10 +50,19 @@ def main(argv: list[str] | None = None) -> None:
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     resume = resume_or_exit(cfg, path="loop", world_size=world)
 
-    # Tokenizer and data.
-    tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, accelerator.local_process_index)
+    # Tokenizer and data (preference pairs for --method dpo: finetune.training.dpo).
+    dpo_run = cfg.objective.method == "dpo"
+    if dpo_run:
+        from finetune.data.preference import PairCollator
+        from finetune.training import dpo
+
+        tokenizer, pairs, held_out, stats = dpo.pairs_or_exit(cfg, accelerator.local_process_index)
+        dataset, eval_dataset, collator = pairs.dataset, None, PairCollator(tokenizer.pad_token_id)
+    else:
+        tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, accelerator.local_process_index)
+        collator = make_collator(cfg, tokenizer)
     dataloader = distributed_dataloader(
-        dataset, make_collator(cfg, tokenizer), world=world, batch_size=args.per_device_train_batch_size,
+        dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
     )
     micro_per_epoch = len(dataloader) // world  # this rank's micro-batches per epoch
@@ -61,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
     model = core.load_model_for_training(cfg, stats, world)
+    if dpo_run:  # the frozen copy of full fine-tuning is taken here, before any update
+        reference = dpo.Reference(cfg, model, lambda: accelerator.unwrap_model(model), [pairs, held_out], collator,
+                                  accelerator.device, accelerator.autocast, resumed=resume is not None, log=rank0_print)
+        options, metrics = dpo.Options(cfg.objective.beta, cfg.objective.label_smoothing), dpo.Metrics()
+        rank0_print(reference.describe())
     ds_config = args.hf_deepspeed_config.config if deepspeed else {}
     optimizer = core.build_optimizer(args, model, ds_config) or DummyOptim(
         core.trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -84,9 +98,15 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.step = accum - len(chunk)
         total, grad_norm = torch.zeros((), device=accelerator.device), None
         learning_rate = scheduler.get_last_lr()[0]  # before DeepSpeed's engine steps it inside backward()
+        if dpo_run:  # the pairs of the global batch, not its tokens
+            n_pairs = core.all_sum(torch.tensor(dpo.pair_count(chunk), device=accelerator.device))
         for batch in chunk:
             with accelerator.accumulate(model):
-                loss = model(**batch, num_items_in_batch=n_tokens).loss  # token-loss sum / n_tokens
+                if dpo_run:  # the pairs' loss sum / n_pairs
+                    loss = dpo.micro_batch_loss(model, reference.prepare(batch), reference.logps, options, n_pairs,
+                                                metrics, accelerator.autocast)
+                else:
+                    loss = model(**batch, num_items_in_batch=n_tokens).loss  # token-loss sum / n_tokens
                 total += loss.detach()
                 # accelerate (or DeepSpeed) divides by the accumulation steps, and DDP averages over ranks:
                 # undo both, since `loss` is already normalized over the whole global batch.
@@ -106,12 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     synced = zero_stage == 3 and world > 1
     evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
         model, accelerator.unwrap_model(model), eval_set, accelerator.device, synced_gpus=synced), max_steps)
+    if dpo_run and held_out is not None:
+        evaluator = evaluate.evaluator(cfg, lambda: dpo.evaluate(
+            model, reference, held_out, args.per_device_eval_batch_size, options), max_steps)
 
     # Train.
     model.train()
     job = core.Job("loop", zero_stage, step, save, accelerator.device, cfg.fingerprint, evaluator=evaluator,
                    load=lambda folder: accelerator.load_state(str(folder)),
-                   reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)))
+                   reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
+                   metrics=(lambda: metrics.pop(core.all_sum)) if dpo_run else None)
     log, pos = core.train(args, job, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.

@@ -330,6 +330,9 @@ def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:
     real = f"about {global_batch * mean_len:.0f} at the data's mean length {mean_len:.1f}"
     if getattr(stats, "padding_free", False):
         return f"tokens/step: {real}, no padding slots (padding-free: one flattened row per micro-batch)"
+    if getattr(stats, "format", "") == "preference":  # a pair is two rows: prompt + chosen, prompt + rejected
+        return (f"tokens/step: up to {global_batch} pairs x 2 rows x {cfg.data.max_seq_length} = {2 * slots}; about "
+                f"{global_batch * mean_len:.0f} at the data's mean of {mean_len:.1f} per pair")
     return f"tokens/step: up to {global_batch} x {cfg.data.max_seq_length} = {slots}; {real}"
 
 

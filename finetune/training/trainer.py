@@ -111,7 +111,14 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     resume = resume_or_exit(cfg, path="trainer", world_size=args.world_size)
 
     # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
-    tokenizer, train_dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
+    dpo = cfg.objective.method == "dpo"
+    if dpo:  # preference pairs (finetune.training.dpo), evaluated by its own evaluate
+        from finetune.training import dpo as preference
+
+        tokenizer, pairs, held_out, stats = preference.pairs_or_exit(cfg, args.local_process_index)
+        train_dataset, eval_dataset = pairs.dataset, None
+    else:
+        tokenizer, train_dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
 
     # Model (and LoRA).
     try:
@@ -127,15 +134,18 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     if cfg.evaluation.early_stopping_patience:
         callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
                                                             cfg.evaluation.early_stopping_threshold))
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        data_collator=make_collator(cfg, tokenizer),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
+    if dpo:
+        trainer = preference.make_trainer(cfg, model, tokenizer, pairs, held_out, resume, callbacks)
+    else:
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=make_collator(cfg, tokenizer),
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
     trainer.fingerprint = cfg.fingerprint
     trainer.eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
 

@@ -1,0 +1,439 @@
+"""DPO (--method dpo): the sigmoid preference loss over the pairs of finetune.data.preference.
+
+A micro-batch holds whole pairs: rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (PairCollator), scored in
+one forward. A sequence's log-probability is the sum over its completion's trained tokens (labels != -100) of
+log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
+
+    d    = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    loss = -(1 - ε) log σ(β d) - ε log σ(-β d)
+
+and a step minimizes the mean over the pairs of the GLOBAL batch (all ranks, all micro-batches): each micro-batch
+contributes its pairs' loss sum over that count, as the SFT loss divides token sums by the global token count.
+The reference is the LoRA model with its adapters disabled, a frozen copy of the model (full fine-tuning), or
+log-probabilities computed once before training (--precompute_ref_log_probs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data.prepare import IGNORE_INDEX
+
+# Logged per logging window: TRL's names, so dashboards read them alike.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits predict a trained token (label at p + 1), as one range for every row: the
+    model's logits_to_keep, so prompts get no logits."""
+    trained = (labels[:, 1:] != IGNORE_INDEX).any(0).nonzero().squeeze(1)
+    return torch.arange(int(trained.min()), int(trained.max()) + 1, device=labels.device)
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per row: the sum of log p(label[p + 1]) over `positions` p (the logits' columns) with a trained label."""
+    targets = labels[:, positions + 1]
+    keep = targets != IGNORE_INDEX
+    rows = logits[keep].float()  # only the scored positions in float32
+    picked = rows.gather(1, targets[keep][:, None]).squeeze(1) - torch.logsumexp(rows, dim=-1)
+    out = torch.zeros(labels.shape[0], dtype=picked.dtype, device=picked.device)
+    return out.index_add(0, keep.nonzero()[:, 0], picked)
+
+
+def sequence_logps(model, batch: dict) -> torch.Tensor:
+    """The completion log-probability of every row of a pair batch under `model` (grad where enabled)."""
+    positions = scored_positions(batch["labels"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions,
+                use_cache=False)
+    return completion_logps(out.logits, batch["labels"], positions)
+
+
+def sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float = 0.0):
+    """(per-pair losses, chosen rewards, rejected rewards); rewards are β × log-ratio to the reference, detached."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    d = beta * (chosen_ratio - rejected_ratio)
+    losses = -(1 - label_smoothing) * F.logsigmoid(d) - label_smoothing * F.logsigmoid(-d)
+    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+@dataclass
+class Options:
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+
+class Metrics:
+    """Sums of the window's rewards, margins, accuracies and log-probs (this rank), reduced and averaged at log time."""
+
+    def __init__(self):
+        self.sums = None
+
+    def add(self, chosen, rejected, reward_chosen, reward_rejected) -> None:
+        values = torch.stack([reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
+                              (reward_chosen > reward_rejected).sum().to(reward_chosen.dtype),
+                              chosen.detach().sum(), rejected.detach().sum(),
+                              torch.tensor(float(len(chosen)), device=chosen.device, dtype=reward_chosen.dtype)])
+        values = values.double()
+        self.sums = values if self.sums is None else self.sums + values
+
+    def pop(self, reduce=None) -> dict:
+        """The window's means over every rank's pairs (`reduce` sums a tensor over ranks); the window restarts.
+        Every rank must call it together when `reduce` is collective."""
+        sums = self.sums if self.sums is not None else torch.zeros(7, dtype=torch.float64)
+        self.sums = None
+        if reduce is not None:
+            sums = reduce(sums)
+        n = max(float(sums[-1]), 1.0)
+        return {name: float(v) / n for name, v in zip(METRICS, sums[:-1].tolist())}
+
+
+def pair_count(batches: list[dict]) -> int:
+    return sum(int(b["input_ids"].shape[0]) // 2 for b in batches)
+
+
+def reference_context(model):
+    """What makes `model` the reference: its LoRA adapters disabled (no second copy). A plain model has none."""
+    if hasattr(model, "disable_adapter") and getattr(model, "peft_config", None):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def micro_batch_loss(policy, batch: dict, reference, options: Options, n_pairs, metrics: Metrics | None = None,
+                     autocast=contextlib.nullcontext):
+    """This micro-batch's pairs' loss sum over `n_pairs` (the pairs of the global batch). `policy` is the (wrapped)
+    model trained; `reference` computes the reference log-probs of the batch (a callable), unless the batch carries
+    them (`ref_logps`, precomputed)."""
+    if "ref_logps" in batch:
+        ref = batch["ref_logps"]
+    else:
+        # Before the policy's forward: the reference's logits are gone before the policy's activations pile up.
+        with torch.no_grad(), autocast():
+            ref = reference(batch)
+    logps = sequence_logps(policy, batch)
+    ref = ref.to(logps.device, logps.dtype)
+    chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = ref.chunk(2)
+    losses, reward_chosen, reward_rejected = sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                          options.beta, options.label_smoothing)
+    if metrics is not None:
+        metrics.add(chosen, rejected, reward_chosen, reward_rejected)
+    return losses.sum() / n_pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference: live (adapters disabled, or a frozen copy), or precomputed once and cached.
+
+
+@contextlib.contextmanager
+def eval_mode(module):
+    """Score as at inference (no dropout), then back to training mode."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+def precompute(module, dataset, collator, batch_size: int, device, autocast=contextlib.nullcontext,
+               rank: int = 0, world: int = 1, log=print) -> torch.Tensor:
+    """[pairs, 2] reference log-probs (chosen, rejected) of every pair, under the reference of `module` (its
+    adapters disabled). Rank r scores pairs r, r + W, ...; every rank runs as many forwards (ZeRO-3 gathers the
+    weights collectively in each), then the rows are summed over ranks."""
+    import math
+
+    n = len(dataset)
+    mine = list(range(rank, n, world))
+    steps = math.ceil(math.ceil(n / world) / batch_size)
+    out = torch.zeros(n, 2, dtype=torch.float64, device=device)
+    log(f"dpo: computing the reference log-probabilities of {n} pairs once ({steps} forwards per rank)")
+    with torch.no_grad(), eval_mode(module), reference_context(module):
+        for s in range(steps):
+            idx = mine[s * batch_size:(s + 1) * batch_size]
+            batch = collator([dataset[i] for i in (idx or [0])])
+            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+            with autocast():
+                logps = sequence_logps(module, batch).double()
+            if idx:
+                out[torch.tensor(idx, device=device)] = torch.stack(logps.chunk(2), dim=1)
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(out)
+    return out.cpu()
+
+
+def ref_cache_file(cfg, data_key: str) -> Path:
+    """Where a data set's reference log-probs are cached: beside its tokenized pairs, keyed by the base weights and
+    what changes their numbers (dtype, quantization, mixed precision, attention kernel)."""
+    import hashlib
+
+    from finetune.data.prepare import cache_root
+    from finetune.training.outputs import _hash_path
+
+    m, args = cfg.model, cfg.training
+    parts = (_hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
+             m.load_in_8bit, m.load_in_4bit, m.bnb_4bit_quant_type, m.attn_implementation, bool(args.bf16),
+             bool(args.fp16), str(cfg.deepspeed_config or ""))
+    h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return Path(cache_root(cfg.data)) / f"{data_key}.ref-{h}.pt"
+
+
+def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, autocast, *, resumed: bool, log):
+    """The cached reference log-probs, or computed now (before the first update) and cached. A full fine-tuning
+    run resumed without them cannot recompute them: its weights have moved."""
+    import os
+
+    from finetune.training import core
+    from finetune.training.outputs import exit_with
+
+    path = ref_cache_file(cfg, data_key)
+    # Every rank decides alike (a node without the cached file would otherwise score alone and wait forever).
+    cached = int(core.all_sum(torch.tensor(int(path.is_file()), device=device)).item()) == core.world()
+    if cached:
+        log(f"dpo: reference log-probabilities from the cache ({path})")
+        return torch.load(path, weights_only=True)
+    if resumed and not cfg.model.use_peft:
+        exit_with(f"--precompute_ref_log_probs: resuming, but the reference log-probabilities are gone from the "
+                  f"cache ({path}), and the model has been trained since; restart without --resume_from_checkpoint")
+    table = precompute(module, dataset, collator, cfg.training.per_device_train_batch_size, device, autocast,
+                       core.rank(), core.world(), log)
+    if core.rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(table, tmp)
+        os.replace(tmp, path)
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# The Trainer path (finetune.training.trainer.main with --method dpo).
+
+
+@dataclass
+class Pairs:
+    """Tokenized pairs with their row numbers (`pair_index`, where their precomputed reference log-probs are) and
+    the key those are cached under."""
+
+    dataset: object
+    key: str
+
+
+def _indexed(dataset, key: str) -> Pairs:
+    return Pairs(dataset.add_column("pair_index", list(range(len(dataset)))), key)
+
+
+def pairs_or_exit(cfg, local_rank: int):
+    """(tokenizer, training Pairs, eval Pairs or None, stats): prepare_pairs for --dataset and --eval_dataset (or
+    --eval_split_size pairs held out), data errors as one message on every rank alike."""
+    import dataclasses
+
+    from finetune.data.preference import prepare_pairs
+    from finetune.data.prepare import DataError
+    from finetune.models.load import WeightsError, load_tokenizer
+    from finetune.training import core, evaluate
+    from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
+
+    data = cfg.data
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except WeightsError as e:
+        exit_with(str(e))
+    try:
+        dataset, stats, key = prepare_pairs(data, tokenizer, local_rank=local_rank, log=rank0_print)
+    except DataError as e:
+        exit_with(f"data error: {e}")
+    rank0_print(stats.summary())
+    if data.eval_dataset:
+        eval_data = dataclasses.replace(data, dataset=data.eval_dataset, dataset_split=data.eval_dataset_split)
+        try:
+            held_out, eval_stats, eval_key = prepare_pairs(eval_data, tokenizer, local_rank=local_rank, log=rank0_print)
+        except DataError as e:
+            exit_with(f"eval data error (--eval_dataset): {e}")
+        rank0_print(f"eval {eval_stats.summary()}")
+        return tokenizer, _indexed(dataset, key), _indexed(held_out, eval_key), stats
+    if not data.eval_split_size:
+        return tokenizer, _indexed(dataset, key), None, stats
+    seed = core.data_seed(cfg.training)
+    try:
+        train_idx, eval_idx = evaluate.split_indices(len(dataset), data.eval_split_size, seed)
+    except ValueError as e:
+        exit_with(str(e))
+    rank0_print(f"eval: {len(eval_idx)} of {len(dataset)} pairs held out (seed {seed}), {len(train_idx)} train")
+    if core.rank() == 0:
+        out = Path(cfg.training.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / evaluate.SPLIT_FILE, {
+            "dataset": str(data.dataset), "eval_split_size": data.eval_split_size, "seed": seed,
+            "examples": len(dataset), "eval_indices": eval_idx, "note": "indices of the tokenized pairs of --dataset"})
+    # The rows of each part are numbered anew: their cached log-probs are keyed by the split too.
+    split = f"{key}-split{data.eval_split_size}-{seed}"
+    return (tokenizer, _indexed(dataset.select(train_idx), f"{split}-train"),
+            _indexed(dataset.select(eval_idx), f"{split}-eval"), stats)
+
+
+def frozen_copy(model):
+    """Full fine-tuning's reference: a frozen copy of the model as loaded (before any update)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+class Reference:
+    """The reference of a run, the same on every path. `unwrap()` gives the trained module (the engine's, once
+    prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy made
+    here (before any update); --precompute_ref_log_probs scores every pair of every set once, at the first step
+    (when the engine can run the model, and before any update), or reads them from the cache."""
+
+    def __init__(self, cfg, model, unwrap, sets: list[Pairs], collator, device, autocast, *, resumed: bool, log):
+        self.cfg, self.unwrap, self.sets, self.collator = cfg, unwrap, [p for p in sets if p is not None], collator
+        self.device, self.autocast, self.resumed, self.log = device, autocast, resumed, log
+        self.precompute = cfg.objective.precompute_ref_log_probs
+        self.copy = frozen_copy(model) if not cfg.model.use_peft and not self.precompute else None
+        self.tables: dict[str, torch.Tensor] = {}
+        self.placed = False
+
+    def describe(self) -> str:
+        o = self.cfg.objective
+        if self.precompute:
+            what = "log-probabilities computed once before training, cached with the tokenized data"
+        elif self.copy is not None:
+            what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
+        else:
+            what = "the model with its LoRA adapters disabled (no copy)"
+        return f"dpo: beta {o.beta}, label smoothing {o.label_smoothing}; reference: {what}"
+
+    def prepare(self, batch: dict, pairs: Pairs | None = None) -> dict:
+        """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs (of `pairs`,
+        by default the training set)."""
+        batch = dict(batch)
+        index = batch.pop("pair_index", None)
+        if self.precompute:
+            if not self.tables:
+                for p in self.sets:
+                    self.tables[p.key] = load_or_precompute(self.cfg, p.key, self.unwrap(), p.dataset, self.collator,
+                                                            self.device, self.autocast, resumed=self.resumed,
+                                                            log=self.log)
+            rows = self.tables[(pairs or self.sets[0]).key][index.cpu()]
+            batch["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.device)
+        return batch
+
+    def logps(self, batch: dict) -> torch.Tensor:
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        if self.copy is not None:
+            if not self.placed:
+                # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
+                p = next(self.unwrap().parameters())
+                self.copy.to(device=p.device, dtype=p.dtype)
+                self.placed = True
+            return sequence_logps(self.copy, batch)
+        module = self.unwrap()
+        with eval_mode(module), reference_context(module):
+            return sequence_logps(module, batch)
+
+
+def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options: Options, *,
+             prefix: str = "eval") -> dict:
+    """The DPO loss and metrics over every eval pair (each exactly once over the ranks; every rank runs as many
+    forwards, as ZeRO-3 needs): {eval_loss, eval_rewards/..., eval_logps/..., eval_samples, eval_runtime}."""
+    import math
+    import time
+
+    from finetune.training import core
+
+    start, n, world, rank = time.time(), len(pairs.dataset), core.world(), core.rank()
+    mine = list(range(rank, n, world))
+    metrics, loss_sum, index_sum = Metrics(), torch.zeros((), dtype=torch.float64), 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(math.ceil(math.ceil(n / world) / batch_size)):
+                idx = mine[b * batch_size:(b + 1) * batch_size]
+                batch = reference.collator([pairs.dataset[i] for i in (idx or [0])])  # out of pairs: a forward for nothing
+                batch = {k: v.to(reference.device) for k, v in batch.items()}
+                window = Metrics()
+                loss = micro_batch_loss(model, reference.prepare(batch, pairs), reference.logps, options, 1, window,
+                                        reference.autocast)
+                if idx:
+                    loss_sum += loss.double().cpu()
+                    metrics.sums = window.sums if metrics.sums is None else metrics.sums + window.sums
+                    index_sum += sum(idx)
+    finally:
+        model.train()
+    sums = torch.cat([torch.stack([loss_sum, torch.tensor(float(index_sum), dtype=torch.float64)]),
+                      metrics.sums.cpu() if metrics.sums is not None else torch.zeros(7, dtype=torch.float64)])
+    sums = core.all_sum(sums.to(reference.device)).cpu()
+    pairs_seen = float(sums[-1])
+    if pairs_seen != n or float(sums[1]) != n * (n - 1) / 2:
+        raise RuntimeError(f"evaluation covered {pairs_seen:.0f} of {n} pairs: a pair was counted twice or lost")
+    out = {"loss": float(sums[0]) / n}
+    out.update({k: float(v) / n for k, v in zip(METRICS, sums[2:-1].tolist())})
+    out.update(samples=n, runtime=round(time.time() - start, 4))
+    return {f"{prefix}_{k}": v for k, v in out.items()}
+
+
+def make_trainer(cfg, model, tokenizer, train: Pairs, held_out: Pairs | None, resume, callbacks):
+    """The Trainer path's trainer for --method dpo."""
+    from finetune.data.preference import PairCollator
+    from finetune.training.trainer import Trainer
+
+    class PreferenceTrainer(Trainer):
+        """compute_loss and the pair count of the global batch are DPO's; the rest is the Trainer path's."""
+
+        loss_is_scaled_for_ga = True  # each micro-batch's loss is already over the global batch's pairs
+
+        def _get_num_items_in_batch(self, batch_samples, device):
+            n = torch.tensor(pair_count(batch_samples), device=device)
+            return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if num_items_in_batch is None:  # outside training (no global count): this batch's mean
+                num_items_in_batch = inputs["input_ids"].shape[0] // 2
+            loss = micro_batch_loss(model, self.reference.prepare(inputs), self.reference.logps, self.options,
+                                    num_items_in_batch, self.metrics, self.accelerator.autocast)
+            # DDP and DeepSpeed average the gradients over ranks; the loss is over the global batch already.
+            loss = loss * self.accelerator.num_processes
+            return (loss, None) if return_outputs else loss
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:  # a training entry: every rank is here (the Trainer gathered the loss just before)
+                logs = {**logs, **self.metrics.pop(self.reduce)}
+            super().log(logs, start_time)
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+            pairs = held_out if eval_dataset is None else Pairs(eval_dataset, held_out.key)
+            metrics = evaluate(self.model_wrapped, self.reference, pairs, self.args.per_device_eval_batch_size,
+                               self.options, prefix=metric_key_prefix)
+            self.log(dict(metrics))
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
+        def reduce(self, t):
+            return self.accelerator.reduce(t.to(self.args.device), reduction="sum") if self.args.world_size > 1 else t
+
+    collator = PairCollator(tokenizer.pad_token_id)
+    reference = Reference(cfg, model, None, [train, held_out], collator, cfg.training.device, contextlib.nullcontext,
+                          resumed=resume is not None, log=_rank0)
+    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=train.dataset,
+                                eval_dataset=held_out.dataset if held_out is not None else None, data_collator=collator,
+                                processing_class=tokenizer, callbacks=callbacks)
+    reference.unwrap = lambda: trainer.accelerator.unwrap_model(trainer.model)
+    reference.autocast = trainer.accelerator.autocast
+    trainer.reference, trainer.options, trainer.metrics = reference, Options(cfg.objective.beta,
+                                                                             cfg.objective.label_smoothing), Metrics()
+    _rank0(reference.describe())
+    return trainer
+
+
+def _rank0(*args):
+    from finetune.training.outputs import rank0_print
+
+    rank0_print(*args)

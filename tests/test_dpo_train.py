@@ -1,0 +1,309 @@
+"""`finetune train --method dpo`: per-step losses against a run written out by hand, and the references agreeing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from finetune.models import tiny
+from tests.test_dpo import reference_loss
+
+PAIRS = [
+    {"prompt": "copy: red cat", "chosen": "red cat", "rejected": "cat red"},
+    {"prompt": "count: one two three", "chosen": "3", "rejected": "three, I think"},
+    {"prompt": [{"role": "user", "content": "capital of France?"}], "chosen": "Paris", "rejected": "It is Lyon."},
+    {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "five"}]},
+]
+BETA, LR, STEPS = 0.5, 0.5, 3
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    return root, model, data
+
+
+def train(job, name: str, *flags: str, path: str = "trainer", accum: int = 2, entries: str = "loss") -> list[dict]:
+    """One process, in this one: 4 pairs = the global batch (2 per micro-batch x 2 accumulation), SGD at a constant
+    learning rate, no clipping: every step's loss is the mean over all pairs, whatever their order."""
+    from finetune.training import loop, trainer
+
+    main = {"trainer": trainer.main, "loop": loop.main}[path]
+
+    root, model, data = job
+    out = root / name
+    main(["--method", "dpo", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+          "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", "2",
+          "--gradient_accumulation_steps", str(accum), *([] if "--max_steps" in flags else ["--max_steps", str(STEPS)]), "--optim", "sgd", "--learning_rate", str(LR),
+          "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", str(BETA),
+          "--seed", "3", *flags])
+    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if entries in e]
+
+
+def by_hand(model_dir, tokenizer_batch) -> list[float]:
+    """The same run in plain torch: full-batch loss (tests/test_dpo.reference_loss), p -= lr * grad."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = copy.deepcopy(policy).eval()
+    losses = []
+    for _ in range(STEPS):
+        policy.zero_grad()
+        loss = reference_loss(policy, ref, tokenizer_batch, BETA, 0.0)
+        loss.backward()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p -= LR * p.grad
+        losses.append(loss.item())
+    return losses
+
+
+def full_batch(model_dir):
+    from finetune.config import ModelConfig
+    from finetune.data import preference as PR
+    from finetune.models.load import load_tokenizer
+
+    t = load_tokenizer(ModelConfig(model_name_or_path=str(model_dir)))
+    features = []
+    for i, r in enumerate(PAIRS):
+        p, c, cl, rj, rl = PR.tokenize_pair(t, r, f"test:{i}")
+        features.append({"prompt_ids": p, "chosen_ids": c, "chosen_labels": cl, "rejected_ids": rj, "rejected_labels": rl})
+    return PR.PairCollator(t.pad_token_id)(features)
+
+
+def test_full_fine_tuning_equals_hand_computed_run(job, isolated, one_thread):
+    root, model, _ = job
+    logs = train(job, "full")
+    expected = by_hand(model, full_batch(model))
+    got = [e["loss"] for e in logs]
+    assert got[0] == pytest.approx(0.693147, abs=1e-6)  # the policy starts as its reference: log 2
+    assert got[-1] < got[0] - 0.05  # it learns the preference
+    assert got == pytest.approx(expected, abs=1e-5), (got, expected)
+    for e in logs:  # the DPO metrics of every logged step, consistent with each other
+        assert e["rewards/margins"] == pytest.approx(e["rewards/chosen"] - e["rewards/rejected"], abs=1e-5)
+        assert 0.0 <= e["rewards/accuracies"] <= 1.0 and e["logps/chosen"] < 0
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[-1]["rewards/accuracies"] > 0.5
+    # The precomputed reference (the model before training, scored once and cached) gives the same run.
+    pre = [e["loss"] for e in train(job, "full-pre", "--precompute_ref_log_probs")]
+    assert pre == pytest.approx(got, abs=1e-6)
+    assert list((root / "cache").glob("*.ref-*.pt"))
+
+
+def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
+    live = [e["loss"] for e in train(job, "lora", "--use_peft", "--lora_r", "4", "--learning_rate", "2")]
+    pre = [e["loss"] for e in train(job, "lora-pre", "--use_peft", "--lora_r", "4", "--learning_rate", "2",
+                                    "--precompute_ref_log_probs")]
+    assert live[0] == pytest.approx(0.693147, abs=1e-6)  # LoRA's B starts at zero: the policy is its base
+    assert live[-1] < live[0]
+    assert pre == pytest.approx(live, abs=1e-6)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--method", "dop"], "method: 'dop' is not one of sft, dpo; did you mean 'dpo'?"),
+    (["--beta", "0.2"], "beta: a DPO option; add --method dpo"),
+    (["--method", "dpo", "--beta", "0"], "beta: must be positive, got 0.0"),
+    (["--method", "dpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
+    (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
+    (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
+                                                             "yet (DPO's own is --label_smoothing)"),
+    (["--method", "dpo", "--config", "zero3"], "--config zero3: full fine-tuning DPO under ZeRO-3 would need the frozen"),
+    (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),
+    (["--method", "dpo", "--eval_split_size", "2", "--load_best_model_at_end", "--metric_for_best_model",
+      "rewards/acuracies", "--save_steps", "2"], "metric_for_best_model: 'rewards/acuracies' is not logged; did you mean"),
+])
+def test_config_problems(job, flags, problem):
+    from finetune import config as C
+
+    root, model, data = job
+    with pytest.raises(C.ConfigError) as e:
+        C.parse(["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(root / "o"), *flags])
+    assert any(p.startswith(problem) for p in e.value.problems), e.value.problems
+
+
+def test_config_accepts_dpo_and_records_it(job, tmp_path, isolated):
+    from finetune import config as C
+
+    root, model, data = job
+    base = ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(tmp_path / "o")]
+    cfg = C.parse(base + ["--method", "dpo", "--beta", "0.3", "--use_peft", "--config", "zero3"], check_paths=False)
+    assert (cfg.objective.method, cfg.objective.beta, cfg.objective.label_smoothing) == ("dpo", 0.3, 0.0)
+    assert cfg.resolved()["method"] == "dpo" and cfg.resolved()["beta"] == 0.3
+    # An SFT run's recipe is what it was before --method existed.
+    assert "method" not in C.parse(base, check_paths=False).resolved()
+
+
+KEYS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/margins",
+        "rewards/accuracies", "logps/chosen", "logps/rejected", "epoch", "step")
+
+
+@pytest.mark.parametrize("flags", [(), ("--use_peft", "--lora_r", "4", "--learning_rate", "2"),
+                                   ("--precompute_ref_log_probs",)], ids=["full", "lora", "precompute"])
+def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, flags):
+    name = "-".join(flags) or "full"
+    want = train(job, f"trainer{name}", *flags, "--logging_steps", "2", "--max_steps", "4")
+    got = train(job, f"loop{name}", *flags, "--logging_steps", "2", "--max_steps", "4", path="loop")
+    assert want[-1]["loss"] < want[0]["loss"]
+    assert [e["step"] for e in got] == [e["step"] for e in want] == [2, 4]
+    for g, w in zip(got, want):
+        assert set(KEYS) <= set(g) and set(KEYS) <= set(w)
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-6), (k, got, want)
+
+
+def test_plan_counts_the_reference(tmp_path):
+    from finetune.plan import planner as plan
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    shape = dict(vocab_size=301, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(shape))
+    base = ["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
+            "--max_seq_length", "128"]
+    sft = plan.make_plan(base + ["--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
+    full = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2"])
+    params = full["model"]["parameters"]
+    # Two rows per pair: a DPO micro-batch of 2 pairs holds what an SFT micro-batch of 4 records does.
+    assert full["activations_saved"] == sft["activations_saved"]
+    assert full["per_device"]["reference model"] == 4 * params  # fp32 on CPU: the whole model again
+    assert full["per_device_total"] == sft["per_device_total"] + 4 * params
+    assert "reference a frozen copy of the model" in full["job"]["method"]
+    assert "does not fit" not in full["rejected"].get("zero3", "")
+    for flags, what in ((["--use_peft"], "the base, adapters disabled (no copy)"),
+                        (["--precompute_ref_log_probs"], "precomputed log-probabilities (no copy)")):
+        other = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2", *flags])
+        assert "reference model" not in other["per_device"] and what in other["job"]["method"]
+    # Full fine-tuning DPO is never recommended under ZeRO-3 (refused without --precompute_ref_log_probs).
+    job = plan.job_from_config(plan.parse_plan_args(base + ["--method", "dpo"])[0], world_size=2, devices_per_node=2,
+                               accelerator="cpu")
+    rec = plan.recommend(job, plan.Limits(1, 1), candidates=("zero3",))
+    assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
+
+
+EVAL_KEYS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
+             "eval_rewards/accuracies", "eval_logps/chosen", "eval_logps/rejected", "eval_samples")
+
+
+@pytest.mark.parametrize("held_out", ["split", "file"])
+def test_evaluation_on_both_paths(job, isolated, one_thread, held_out):
+    """Eval pairs scored like training pairs, each once: the same metrics on the Trainer path and the loop. The
+    file case evaluates the training pairs themselves with the precomputed reference: before any update (the
+    Trainer's --eval_on_start) the loss is log 2, the policy being its reference."""
+    flags = (("--eval_split_size", "2", "--per_device_eval_batch_size", "3") if held_out == "split" else
+             ("--eval_dataset", str(job[2]), "--precompute_ref_log_probs"))
+    flags += ("--eval_steps", "2", "--max_steps", "4")
+    start = ("--eval_on_start", "true") if held_out == "file" else ()
+    want = train(job, f"trainer-eval-{held_out}", *flags, *start, accum=1, entries="eval_loss")
+    if start:
+        first, want = want[0], want[1:]
+        assert first["step"] == 0 and first["eval_loss"] == pytest.approx(0.693147, abs=1e-6)
+        assert first["eval_samples"] == 4 and want[0]["eval_loss"] < first["eval_loss"] - 0.3
+    got = train(job, f"loop-eval-{held_out}", *flags, path="loop", accum=1, entries="eval_loss")
+    assert [e["step"] for e in got] == [e["step"] for e in want] == [2, 4]
+    assert got[0]["eval_samples"] == (2 if held_out == "split" else 4)
+    for g, w in zip(got, want):
+        for k in EVAL_KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-6), (k, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["trainer", "loop"])
+@pytest.mark.parametrize("flags", [(), ("--precompute_ref_log_probs",), ("--use_peft", "--lora_r", "4")],
+                         ids=["copy", "precompute", "lora"])
+def test_resume_gives_the_same_losses(job, isolated, one_thread, tmp_path, path, flags):
+    """The run's own mid-epoch checkpoint (step 3 of 4; 2 steps per epoch) resumed in a new folder: the same steps.
+    The frozen copy is the base as loaded, not the checkpoint; the precomputed reference comes from the cache."""
+    import shutil
+
+    root = job[0]
+    name = f"resume-{path}-{'-'.join(flags) or 'copy'}"
+    common = (*flags, "--max_steps", "4", "--save_steps", "3")
+    whole = train(job, name, *common, path=path, accum=1)
+    resumed_dir = root / f"{name}-resumed"
+    shutil.copytree(root / name / "checkpoint-3", resumed_dir / "checkpoint-3")
+    resumed = train(job, f"{name}-resumed", *common, "--resume_from_checkpoint", "latest", path=path, accum=1)
+    # The resumed history is the checkpoint's (steps 1-3) and step 4 trained again.
+    assert [e["step"] for e in whole] == [e["step"] for e in resumed] == [1, 2, 3, 4]
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    for w, r in zip(whole, resumed):
+        for k in KEYS:
+            assert r[k] == pytest.approx(w[k], abs=1e-6), (k, whole, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", ["--load_in_4bit", "--load_in_8bit"])
+def test_quantized_base_lora(job, isolated, one_thread, bits):
+    """8/4-bit bases with LoRA: the reference is the quantized base with the adapters off (scored in eval mode,
+    which the 4-bit CPU guard keeps from repacking the weights); the adapters learn the preference."""
+    flags = ("--use_peft", "--lora_r", "4", bits, "--learning_rate", "2", "--max_steps", "4")
+    logs = train(job, f"quant{bits}", *flags)
+    # Step 1 is log 2 up to the quantized kernels: 8-bit scores the reference (no grad, eval mode) through another
+    # int8 path than the training forward (measured 0.69330 against 0.69315).
+    assert logs[0]["loss"] == pytest.approx(0.693147, abs=1e-5 if bits == "--load_in_4bit" else 1e-3)
+    assert logs[-1]["loss"] < logs[0]["loss"] - 0.01 and logs[-1]["rewards/margins"] > 0
+    pre = train(job, f"quant{bits}-pre", *flags, "--precompute_ref_log_probs")
+    assert [e["loss"] for e in pre] == pytest.approx([e["loss"] for e in logs], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: 2 processes against 1, per step (8 pairs, global batch 4: 2 steps per epoch, 4 steps).
+
+MORE_PAIRS = PAIRS + [
+    {"prompt": "copy: blue dog", "chosen": "blue dog", "rejected": "dog blue"},
+    {"prompt": "reverse: a b c", "chosen": "c b a", "rejected": "a b c"},
+    {"prompt": "2+3?", "chosen": "5", "rejected": "6"},
+    {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "colour of snow?"}],
+     "chosen": "white", "rejected": "Snow is usually white, I believe."},
+]
+# (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live
+# reference (adapters off inside the engine) and full fine-tuning's precomputed one (its only way there).
+# (LoRA without dropout: one process and two draw different dropout masks, as in tests/test_lora.py.)
+CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
+         ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005")),
+         ("loop", "zero3", ("--precompute_ref_log_probs",))]
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo-multi")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MORE_PAIRS))
+    return root, model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, preset, flags", CASES, ids=[f"{p}-{c}" for p, c, _ in CASES])
+def test_two_processes_equal_one(multi, path, preset, flags):
+    from tests.launch import LOOP, TRAIN, launcher, run, unexpected_warnings
+
+    root, model, data = multi
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+
+    def history(name: str, cmd: list[str], micro: int) -> list[dict]:
+        out = root / name
+        result = run(cmd + ["--config", preset, "--method", "dpo", "--model_name_or_path", str(model), "--dataset",
+                            str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                            "--max_steps", "4", "--lr_scheduler_type", "constant",
+                            *(() if "--learning_rate" in flags else ("--learning_rate", "0.05")),
+                            "--beta", str(BETA), "--seed", "3", "--disable_tqdm", "true", *flags], timeout=600).check()
+        assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    name = f"{path}-{preset}"
+    one = history(f"{name}-1", [sys.executable, script], micro=2)
+    two = history(f"{name}-2", launcher("accelerate", 2, script=script), micro=1)
+    assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    assert one[-1]["loss"] < one[0]["loss"]
+    for a, b in zip(one, two):
+        for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
