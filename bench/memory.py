@@ -357,10 +357,18 @@ def step_counts(rank_result: dict) -> dict[str, int]:
 
 
 def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
-            lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int = 0):
-    """The planner's Job for a measured run (full-length records: no padding mask)."""
+            lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int | None = None):
+    """The planner's Job for a measured run (full-length records: no padding mask). loss_chunk: the run's
+    --loss_chunk_size; None for a run that does not pass it."""
+    import dataclasses
+
+    from finetune.config import ModelConfig
     from finetune.plan import planner as plan
 
+    if loss_chunk is None:
+        # Such a run chunks its loss (the flag's default is not 0), which saves other tensors for backward than
+        # transformers' loss does, so the Job has to say so for its saved bytes to match.
+        loss_chunk = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "loss_chunk_size")
     return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
                     lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk)
@@ -417,7 +425,8 @@ def compare(work: Path) -> list[dict]:
                     continue
                 if not (cell / "result.json.0").is_file():
                     continue
-                job = job_for(model, preset, n, micro=MICRO, seq=SEQ, use_peft=method.startswith("lora"))
+                job = job_for(model, preset, n, micro=MICRO, seq=SEQ, use_peft=method.startswith("lora"),
+                              loss_chunk=0)
                 job.grad_ckpt = method.endswith("-ckpt")
                 pred = plan.predict(job)
                 for r in range(n):
