@@ -144,6 +144,12 @@ def unexpected_warnings(output: str, allowed: dict[str, str] = ALLOWED_WARNINGS)
             if _WARNING_LINE.search(line) and not any(name in line for name in allowed)]
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Result:
     returncode: int
@@ -174,8 +180,10 @@ class Job:
         self.tag = uuid.uuid4().hex
         environ = dict(environ)
         environ[TAG_VAR] = ",".join(filter(None, [environ.get(TAG_VAR), self.tag]))
+        # SIGINT as a terminal gives it: a test run started in the background (`cmd &`, nohup) inherits SIGINT
+        # ignored, and Python then never installs its handler, so the launcher would not see a Ctrl-C.
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_default_sigint)
         self.root = psutil.Process(self.proc.pid)
         self.seen: dict[int, psutil.Process] = {}
         self._chunks: list[bytes] = []
