@@ -85,7 +85,7 @@ class QuickstartConfig:
     seed: int = _flag(0, help="Seed of training and sampling.")
     export: str | None = _flag(help="gguf: end with OUTPUT_DIR/gguf/model.gguf and an Ollama Modelfile "
                                     "(the fine-tuned model, merged), verified like finetune export --to gguf.")
-    gguf_type: str = _flag("q8_0", help="Tensor type of --export gguf: f32, f16, bf16 or q8_0.")
+    gguf_type: str = _flag("f16", help="Tensor type of --export gguf: f32, f16, bf16 or q8_0 (q8_0 files crash llama.cpp 0.3.36 here: docs/export.md).")
     # The arguments after `--`, passed to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
     extra_train_args: list[str] = _flag(list, cli=False)
 
