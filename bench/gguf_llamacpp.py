@@ -52,13 +52,28 @@ def hf_greedy(model, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
     return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
 
 
-def open_llamacpp(path: Path, n_ctx: int = 1024, threads: int = 2):
+def open_llamacpp(path: Path, n_ctx: int = 1024, threads: int = 2, repack: bool = False):
+    import llama_cpp.llama_cpp as low  # the module whose llama_model_default_params Llama() calls
     from llama_cpp import Llama
+
+    # llama-cpp-python 0.3.36's llama.cpp repacks Q8_0 weights for its CPU kernels ("extra buffer types"), and on this
+    # AVX-512 machine the first decode of any file with a Q8_0 matmul weight then ends in a segmentation fault; the
+    # same file decodes with repacking off (llama-cli: --no-repack). Off unless asked: it only changes the kernel.
+    default_params = low.llama_model_default_params
+
+    def params():
+        p = default_params()
+        p.use_extra_bufts = repack
+        return p
 
     # An f32 KV cache (GGML type 0): llama.cpp's default f16 cache alone moves SmolLM2's logits by 0.05 from the HF
     # model's (f32 file; 1e-4 with the f32 cache), which would hide what the exported weights do.
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True, verbose=False,
-                 type_k=0, type_v=0)
+    low.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True,
+                     verbose=False, type_k=0, type_v=0)
+    finally:
+        low.llama_model_default_params = default_params
 
 
 def llamacpp_greedy(llm, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
