@@ -111,20 +111,6 @@ def _parquet(p: Path, out: Path):
     return datasets.Dataset.from_file(str(out))
 
 
-def _saved(p: Path):
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(p))
-    except FileNotFoundError as e:
-        raise DataError(f"{p}: not a folder written by datasets.save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
-        ds = ds["train"]
-    return ds
-
-
 def source_dataset(cfg, hub, work: Path):
     """(Dataset, location prefix for rows of an Arrow source or None for text sources). Errors name the file."""
     if hub is not None:
@@ -136,7 +122,7 @@ def source_dataset(cfg, hub, work: Path):
         prefix, empty = str(p), f"{p}: the file holds no records"
         try:
             if p.is_dir():
-                ds, empty = _saved(p), f"{p}: the data set holds no records"
+                ds, empty = P.load_saved(p), f"{p}: the data set holds no records"
             elif suffix == ".jsonl" or (suffix == ".json" and not _starts_with_bracket(p)):
                 ds, prefix = _write_text_rows(_jsonl_rows(p), work / "records.arrow"), None
             elif suffix == ".json":

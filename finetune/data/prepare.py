@@ -127,7 +127,8 @@ def _read_parquet(p: Path) -> tuple[list[dict], list[str]]:
     return records, [f"{p} row {i}" for i in range(len(records))]
 
 
-def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
+def load_saved(p: Path):
+    """A save_to_disk folder as a Dataset (a DatasetDict's 'train' split); errors name the folder."""
     import datasets
 
     try:
@@ -138,7 +139,11 @@ def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
         if "train" not in ds:
             raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
         ds = ds["train"]
-    records = ds.to_list()
+    return ds
+
+
+def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
+    records = load_saved(p).to_list()
     if not records:
         raise DataError(f"{p}: the data set holds no records")
     return records, [f"{p} row {i}" for i in range(len(records))]
