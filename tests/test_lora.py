@@ -68,3 +68,21 @@ def test_adapter_reloads_to_same_logits(lora_runs):
         # The adapter is not a no-op: LoRA B started at zero and was trained.
         assert (logits[name] - base_logits).abs().max().item() > 1e-3
     assert (logits["single"] - logits["zero3_offload"]).abs().max().item() <= 1e-4
+
+
+def test_target_check_under_registered_zero3(tmp_path):
+    # The Trainer registers its ZeRO-3 config before the model loads; the name check builds a meta copy and must not
+    # take transformers' partitioned path (it re-initialized meta tensors: "Cannot copy out of meta tensor").
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from finetune.config.training import ModelConfig
+    from finetune.models.load import WeightsError, check_lora_targets
+
+    path = tiny.build(tmp_path / "model", style="chatml")
+    ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    check_lora_targets(ModelConfig(model_name_or_path=str(path), use_peft=True, lora_target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(WeightsError, match="'q_prj'; did you mean 'q_proj'"):
+        check_lora_targets(ModelConfig(model_name_or_path=str(path), use_peft=True, lora_target_modules=["q_prj"]))
+    assert is_deepspeed_zero3_enabled()  # the registration is back for the real load
+    del ds
