@@ -8,6 +8,9 @@ kills a random rank, and runs the same command again; the resumed run's per-step
 the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume after step 6 is in the second epoch.
 
     python bench/resume_trials.py --trials 10 --work /tmp/trials --write   # the table in bench/RESULTS.md
+
+tests/test_resume_trials.py runs the same trials (one per path in CI; FINETUNE_RESUME_TRIALS=10 for ten) and can
+record its rows, which `--rows FILE --write` turns into the table.
 """
 
 from __future__ import annotations
@@ -121,14 +124,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=10, help="trials per path (presets alternate)")
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", type=Path, default=Path("/tmp/finetune-resume-trials"))
-    p.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
-    args = p.parse_args(argv)
+def run_trials(args) -> list[dict]:
     args.work.mkdir(parents=True, exist_ok=True)
     setup(args.work)
     rows, results = [], args.work / "trials.jsonl"
@@ -139,6 +135,23 @@ def main(argv: list[str] | None = None) -> int:
             with open(results, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=10, help="trials per path (presets alternate)")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", type=Path, default=Path("/tmp/finetune-resume-trials"))
+    p.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    p.add_argument("--rows", type=Path, help="no trials: the table of rows already recorded in this JSONL file "
+                   "(FINETUNE_RESUME_TRIALS_ROWS of tests/test_resume_trials.py)")
+    args = p.parse_args(argv)
+    if args.rows:
+        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+    else:
+        rows = run_trials(args)
     text = table(rows)
     print(text)
     if args.write:

@@ -152,6 +152,50 @@ def test_zero_chunk_size_leaves_the_model_alone():
     assert type(model.lm_head) is torch.nn.Linear and model(**batch()).logits is not None
 
 
+PEAK_SCRIPT = """
+import json, re, sys, torch
+from finetune.training.loss import _LinearCrossEntropy
+
+def status(key):
+    return int(re.search(rf"{key}:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+def growth(fn):  # the high-water mark above the resident size at the call (VmHWM reset by clear_refs 5)
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+torch.manual_seed(0)
+n, v, h = 1024, 65536, 64
+hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h)  # a frozen head, as under LoRA
+targets = torch.randint(0, v, (n,))
+ours = growth(lambda: _LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(float(n)), n, torch.float32))
+whole = growth(lambda: torch.logsumexp(hidden.detach() @ weight.T, -1))
+print(json.dumps({"ours": ours / (n * v * 4), "whole": whole / (n * v * 4)}))
+"""
+
+
+def test_loss_peak_is_one_chunk_of_logits():
+    # In a fresh process (an allocator that already holds freed memory would hide a temporary). torch.logsumexp over
+    # a whole chunk allocates a second chunk-sized temporary (the control: 2 chunks); the loss takes it LSE_ROWS rows
+    # at a time, and the planner counts exactly that.
+    import json
+    import subprocess
+    import sys
+
+    from finetune.plan.planner import LSE_ROWS
+
+    from launch import env
+
+    assert LSE_ROWS == chunked.LSE_ROWS
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], env=env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peak["whole"] > 1.9, peak  # the measurement sees a second chunk when there is one
+    planned = 1 + LSE_ROWS / 1024  # the chunk's logits and the logsumexp block, in chunks
+    assert planned - 0.02 <= peak["ours"] <= planned + 0.06, peak  # + the rows' gradient and small tensors
+
+
 # ----------------------------------------------------------------------------------------------
 # The three paths, ZeRO-3 with LoRA on the partitioned lm_head, packing, --torch_compile: per-step losses.
 

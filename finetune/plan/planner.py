@@ -34,6 +34,8 @@ from typing import Any
 
 from finetune.config.parser import ConfigError
 
+LSE_ROWS = 128  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
+
 # ----------------------------------------------------------------------------------------------
 # Sizes.
 
@@ -718,9 +720,10 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     saved = sum(detail.values())
     if chunk:
-        # In the head: the trained rows' hidden states, one chunk's fp32 logits (and their 16-bit copy), the head
-        # gradient's fp32 accumulator when the weights are 16-bit.
-        forward_peak = (saved + a * trained * h + f32 * chunk * v + (a * chunk * v if a != f32 else 0)
+        # In the head: the trained rows' hidden states, one chunk's fp32 logits (and their 16-bit copy), the
+        # logsumexp's temporary over LSE_ROWS of them, the head gradient's fp32 accumulator when the weights are 16-bit.
+        forward_peak = (saved + a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v
+                        + (a * chunk * v if a != f32 else 0)
                         + (f32 * v * h if full and precision_of(job).grad != f32 else 0))
     else:
         # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.

@@ -47,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk]
                 logits = F.linear(h, w).float()
-                lse = torch.logsumexp(logits, dim=-1)
+                lse = _logsumexp(logits)
                 total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
                 if not (need_h or need_w):
                     continue
@@ -70,6 +70,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = (next(saved) if has else None for has in ctx.has)
         scale = lambda g: None if g is None else (g if _is_one(grad_output) else g * grad_output.to(g.dtype))
         return scale(grad_h), scale(grad_w), None, None, None, None
+
+
+LSE_ROWS = 128
+
+
+def _logsumexp(logits):
+    """torch.logsumexp over the last dimension, LSE_ROWS rows at a time: over the whole chunk it allocates a second
+    [chunk x vocab] temporary (exp of the shifted logits), which set the chunk loop's peak."""
+    out = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    for start in range(0, logits.shape[0], LSE_ROWS):
+        torch.logsumexp(logits[start:start + LSE_ROWS], dim=-1, out=out[start:start + LSE_ROWS])
+    return out
 
 
 def _is_one(t) -> bool:
