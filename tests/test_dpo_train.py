@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 
 import pytest
@@ -114,7 +115,6 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
     (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
     (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
                                                              "yet (DPO's own is --label_smoothing)"),
-    (["--method", "dpo", "--config", "zero3"], "--config zero3: full fine-tuning DPO under ZeRO-3 would need the frozen"),
     (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),
     (["--method", "dpo", "--eval_split_size", "2", "--load_best_model_at_end", "--metric_for_best_model",
       "rewards/acuracies", "--save_steps", "2"], "metric_for_best_model: 'rewards/acuracies' is not logged; did you mean"),
@@ -181,11 +181,12 @@ def test_plan_counts_the_reference(tmp_path):
                         (["--precompute_ref_log_probs"], "precomputed log-probabilities (no copy)")):
         other = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2", *flags])
         assert "reference model" not in other["per_device"] and what in other["job"]["method"]
-    # Full fine-tuning DPO is never recommended under ZeRO-3 (refused without --precompute_ref_log_probs).
-    job = plan.job_from_config(plan.parse_plan_args(base + ["--method", "dpo"])[0], world_size=2, devices_per_node=2,
-                               accelerator="cpu")
-    rec = plan.recommend(job, plan.Limits(1, 1), candidates=("zero3",))
-    assert "needs --precompute_ref_log_probs" in rec.rejected["zero3"]
+    # Under ZeRO-3 the frozen copy is partitioned like the policy: each of 2 ranks holds half of it.
+    two = base + ["--method", "dpo", "--per_device_train_batch_size", "2", "--devices_per_node", "2"]
+    zero3 = plan.make_plan(two + ["--config", "zero3"])
+    assert zero3["per_device"]["reference model"] == 4 * params // 2
+    assert "partitioned over the 2 ranks" in " ".join(zero3["notes"])
+    assert plan.make_plan(two + ["--config", "ddp"])["per_device"]["reference model"] == 4 * params
 
 
 EVAL_KEYS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
@@ -264,11 +265,13 @@ MORE_PAIRS = PAIRS + [
      "chosen": "white", "rejected": "Snow is usually white, I believe."},
 ]
 # (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live
-# reference (adapters off inside the engine) and full fine-tuning's precomputed one (its only way there).
+# reference (adapters off inside the engine), full fine-tuning's precomputed one, and its frozen copy partitioned
+# (ZeRO-3, and ZeRO-Infinity with the policy swapped to disk).
 # (LoRA without dropout: one process and two draw different dropout masks, as in tests/test_lora.py.)
 CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
          ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005")),
-         ("loop", "zero3", ("--precompute_ref_log_probs",))]
+         ("loop", "zero3", ("--precompute_ref_log_probs",)),
+         ("trainer", "zero3", ()), ("loop", "zero3_nvme", ())]
 
 
 @pytest.fixture(scope="module")
@@ -288,21 +291,36 @@ def test_two_processes_equal_one(multi, path, preset, flags):
     root, model, data = multi
     script = {"trainer": TRAIN, "loop": LOOP}[path]
 
-    def history(name: str, cmd: list[str], micro: int) -> list[dict]:
+    def history(name: str, cmd: list[str], micro: int, config: str = preset, extra=()) -> list[dict]:
         out = root / name
-        result = run(cmd + ["--config", preset, "--method", "dpo", "--model_name_or_path", str(model), "--dataset",
+        result = run(cmd + ["--config", config, *extra, "--method", "dpo", "--model_name_or_path", str(model), "--dataset",
                             str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
                             "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
                             "--max_steps", "4", "--lr_scheduler_type", "constant",
                             *(() if "--learning_rate" in flags else ("--learning_rate", "0.05")),
                             "--beta", str(BETA), "--seed", "3", "--disable_tqdm", "true", *flags], timeout=600).check()
         assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        outputs[name] = result.output
         return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
 
-    name = f"{path}-{preset}"
-    one = history(f"{name}-1", [sys.executable, script], micro=2)
-    two = history(f"{name}-2", launcher("accelerate", 2, script=script), micro=1)
+    outputs: dict[str, str] = {}
+    name = f"{path}-{preset}-{len(flags)}"
+    nvme = ("--nvme_path", str(root / f"{name}-nvme")) if preset == "zero3_nvme" else ()
+    one = history(f"{name}-1", [sys.executable, script], micro=2, extra=nvme)
+    two = history(f"{name}-2", launcher("accelerate", 2, script=script), micro=1, extra=nvme)
     assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    if preset.startswith("zero3") and not flags[:1] == ("--use_peft",) and "--precompute_ref_log_probs" not in flags:
+        # The frozen reference is partitioned: rank 0 holds about half of it (rank 0 prints it).
+        shares = [tuple(int(x.replace(",", "")) for x in m) for m in
+                  re.findall(r"partitioned by ZeRO-3 like the policy \(([\d,]+) of its ([\d,]+) parameters",
+                             outputs[f"{name}-2"])]
+        assert len(shares) == 1 and all(0.45 < held / total < 0.55 for held, total in shares), shares
+        # and it scores as the plain frozen copy does (one process, DDP preset: a deepcopy; the optimizers differ,
+        # DeepSpeed's CPU Adam against torch's AdamW, hence the presets' bound).
+        plain = history(f"{name}-ddp", [sys.executable, script], micro=2, config="ddp")
+        for a, b in zip(one, plain):
+            for k in ("loss", "rewards/margins", "logps/rejected"):
+                assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, plain)
     assert one[-1]["loss"] < one[0]["loss"]
     for a, b in zip(one, two):
         for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):

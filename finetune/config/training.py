@@ -468,11 +468,6 @@ def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, la
             problems.append(f"{flag}: not supported with --method dpo yet{hint}")
     if isinstance(data.dataset, list):
         problems.append("dataset: --method dpo takes one --dataset (mixing preference sets is not supported yet)")
-    zero3 = launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3
-    if zero3 and not model.use_peft and not m.precompute_ref_log_probs:
-        problems.append(f"--config {launch.config}: full fine-tuning DPO under ZeRO-3 would need the frozen reference "
-                        "copy partitioned too, which finetune does not do; add --precompute_ref_log_probs (the "
-                        "reference is then the model before training, scored once), or train LoRA (--use_peft)")
     return problems
 
 

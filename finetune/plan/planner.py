@@ -840,11 +840,16 @@ def predict(job: Job) -> Prediction:
     stage = job.strategy.stage
     overhead = CPU_PROCESS_OVERHEAD if cpu else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
-    # every rank (ZeRO-3 is refused for it). Its no-grad forward runs before the policy's and frees its logits first.
+    # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
+    # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
+    # and frees its logits first.
     reference = prec.weight * job.shape.num_params if job.reference_copy else 0
+    if reference and stage == 3:
+        reference = -(-reference // job.world_size)
     if reference:
-        notes.append("DPO reference: a frozen copy of the model on every device (LoRA, or --precompute_ref_log_probs, "
-                     "keeps none)")
+        notes.append("DPO reference: a frozen copy of the model " + (
+            f"partitioned over the {job.world_size} ranks" if stage == 3 else "on every device")
+            + " (LoRA, or --precompute_ref_log_probs, keeps none)")
     static = {
         "parameters": st.params + st.persistent,
         "optimizer states": st.optim,
@@ -1002,9 +1007,6 @@ def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = Non
             continue
         if job.quant and strategy.stage == 3:
             rejected[name] = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3"
-            continue
-        if job.reference_copy and strategy.stage == 3:
-            rejected[name] = "full fine-tuning DPO under ZeRO-3 needs --precompute_ref_log_probs (the frozen copy is not partitioned)"
             continue
         base = job.replace(strategy=strategy)
         options = []

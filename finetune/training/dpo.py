@@ -9,8 +9,9 @@ log p(token | everything before it). With β = --beta and ε = --label_smoothing
 
 and a step minimizes the mean over the pairs of the GLOBAL batch (all ranks, all micro-batches): each micro-batch
 contributes its pairs' loss sum over that count, as the SFT loss divides token sums by the global token count.
-The reference is the LoRA model with its adapters disabled, a frozen copy of the model (full fine-tuning), or
-log-probabilities computed once before training (--precompute_ref_log_probs).
+The reference is the LoRA model with its adapters disabled, a frozen copy of the model (full fine-tuning; under
+ZeRO-3 loaded again partitioned, in an engine of its own), or log-probabilities computed once before training
+(--precompute_ref_log_probs).
 """
 
 from __future__ import annotations
@@ -287,6 +288,59 @@ def frozen_copy(model):
     return ref.eval()
 
 
+def reference_ds_config(policy: dict, hidden_size: int) -> dict:
+    """The policy's (filled) DeepSpeed config for an engine that only runs forwards: no optimizer, scheduler or
+    optimizer offload; its own parameter partition kept in memory (the policy's NVMe swap folder is not shared);
+    the size settings the Trainer fills from the model later set as it would (transformers' hidden-size rules)."""
+    import copy
+
+    config = copy.deepcopy(policy)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    zero = config.setdefault("zero_optimization", {})
+    zero.pop("offload_optimizer", None)
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        zero.pop("offload_param")
+    for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                       ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                       ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        if zero.get(key) == "auto":
+            zero[key] = value
+    return config
+
+
+def partitioned_copy(cfg):
+    """Full fine-tuning's reference under ZeRO-3: the weights loaded again, partitioned over the ranks as the
+    policy's are (a deepcopy would copy empty partitions), in a DeepSpeed engine of its own that gathers each
+    layer's parameters for its forward and frees them after. Every rank calls it at the same point."""
+    import deepspeed
+    from transformers import AutoConfig
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    from finetune.models.load import load_model
+
+    policy = cfg.training.hf_deepspeed_config
+    model_config = AutoConfig.from_pretrained(cfg.model.model_name_or_path,
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    config = reference_ds_config(policy.config, model_config.get_text_config().hidden_size)
+    ref_hf = HfDeepSpeedConfig(config)  # registered: from_pretrained loads under zero.Init with this config
+    try:
+        model = load_model(cfg.model, None)
+    finally:
+        set_hf_deepspeed_config(policy)
+    del ref_hf
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None
+    return engine
+
+
+def partition_share(module) -> tuple[int, int]:
+    """(parameters held by this rank, parameters of the model) of a ZeRO-3 partitioned module."""
+    params = list(module.parameters())
+    return sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+
+
 class Reference:
     """The reference of a run, the same on every path. `unwrap()` gives the trained module (the engine's, once
     prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy made
@@ -297,7 +351,12 @@ class Reference:
         self.cfg, self.unwrap, self.sets, self.collator = cfg, unwrap, [p for p in sets if p is not None], collator
         self.device, self.autocast, self.resumed, self.log = device, autocast, resumed, log
         self.precompute = cfg.objective.precompute_ref_log_probs
-        self.copy = frozen_copy(model) if not cfg.model.use_peft and not self.precompute else None
+        self.copy, self.partitioned = None, False
+        if not cfg.model.use_peft and not self.precompute:
+            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+            self.partitioned = is_deepspeed_zero3_enabled()
+            self.copy = partitioned_copy(cfg) if self.partitioned else frozen_copy(model)
         self.tables: dict[str, torch.Tensor] = {}
         self.placed = False
 
@@ -305,6 +364,10 @@ class Reference:
         o = self.cfg.objective
         if self.precompute:
             what = "log-probabilities computed once before training, cached with the tokenized data"
+        elif self.partitioned:
+            held, total = partition_share(self.copy.module)
+            what = (f"a frozen copy of the model, partitioned by ZeRO-3 like the policy ({held:,} of its {total:,} "
+                    "parameters on this rank; each layer gathered for its forward)")
         elif self.copy is not None:
             what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
         else:
@@ -328,6 +391,8 @@ class Reference:
 
     def logps(self, batch: dict) -> torch.Tensor:
         batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        if self.partitioned:  # the reference's own engine: placed and cast by DeepSpeed
+            return sequence_logps(self.copy, batch)
         if self.copy is not None:
             if not self.placed:
                 # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
