@@ -173,10 +173,14 @@ class Tokenize:
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
-        for k, index in enumerate(indices):
-            record, where = _record(batch, k, index, self.prefix)
-            P.validate_record(record, self.fmt, where)
-            pairs = P.tokenize_examples(self.tokenizer, record, self.fmt, self.completion_only, where)
+
+        def records():  # each validated just before it is rendered, so the first bad record is the one reported
+            for k, index in enumerate(indices):
+                record, where = _record(batch, k, index, self.prefix)
+                P.validate_record(record, self.fmt, where)
+                yield record, where
+
+        for pairs in P.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only):
             for j, (ids, labels) in enumerate(pairs):
                 # A record the template splits per turn: its first example carries the count.
                 out["_split"].append(len(pairs) if len(pairs) > 1 and j == 0 else 0)
