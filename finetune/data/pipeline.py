@@ -191,7 +191,7 @@ class Tokenize:
                     else:
                         status, ids, labels = TRUNCATED, ids[: self.max_seq_length], labels[: self.max_seq_length]
                 # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
-                trained = sum(1 for x in labels[1:] if x != IGNORE_INDEX)
+                trained = max(len(labels) - 1, 0) - labels[1:].count(IGNORE_INDEX)  # list.count: no Python loop per token
                 if not status & DROPPED_LONG and not trained:
                     status, ids, labels = status | DROPPED_NO_LABELS, [], []
                 out["input_ids"].append(ids)

@@ -358,9 +358,10 @@ class ChatRenderer:
     a transformers without these helpers) takes apply_chat_template itself; tests/test_formats.py compares the two."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.compile = tokenizer, None
+        from jinja2.runtime import new_context
         from transformers import PreTrainedTokenizerBase
 
+        self.tokenizer, self.compile, self.templates, self.new_context = tokenizer, None, {}, new_context
         if getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template:
             return
         try:
@@ -380,21 +381,41 @@ class ChatRenderer:
         tools = tools or None
         # apply_chat_template drops keys holding None (a message holding one takes its path, to drop them the same way).
         fast = (self.compile is not None and _plain_json(tools) and _plain_json(messages)
-                and all(None not in m.values() for m in messages))
+                and all(type(m) is dict and None not in m.values() for m in messages))
         seen = self.alias(messages) if fast else messages
 
         def render(n: int, add_generation_prompt: bool = False) -> str:
             try:
                 if fast:
-                    template = self.compile(self.tokenizer.get_chat_template(None, tools))
-                    return template.render(messages=seen[:n], tools=tools, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **self.variables)
+                    return self._render_compiled(*self._template(tools), dict(
+                        messages=seen[:n], tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                        **self.variables))
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
                                                           **({"tools": tools} if tools else {}))
             except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
                 raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
 
         return render
+
+    def _template(self, tools):
+        """(compiled template, its globals as a dict) of the template apply_chat_template would pick."""
+        source = self.tokenizer.get_chat_template(None, tools)
+        found = self.templates.get(source)
+        if found is None:
+            template = self.compile(source)
+            found = self.templates[source] = (template, dict(template.globals))
+        return found
+
+    def _render_compiled(self, template, template_globals: dict, variables: dict) -> str:
+        """template.render(variables), given the template's globals as a plain dict: Template.render merges them in
+        from its ChainMap of globals on every call, which costs about as much as rendering a two-exchange chat."""
+        if template.environment.is_async:
+            return template.render(variables)
+        context = self.new_context(template.environment, template.name, template.blocks, variables, False, template_globals)
+        try:
+            return template.environment.concat(template.root_render_func(context))
+        except Exception:
+            template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
@@ -628,7 +649,7 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
 
 
 def has_trained_end(labels: list[int], end_ids: frozenset[int]) -> bool:
-    return any(x in end_ids for x in labels[1:])  # position 0 is never predicted
+    return not end_ids.isdisjoint(labels[1:])  # position 0 is never predicted
 
 
 @dataclass
