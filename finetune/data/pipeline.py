@@ -2,8 +2,9 @@
 `Dataset.map` into an Arrow cache (save_to_disk shards, reloaded memory-mapped), once per node and once per job
 where nodes share the cache folder (a lock file). docs/data.md describes it for users.
 
-Every record goes through prepare.py's one per-record function (`tokenize_examples`), so masks are the ones the
-per-record reference (`prepare.tokenize_all`) gives, token for token; only where the records live changed.
+Every record goes through prepare.py's `tokenize_many` (a batch's records rendered one by one, their texts tokenized
+in one call; `tokenize_examples` is it for one record), so masks are the ones the per-record reference
+(`prepare.tokenize_all`) gives, token for token; only where the records live changed.
 """
 
 from __future__ import annotations
