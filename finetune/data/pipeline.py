@@ -2,8 +2,9 @@
 `Dataset.map` into an Arrow cache (save_to_disk shards, reloaded memory-mapped), once per node and once per job
 where nodes share the cache folder (a lock file). docs/data.md describes it for users.
 
-Every record goes through prepare.py's one per-record function (`tokenize_examples`), so masks are the ones the
-per-record reference (`prepare.tokenize_all`) gives, token for token; only where the records live changed.
+Every record goes through prepare.py's `tokenize_many` (a batch's records rendered one by one, their texts tokenized
+in one call; `tokenize_examples` is it for one record), so masks are the ones the per-record reference
+(`prepare.tokenize_all`) gives, token for token; only where the records live changed.
 """
 
 from __future__ import annotations
@@ -173,10 +174,14 @@ class Tokenize:
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
-        for k, index in enumerate(indices):
-            record, where = _record(batch, k, index, self.prefix)
-            P.validate_record(record, self.fmt, where)
-            pairs = P.tokenize_examples(self.tokenizer, record, self.fmt, self.completion_only, where)
+
+        def records():  # each validated just before it is rendered, so the first bad record is the one reported
+            for k, index in enumerate(indices):
+                record, where = _record(batch, k, index, self.prefix)
+                P.validate_record(record, self.fmt, where)
+                yield record, where
+
+        for pairs in P.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only):
             for j, (ids, labels) in enumerate(pairs):
                 # A record the template splits per turn: its first example carries the count.
                 out["_split"].append(len(pairs) if len(pairs) > 1 and j == 0 else 0)
@@ -187,7 +192,7 @@ class Tokenize:
                     else:
                         status, ids, labels = TRUNCATED, ids[: self.max_seq_length], labels[: self.max_seq_length]
                 # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
-                trained = sum(1 for x in labels[1:] if x != IGNORE_INDEX)
+                trained = max(len(labels) - 1, 0) - labels[1:].count(IGNORE_INDEX)  # list.count: no Python loop per token
                 if not status & DROPPED_LONG and not trained:
                     status, ids, labels = status | DROPPED_NO_LABELS, [], []
                 out["input_ids"].append(ids)

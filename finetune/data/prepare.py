@@ -9,10 +9,12 @@ A record becomes one example, or one per assistant turn where the template rewri
 
 from __future__ import annotations
 
+import bisect
 import csv
 import difflib
 import hashlib
 import json
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -335,26 +337,106 @@ def require_chat_template(tokenizer, fmt: str, where: str) -> None:
         )
 
 
+def _plain_json(value) -> bool:
+    """Only JSON's own types, exactly (no subclasses, tuples or other objects): the values apply_chat_template's
+    normalization copies unchanged."""
+    kind = type(value)
+    if value is None or kind is str or kind is int or kind is float or kind is bool:
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain_json(v) for k, v in value.items())
+    if kind is list:
+        return all(map(_plain_json, value))
+    return False
+
+
+class ChatRenderer:
+    """apply_chat_template(..., tokenize=False) of one tokenizer without its per-call work, most of the cost of a
+    short conversation (issue 13): the template compiled by transformers' own cache, the special tokens read once,
+    and messages of plain JSON types checked once per conversation and passed as they are (apply_chat_template would
+    copy them into equal values). Anything else (other objects, a tokenizer class with its own apply_chat_template,
+    a transformers without these helpers) takes apply_chat_template itself; tests/test_formats.py compares the two."""
+
+    def __init__(self, tokenizer):
+        from jinja2.runtime import new_context
+        from transformers import PreTrainedTokenizerBase
+
+        self.tokenizer, self.compile, self.templates, self.new_context = tokenizer, None, {}, new_context
+        if getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template:
+            return
+        try:
+            from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                                _plain_template_data)
+        except ImportError:
+            return
+        self.compile, self.alias = _compile_jinja_template, _alias_reasoning_fields
+        self.variables = _plain_template_data(tokenizer.special_tokens_map)
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
+        return self.prefixes(messages, where, tools)(len(messages), add_generation_prompt)
+
+    def prefixes(self, messages: list[dict], where: str = "", tools=None):
+        """render(n, add_generation_prompt=False): the conversation's first n messages rendered; a template error is a
+        DataError naming `where`."""
+        tools = tools or None
+        # apply_chat_template drops keys holding None (a message holding one takes its path, to drop them the same way).
+        fast = (self.compile is not None and _plain_json(tools) and _plain_json(messages)
+                and all(type(m) is dict and None not in m.values() for m in messages))
+        seen = self.alias(messages) if fast else messages
+
+        def render(n: int, add_generation_prompt: bool = False) -> str:
+            try:
+                if fast:
+                    return self._render_compiled(*self._template(tools), dict(
+                        messages=seen[:n], tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                        **self.variables))
+                return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                          **({"tools": tools} if tools else {}))
+            except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
+                raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
+
+        return render
+
+    def _template(self, tools):
+        """(compiled template, its globals as a dict) of the template apply_chat_template would pick."""
+        source = self.tokenizer.get_chat_template(None, tools)
+        found = self.templates.get(source)
+        if found is None:
+            template = self.compile(source)
+            found = self.templates[source] = (template, dict(template.globals))
+        return found
+
+    def _render_compiled(self, template, template_globals: dict, variables: dict) -> str:
+        """template.render(variables), given the template's globals as a plain dict: Template.render merges them in
+        from its ChainMap of globals on every call, which costs about as much as rendering a two-exchange chat."""
+        if template.environment.is_async:
+            return template.render(variables)
+        context = self.new_context(template.environment, template.name, template.blocks, variables, False, template_globals)
+        try:
+            return template.environment.concat(template.root_render_func(context))
+        except Exception:
+            template.environment.handle_exception()  # raises the error, its traceback pointing into the template
+
+
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {})
-        )
-    except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
-        raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
+    return ChatRenderer(tokenizer)(messages, add_generation_prompt, where, tools)
 
 
-def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None) -> list[tuple[str, str]]:
+def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None, renderer=None) -> list[tuple[str, str]]:
     """(context, through) for each assistant turn: the text the model continues at inference (the conversation
     before the turn rendered with the generation prompt) and the conversation rendered through the turn, which
     must start with the context."""
+    renderer = renderer or ChatRenderer(tokenizer)
+    return _turns(renderer, renderer.prefixes(messages, where, tools), messages, where, tools)
+
+
+def _turns(renderer, render, messages: list[dict], where: str, tools) -> list[tuple[str, str]]:
     turns = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        context = (_render(tokenizer, messages[:i], add_generation_prompt=True, where=where, tools=tools) if i
-                   else _before_first(tokenizer, m, where, tools))
-        through = _render(tokenizer, messages[: i + 1], where=where, tools=tools)
+        context = render(i, True) if i else _before_first(renderer, m, where, tools)
+        through = render(i + 1)
         if context is None or not through.startswith(context):
             raise DataError(
                 f"{where}: the chat template does not render the assistant turn messages[{i}] after its generation "
@@ -365,29 +447,32 @@ def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None
     return turns
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = "", tools=None) -> tuple[str, list[tuple[int, int]]] | None:
-    """Render the conversation and return the character spans of each assistant turn, or None where the template
-    rewrites history (a prefix of the conversation is not rendered as a prefix of the whole, as Qwen3 drops the
-    reasoning of turns before the last user message).
+def chat_layout(tokenizer, messages: list[dict], where: str = "", tools=None, renderer=None):
+    """(full, spans): the conversation rendered and the character spans of its assistant turns; or, where the
+    template rewrites history (a prefix of the conversation is not rendered as a prefix of the whole, as Qwen3 drops
+    the reasoning of turns before the last user message), (None, assistant_turns).
 
     A span starts where the template's generation prompt ends and ends where the rendered turn ends, so it is right
     with or without `{% generation %}` markers.
     """
-    turns = assistant_turns(tokenizer, messages, where, tools)
-    full = _render(tokenizer, messages, where=where, tools=tools)
+    renderer = renderer or ChatRenderer(tokenizer)
+    render = renderer.prefixes(messages, where, tools)
+    turns = _turns(renderer, render, messages, where, tools)
+    # A conversation ending with an assistant turn was just rendered whole, as that turn's `through`.
+    full = turns[-1][1] if messages[-1]["role"] == "assistant" else render(len(messages))
     if not all(full.startswith(through) for _, through in turns):
-        return None
+        return None, turns
     return full, [(len(context), len(through)) for context, through in turns]
 
 
-def _before_first(tokenizer, first: dict, where: str, tools=None) -> str | None:
+def _before_first(renderer, first: dict, where: str, tools=None) -> str | None:
     """The text before the content of a conversation's first message (an assistant turn).
 
     An empty conversation cannot be rendered (and would miss a default system prompt the template adds),
     so render the first turn with a marker as its content and cut at the marker.
     """
     marker = "FINETUNEMARKER7f3a"
-    text = _render(tokenizer, [{**first, "content": marker}], where=where, tools=tools)
+    text = renderer([{**first, "content": marker}], where=where, tools=tools)
     return text[: text.index(marker)] if marker in text else None
 
 
@@ -399,22 +484,46 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
+def _encode(tokenizer, texts: list[str], offsets: bool = False) -> tuple[list, list]:
+    """(ids, offsets or []) of texts, in one tokenizer call (the fast tokenizer's own batch, each text on its own)."""
+    if not texts:
+        return [], []
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets, return_attention_mask=False,
+                    return_token_type_ids=False)
+    return enc["input_ids"], enc["offset_mapping"] if offsets else []
+
+
 def _mask_spans(tokenizer, full: str, spans: list[tuple[int, int]], completion_only: bool) -> tuple[list[int], list[int]]:
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    special = _special_ids(tokenizer)
+    (ids,), (offsets,) = _encode(tokenizer, [full], offsets=True)
+    return _span_labels(tokenizer, ids, offsets, len(full), spans, completion_only, _special_ids(tokenizer))
+
+
+def _span_labels(tokenizer, ids: list[int], offsets: list[tuple[int, int]], end: int, spans: list[tuple[int, int]],
+                 completion_only: bool, special: set[int]) -> tuple[list[int], list[int]]:
+    """Train the tokens that start inside a span (through its last special token), for a text `end` characters long."""
     labels = [IGNORE_INDEX] * len(ids)
+    starts = [s for s, _ in offsets]
+    # Offsets run in text order (always, for the tokenizers seen), so a span's tokens are one run found by bisection.
+    ordered = all(map(operator.le, starts, starts[1:]))
     needs_eos = False
     for a, b in spans:
-        inside = [t for t, (s, e) in enumerate(offsets) if a <= s < b and e > s]
+        if ordered:
+            inside = range(bisect.bisect_left(starts, a), bisect.bisect_left(starts, b))
+            if any(e <= s for s, e in offsets[inside.start:inside.stop]):  # a token with no text is never trained
+                inside = [t for t in inside if offsets[t][1] > offsets[t][0]]
+        else:
+            inside = [t for t, (s, e) in enumerate(offsets) if a <= s < b and e > s]
         # Train through the turn's end-of-turn token, not the whitespace the template puts after it.
-        last_special = max((t for t in inside if ids[t] in special), default=None)
+        last_special = next((k for k in range(len(inside) - 1, -1, -1) if ids[inside[k]] in special), None)
         if last_special is not None:
-            inside = [t for t in inside if t <= last_special]
-        elif b == len(full):
+            inside = inside[: last_special + 1]
+        elif b == end:
             needs_eos = True
-        for t in inside:
-            labels[t] = ids[t]
+        if isinstance(inside, range):
+            labels[inside.start:inside.stop] = ids[inside.start:inside.stop]
+        else:
+            for t in inside:
+                labels[t] = ids[t]
     ids = list(ids)
     if needs_eos and tokenizer.eos_token_id is not None:
         # The template ends the last turn with no special token: append EOS so the model learns to stop.
@@ -425,12 +534,10 @@ def _mask_spans(tokenizer, full: str, spans: list[tuple[int, int]], completion_o
     return ids, labels
 
 
-def _turn_example(tokenizer, context: str, through: str, completion_only: bool) -> tuple[list[int], list[int]]:
+def _turn_example(tokenizer, prompt: list[int], turn: list[int], completion_only: bool,
+                  special: set[int]) -> tuple[list[int], list[int]]:
     """One assistant turn as its own example: the context's tokens exactly as the model gets them at inference
-    (apply_chat_template(..., add_generation_prompt=True) tokenizes the rendered text on its own), then the turn."""
-    prompt = tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
-    turn = tokenizer(through[len(context):], add_special_tokens=False)["input_ids"]
-    special = _special_ids(tokenizer)
+    (apply_chat_template(..., add_generation_prompt=True) tokenizes the rendered text on its own), then the turn's."""
     last_special = max((t for t, x in enumerate(turn) if x in special), default=None)
     if last_special is not None:
         trained = turn[: last_special + 1] + [IGNORE_INDEX] * (len(turn) - last_special - 1)
@@ -441,14 +548,42 @@ def _turn_example(tokenizer, context: str, through: str, completion_only: bool) 
     return ids, (list(ids) if not completion_only else [IGNORE_INDEX] * len(prompt) + trained)
 
 
+def encode_chats(tokenizer, layouts: list, completion_only: bool) -> list[list[tuple[list[int], list[int]]]]:
+    """The examples of conversations laid out by chat_layout: one for each whole rendering, one per assistant turn
+    of the others. All their texts are tokenized in two tokenizer calls (with offsets for the whole renderings)."""
+    special = _special_ids(tokenizer)
+    whole_ids, whole_offsets = _encode(tokenizer, [full for full, _ in layouts if full is not None], offsets=True)
+    # A turn's context and the turn are tokenized apart; an empty context is no tokens, not the text "".
+    pieces = [text for full, turns in layouts if full is None for context, through in turns
+              for text in ((context,) if context else ()) + (through[len(context):],)]
+    piece_ids = iter(_encode(tokenizer, pieces)[0])
+    whole = iter(zip(whole_ids, whole_offsets))
+    out = []
+    for full, parts in layouts:
+        if full is not None:
+            out.append([_span_labels(tokenizer, *next(whole), len(full), parts, completion_only, special)])
+        else:
+            out.append([_turn_example(tokenizer, next(piece_ids) if context else [], next(piece_ids), completion_only, special)
+                        for context, _ in parts])
+    return out
+
+
 def chat_examples(tokenizer, messages: list[dict], completion_only: bool, where: str = "", tools=None) -> list[tuple[list[int], list[int]]]:
     """One example for the conversation where the template renders a prefix as a prefix (ChatML, Llama-3), else one
     per assistant turn in the context the template renders at inference, only that turn trained."""
-    laid_out = assistant_spans(tokenizer, messages, where, tools)
-    if laid_out is not None:
-        return [_mask_spans(tokenizer, *laid_out, completion_only)]
-    return [_turn_example(tokenizer, context, through, completion_only)
-            for context, through in assistant_turns(tokenizer, messages, where, tools)]
+    return encode_chats(tokenizer, [chat_layout(tokenizer, messages, where, tools)], completion_only)[0]
+
+
+def _is_chat(tokenizer, fmt: str) -> bool:
+    return fmt in CHAT_FORMATS or (fmt == "alpaca" and bool(tokenizer.chat_template))
+
+
+def _conversation(tokenizer, record: dict, fmt: str, where: str) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) of a record rendered with the chat template."""
+    if fmt == "alpaca":
+        return alpaca_to_messages(record), None
+    require_chat_template(tokenizer, fmt, where)
+    return chat_messages(record, fmt), _record_tools(record, where)
 
 
 def tokenize_examples(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> list[tuple[list[int], list[int]]]:
@@ -460,8 +595,8 @@ def tokenize_examples(tokenizer, record: dict, fmt: str, completion_only: bool, 
         if eos is not None and (not ids or ids[-1] != eos):
             ids = ids + [eos]
         return [(ids, list(ids))]
-    if fmt == "alpaca" and tokenizer.chat_template:
-        return chat_examples(tokenizer, alpaca_to_messages(record), completion_only, where)
+    if _is_chat(tokenizer, fmt):
+        return tokenize_many(tokenizer, [(record, where)], fmt, completion_only)[0]
     if fmt == "alpaca":
         template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
         prompt = tokenizer(template.format(**{"input": "", **record}), add_special_tokens=True)["input_ids"]
@@ -469,10 +604,20 @@ def tokenize_examples(tokenizer, record: dict, fmt: str, completion_only: bool, 
         completion = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         labels = ([IGNORE_INDEX] * len(prompt) if completion_only else list(prompt)) + completion
         return [(prompt + completion, labels)]
-    if fmt in CHAT_FORMATS:
-        require_chat_template(tokenizer, fmt, where)
-        return chat_examples(tokenizer, chat_messages(record, fmt), completion_only, where, _record_tools(record, where))
     raise DataError(f"unknown dataset format {fmt!r}")
+
+
+def tokenize_many(tokenizer, records: Iterable[tuple[dict, str]], fmt: str, completion_only: bool) -> list[list[tuple[list[int], list[int]]]]:
+    """tokenize_examples of each (record, where), in order (so the first bad record is the one reported); chat
+    records are all rendered first, then tokenized together (encode_chats)."""
+    if not _is_chat(tokenizer, fmt):
+        return [tokenize_examples(tokenizer, record, fmt, completion_only, where) for record, where in records]
+    renderer = ChatRenderer(tokenizer)
+    layouts = []
+    for record, where in records:
+        messages, tools = _conversation(tokenizer, record, fmt, where)
+        layouts.append(chat_layout(tokenizer, messages, where, tools, renderer))
+    return encode_chats(tokenizer, layouts, completion_only)
 
 
 def tokenize_record(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> tuple[list[int], list[int]]:
@@ -504,7 +649,7 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
 
 
 def has_trained_end(labels: list[int], end_ids: frozenset[int]) -> bool:
-    return any(x in end_ids for x in labels[1:])  # position 0 is never predicted
+    return not end_ids.isdisjoint(labels[1:])  # position 0 is never predicted
 
 
 @dataclass
