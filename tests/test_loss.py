@@ -166,19 +166,20 @@ def growth(fn):  # the high-water mark above the resident size at the call (VmHW
     return status("VmHWM") - before
 
 torch.manual_seed(0)
-n, v, h = 1024, 65536, 64
+n, chunk, v, h = 3072, 1024, 65536, 64
 hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h)  # a frozen head, as under LoRA
 targets = torch.randint(0, v, (n,))
-ours = growth(lambda: _LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(float(n)), n, torch.float32))
-whole = growth(lambda: torch.logsumexp(hidden.detach() @ weight.T, -1))
-print(json.dumps({"ours": ours / (n * v * 4), "whole": whole / (n * v * 4)}))
+ours = growth(lambda: _LinearCrossEntropy.apply(hidden, weight, targets, torch.tensor(float(n)), chunk, torch.float32))
+whole = growth(lambda: torch.logsumexp(hidden.detach()[:chunk] @ weight.T, -1))
+print(json.dumps({"ours": ours / (chunk * v * 4), "whole": whole / (chunk * v * 4)}))
 """
 
 
 def test_loss_peak_is_one_chunk_of_logits():
-    # In a fresh process (an allocator that already holds freed memory would hide a temporary). torch.logsumexp over
-    # a whole chunk allocates a second chunk-sized temporary (the control: 2 chunks); the loss takes it LSE_ROWS rows
-    # at a time, and the planner counts exactly that.
+    # In a fresh process (an allocator that already holds freed memory would hide a temporary), three chunks. Two
+    # chunks of logits were alive at once: torch.logsumexp over a whole chunk allocates a second one (the control),
+    # and a chunk's logits lived on while the next chunk's were made. The loss takes the logsumexp LSE_ROWS rows at a
+    # time and drops each chunk before the next, and the planner counts exactly that.
     import json
     import subprocess
     import sys
@@ -193,7 +194,7 @@ def test_loss_peak_is_one_chunk_of_logits():
     peak = json.loads(out.stdout.strip().splitlines()[-1])
     assert peak["whole"] > 1.9, peak  # the measurement sees a second chunk when there is one
     planned = 1 + LSE_ROWS / 1024  # the chunk's logits and the logsumexp block, in chunks
-    assert planned - 0.02 <= peak["ours"] <= planned + 0.06, peak  # + the rows' gradient and small tensors
+    assert planned - 0.02 <= peak["ours"] <= planned + 0.08, peak  # + the rows' gradient and small tensors
 
 
 # ----------------------------------------------------------------------------------------------

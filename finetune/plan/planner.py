@@ -34,7 +34,7 @@ from typing import Any
 
 from finetune.config.parser import ConfigError
 
-LSE_ROWS = 128  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
+LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
 
 # ----------------------------------------------------------------------------------------------
 # Sizes.

@@ -45,6 +45,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
+                # The previous chunk's logits (probs and g are views or copies of them) go before this chunk's come:
+                # held over the next F.linear, they made the peak two chunks of logits.
+                logits = probs = g = None
                 h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk]
                 logits = F.linear(h, w).float()
                 lse = _logsumexp(logits)
@@ -72,7 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return scale(grad_h), scale(grad_w), None, None, None, None
 
 
-LSE_ROWS = 128
+LSE_ROWS = 32
 
 
 def _logsumexp(logits):
