@@ -194,7 +194,9 @@ def test_loss_peak_is_one_chunk_of_logits():
     peak = json.loads(out.stdout.strip().splitlines()[-1])
     assert peak["whole"] > 1.9, peak  # the measurement sees a second chunk when there is one
     planned = 1 + LSE_ROWS / 1024  # the chunk's logits and the logsumexp block, in chunks
-    assert planned - 0.02 <= peak["ours"] <= planned + 0.08, peak  # + the rows' gradient and small tensors
+    # Above it: the rows' gradient, small tensors and the allocator's heap, which varied from 1.03 to 1.24 between
+    # identical runs; two chunks alive at once measured 2.04 and 2.24.
+    assert planned - 0.02 <= peak["ours"] <= 1.4, peak
 
 
 # ----------------------------------------------------------------------------------------------
