@@ -1,7 +1,7 @@
 """Random-kill resume trials: `kill -9` of a random rank at a random moment, then `--resume_from_checkpoint latest`.
 
 For each path (Trainer: finetune/train.py under accelerate launch; loop: finetune/loop.py under accelerate launch;
-engine: scripts/sft.py under deepspeed) and preset (zero2, zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted
+engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning) and preset (zero2, zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted
 2-rank reference run. Each trial (seeded) starts the same job into a fresh folder, waits until the job has logged a
 random step, waits a random fraction of a second more (so the kill lands anywhere in a step or a checkpoint save),
 kills a random rank, and runs the same command again; the resumed run's per-step losses (all STEPS of them) must equal
@@ -35,6 +35,8 @@ PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
     "loop": lambda: launcher("accelerate", 2, script=LOOP),
     "sft": lambda: deepspeed_launcher(2),
+    # DPO (full fine-tuning: under ZeRO-3 its frozen reference is partitioned too) on the Trainer path.
+    "dpo": lambda: launcher("accelerate", 2, script=TRAIN),
 }
 PRESETS = ("zero2", "zero3")
 BEGIN, END = "<!-- resume_trials:begin -->", "<!-- resume_trials:end -->"
@@ -46,12 +48,20 @@ def setup(work: Path) -> tuple[Path, Path]:
     model = work / "model"
     if not (model / "config.json").is_file():
         tiny.build(model, style="chatml")
-    return model, tiny.write_jsonl(work / "data.jsonl", tiny.synthetic_records(RECORDS, seed=7))
+    records = tiny.synthetic_records(RECORDS, seed=7)
+    # Preference pairs from the same records: the right answer against its words reversed (or a count off by one).
+    pairs = []
+    for r in records:
+        prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
+        wrong = str(int(answer) + 1) if answer.isdigit() else " ".join(reversed(answer.split()))
+        pairs.append({"prompt": prompt, "chosen": answer, "rejected": wrong if wrong != answer else answer + " again"})
+    tiny.write_jsonl(work / "pairs.jsonl", pairs)
+    return model, tiny.write_jsonl(work / "data.jsonl", records)
 
 
 def command(path: str, preset: str, work: Path, out: Path) -> list[str]:
-    model, data = work / "model", work / "data.jsonl"
-    return PATHS[path]() + [
+    model, data = work / "model", work / ("pairs.jsonl" if path == "dpo" else "data.jsonl")
+    return PATHS[path]() + (["--method", "dpo"] if path == "dpo" else []) + [
         "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
         "--dataset_cache_dir", str(work / "cache"), "--max_steps", str(STEPS), "--save_steps", str(SAVE),
         "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",

@@ -1,5 +1,6 @@
 """Random-kill resume trials (bench/resume_trials.py): a random rank killed at a random moment, `latest` resumes to
-the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine), ZeRO-2 and ZeRO-3 alternating.
+the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; and DPO on the Trainer path),
+ZeRO-2 and ZeRO-3 alternating.
 
 CI runs one trial per path. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
 `FINETUNE_RESUME_TRIALS_ROWS=FILE` appends each trial's row there, and `python bench/resume_trials.py --rows FILE
@@ -21,7 +22,7 @@ import resume_trials as T  # noqa: E402
 TRIALS = int(os.environ.get("FINETUNE_RESUME_TRIALS", "1"))
 ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
 # CI's single trial per path: odd indices are ZeRO-3 (CPU Adam offload), even ZeRO-2; both presets are covered.
-ONE_TRIAL = {"trainer": 1, "loop": 0, "sft": 1}
+ONE_TRIAL = {"trainer": 1, "loop": 0, "sft": 1, "dpo": 1}
 
 
 @pytest.fixture(scope="module")
