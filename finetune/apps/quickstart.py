@@ -49,7 +49,7 @@ DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "
 METHODS = ("lora", "full")
 # Learning rates that learned the bundled task in ~50 steps: LoRA adapters need a far larger step than full weights.
 DEFAULT_LR = {"lora": 1e-3, "full": 3e-5}
-DEFAULT_DPO_LR = {"lora": 5e-4, "full": 5e-6}
+DEFAULT_DPO_LR = {"lora": 5e-5, "full": 5e-7}
 EXAMPLES_SHOWN = 5
 MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
 
@@ -91,7 +91,7 @@ class QuickstartConfig:
     # The training time bound (the evaluations and import come on top).
     max_minutes: float = _flag(6.0, help="Training time bound in minutes.")
     per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
-    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 5e-4, 5e-6).")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 5e-5, 5e-7).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
