@@ -1,4 +1,5 @@
-"""Write data/quickstart/{train,heldout}.jsonl: the quickstart's instruction data (Apache-2.0, like the repository).
+"""Write data/quickstart/{train,heldout}.jsonl and {train,heldout}_pairs.jsonl: the quickstart's instruction data
+and its preference pairs (Apache-2.0, like the repository).
 
     python scripts/make_quickstart_data.py [--out data/quickstart]
 
@@ -6,6 +7,13 @@ The skill: read one order written as a free-form English sentence (a dozen phras
 and answer with exactly one JSON object of a fixed shape, {"name", "city", "item", "quantity"}, nothing else.
 SmolLM2-135M-Instruct does not do this out of the box (it answers in prose, reorders or renames keys, or adds
 fields), and the answer can be scored exactly: the completion equals the reference string or it does not.
+
+The pairs (`finetune quickstart --dpo`, docs/preference.md's strings form): one per record of the same split, the
+prompt being the record's user turn, `chosen` its reference answer and `rejected` a plausible near miss: the same
+JSON with one thing wrong as a model gets it wrong (a quantity off by one or its digits swapped, the quantity as
+a string or with its unit, another adjective or noun in the item, another city, the name's last name changed or
+its two parts swapped, a field left out, a key renamed). `near_miss` names the mistake. The held-out pairs come
+from the held-out records only.
 
 Deterministic: the same seed writes the same bytes (tests/test_quickstart.py re-runs this script and compares
 with the committed files). Names, cities and items are invented combinations; nothing is copied from anywhere.
@@ -79,6 +87,64 @@ def build(n_train: int = 800, n_heldout: int = 80, seed: int = 5) -> tuple[list[
     return train, heldout
 
 
+NEAR_MISSES = ("quantity", "quantity_type", "item", "city", "name", "missing_field", "renamed_key")
+RENAMED = {"name": ("customer", "buyer"), "city": ("destination", "ship_to"), "item": ("product", "article"),
+           "quantity": ("qty", "count")}
+
+
+def near_miss(answer: dict, kind: str, rng: random.Random) -> dict:
+    """The answer with one realistic mistake of the given kind (never equal to the answer)."""
+    out = dict(answer)
+    q = answer["quantity"]
+    if kind == "quantity":
+        swapped = int(str(q)[::-1]) if q >= 10 and str(q)[0] != str(q)[1] and q % 10 else None
+        out["quantity"] = swapped if swapped and rng.random() < 0.5 else (q + 1 if q == 1 or rng.random() < 0.5 else q - 1)
+    elif kind == "quantity_type":
+        out["quantity"] = rng.choice((str(q), f"{q} units", f"{q} x"))
+    elif kind == "item":
+        adjective, noun = answer["item"].split(" ")
+        if rng.random() < 0.5:
+            adjective = rng.choice([a for a in ADJECTIVES if a != adjective])
+        else:
+            noun = rng.choice([n for n in NOUNS if n != noun])
+        out["item"] = f"{adjective} {noun}"
+    elif kind == "city":
+        out["city"] = rng.choice([c for c in CITIES if c != answer["city"]])
+    elif kind == "name":
+        first, last = answer["name"].split(" ")
+        out["name"] = f"{last} {first}" if rng.random() < 0.5 else f"{first} {rng.choice([x for x in LAST if x != last])}"
+    elif kind == "missing_field":
+        del out[rng.choice(list(answer))]
+    elif kind == "renamed_key":
+        key = rng.choice(list(answer))
+        new = rng.choice(RENAMED[key])
+        out = {new if k == key else k: v for k, v in answer.items()}
+    else:
+        raise ValueError(kind)
+    assert out != answer
+    return out
+
+
+def pairs(records: list[dict], rng: random.Random) -> list[dict]:
+    """One preference pair per 'messages' record: its answer against a near miss, the kinds in turn, shuffled."""
+    kinds = [NEAR_MISSES[i % len(NEAR_MISSES)] for i in range(len(records))]
+    rng.shuffle(kinds)
+    out = []
+    for record, kind in zip(records, kinds):
+        user, assistant = record["messages"]
+        answer = json.loads(assistant["content"])
+        out.append({"prompt": user["content"], "chosen": assistant["content"],
+                    "rejected": json.dumps(near_miss(answer, kind, rng)), "near_miss": kind})
+    return out
+
+
+def build_pairs(train: list[dict], heldout: list[dict], seed: int = 5) -> tuple[list[dict], list[dict]]:
+    """Training pairs from the training records, held-out pairs from the held-out ones (a generator of their own,
+    so the SFT files do not depend on it)."""
+    rng = random.Random(f"pairs-{seed}")
+    return pairs(train, rng), pairs(heldout, rng)
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -99,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "heldout.jsonl", heldout)
-    print(f"wrote {len(train)} train and {len(heldout)} held-out records to {out}")
+    train_pairs, heldout_pairs = build_pairs(train, heldout, args.seed)
+    write_jsonl(out / "train_pairs.jsonl", train_pairs)
+    write_jsonl(out / "heldout_pairs.jsonl", heldout_pairs)
+    print(f"wrote {len(train)} train and {len(heldout)} held-out records to {out}, and a preference pair for each")
 
 
 if __name__ == "__main__":

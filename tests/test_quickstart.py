@@ -44,8 +44,32 @@ def test_field_accuracy():
 def test_data_generator_reproduces_committed_files(tmp_path):
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_data.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True)
-    for name in ("train.jsonl", "heldout.jsonl"):
+    for name in ("train.jsonl", "heldout.jsonl", "train_pairs.jsonl", "heldout_pairs.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} differs from the generator's output"
+
+
+def test_bundled_pairs_are_near_misses_of_their_records():
+    """One pair per record of the same split (held-out pairs from held-out records only): the prompt is the record's
+    user turn, chosen its answer, rejected the same JSON with exactly one mistake of the kind `near_miss` names."""
+    for split in ("train", "heldout"):
+        records = [json.loads(line) for line in (DATA / f"{split}.jsonl").read_text().splitlines()]
+        pairs = [json.loads(line) for line in (DATA / f"{split}_pairs.jsonl").read_text().splitlines()]
+        assert len(pairs) == len(records)
+        kinds = set()
+        for record, pair in zip(records, pairs):
+            assert (pair["prompt"], pair["chosen"]) == (record["messages"][0]["content"], record["messages"][1]["content"])
+            right, wrong, kind = json.loads(pair["chosen"]), json.loads(pair["rejected"]), pair["near_miss"]
+            kinds.add(kind)
+            if kind == "missing_field":
+                assert len(wrong) == 3 and all(right[k] == v for k, v in wrong.items())
+            elif kind == "renamed_key":
+                assert list(wrong.values()) == list(right.values()) and len(set(wrong) - set(right)) == 1
+            else:
+                field = "quantity" if kind.startswith("quantity") else kind
+                assert list(wrong) == list(right) and [k for k in right if right[k] != wrong[k]] == [field]
+                if kind == "quantity_type":
+                    assert isinstance(wrong["quantity"], str) and wrong["quantity"].startswith(str(right["quantity"]))
+        assert kinds == set(__import__("scripts.make_quickstart_data", fromlist=["x"]).NEAR_MISSES)
 
 
 def test_bundled_data_shape():
@@ -58,6 +82,52 @@ def test_bundled_data_shape():
         assert list(json.loads(r["messages"][-1]["content"])) == ["name", "city", "item", "quantity"]
 
 
+def flat(rows) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def direct_logp(model, tokenizer, prompt: str, answer: str) -> float:
+    """log p(answer's assistant turn through <|im_end|> | the prompt rendered for generation), one unpadded forward."""
+    import torch
+
+    user = [{"role": "user", "content": prompt}]
+    context = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=False)
+    turn = full[len(context):full.index("<|im_end|>", len(context)) + len("<|im_end|>")]
+    p = tokenizer(context, add_special_tokens=False)["input_ids"]
+    c = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = model(torch.tensor([p + c])).logits[0].double().log_softmax(-1)
+    return float(sum(logp[len(p) - 1 + i, t] for i, t in enumerate(c)))
+
+
+def test_preference_accuracy_equals_direct_log_probs(tiny_chatml, one_thread):
+    """The quickstart's preference accuracy on a tiny random model: each pair's log-probs (padded batches of 4)
+    equal a direct one-sequence computation, and the accuracy is the share of pairs with chosen strictly higher:
+    with every pair also given mirrored (chosen and rejected swapped), exactly one half, margin mean 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(tiny_chatml)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32).eval()
+    pairs = [json.loads(line) for line in (DATA / "heldout_pairs.jsonl").read_text().splitlines()][:3]
+    pairs += [{**p, "chosen": p["rejected"], "rejected": p["chosen"], "near_miss": "mirrored"} for p in pairs]
+    got = Q.preference_metrics(model, tokenizer, pairs, batch_size=4)
+    direct = [(direct_logp(model, tokenizer, p["prompt"], p["chosen"]), direct_logp(model, tokenizer, p["prompt"], p["rejected"]))
+              for p in pairs]
+    assert flat(got["pair_logps"]) == pytest.approx(flat(direct), abs=2e-3)  # rounded to 4 decimals in the report
+    assert all(c != r for c, r in direct)
+    assert got["preference_pairs"] == 6 and got["preference_accuracy"] == 0.5
+    assert got["mean_logp_margin"] == pytest.approx(0.0, abs=1e-9)
+    originals = sum(c > r for c, r in direct[:3]) / 3
+    assert got["preference_accuracy_by_kind"]["mirrored"] == pytest.approx(1 - originals)
+    kinds = {p["near_miss"] for p in pairs[:3]}
+    assert set(got["preference_accuracy_by_kind"]) == kinds | {"mirrored"}
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--method", "qlora"], "--method: 'qlora' is not one of lora, full"),
     (["--config", "zero9"], "--config: unknown preset 'zero9'"),
@@ -68,6 +138,8 @@ def test_bundled_data_shape():
     (["--train_file", "nope.jsonl"], "--train_file: nope.jsonl: no such file"),
     (["--model_dir", "no/such/folder"], "--model_dir: no/such/folder: no such folder"),
     (["--model_dir", ".", "--gguf", "x.gguf"], "--model_dir and --gguf: choose one"),
+    (["--dpo"], "--dpo: give --model_dir, the SFT result to start from"),
+    (["--dpo", "--model_dir", str(REPO / "tests"), "--beta", "0"], "--beta: must be more than 0"),
 ])
 def test_bad_flags_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:
@@ -138,3 +210,62 @@ def test_quickstart_short_run(smollm2_dir, tmp_path):
     assert (run_report / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_report / "metrics.json").read_text())["train"]["last_loss"] == tr["last_loss"]
     assert f"{run_report.resolve()}/README.md" in text
+
+
+@pytest.mark.slow
+def test_quickstart_dpo_stage_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
+    """`quickstart --dpo` after a LoRA SFT (a random adapter on a tiny model): the adapter is merged, DPO trains a new
+    adapter whose reference is that merged SFT model (first loss log 2), and the report's preference accuracy is
+    the held-out pairs' own: their log-probs equal a direct computation under the SFT model and the DPO model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import ModelConfig
+    from finetune.models import tiny
+    from finetune.models.load import load_tokenizer
+
+    sft = tiny.save_random_adapter(tiny_chatml, tmp_path / "sft", r=4)
+    lines = lambda name, n: "".join((DATA / name).read_text().splitlines(keepends=True)[:n])  # noqa: E731
+    (tmp_path / "pairs.jsonl").write_text(lines("train_pairs.jsonl", 16))
+    (tmp_path / "heldout.jsonl").write_text(lines("heldout.jsonl", 5))
+    (tmp_path / "heldout_pairs.jsonl").write_text(lines("heldout_pairs.jsonl", 5))
+    out = tmp_path / "dpo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "quickstart", "--dpo", "--model_dir", str(sft), "--train_file",
+         str(tmp_path / "pairs.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"), "--eval_pairs_file",
+         str(tmp_path / "heldout_pairs.jsonl"), "--max_steps", "3", "--processes", "1", "--eval_threads", "1",
+         "--max_new_tokens", "6", "--learning_rate", "0.05", "--beta", "0.5", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    assert metrics["stage"] == "dpo" and metrics["labels"] == ["SFT model", "after DPO"]
+    assert metrics["model"]["source"] == "sft adapter, merged" and metrics["model"]["path"] == str((out / "sft_merged").resolve())
+    assert (tr["objective"], tr["beta"], tr["steps"]) == ("dpo", 0.5, 3)
+    assert tr["losses"][0] == pytest.approx(0.693147, abs=1e-4)  # the policy starts as its reference, the SFT model
+    # The preference accuracy is the 5 held-out pairs', from their log-probs under each model.
+    pairs = [json.loads(line) for line in (tmp_path / "heldout_pairs.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(out / "sft_merged")))
+    sft_model = AutoModelForCausalLM.from_pretrained(out / "sft_merged", dtype=torch.float32).eval()
+    dpo_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "sft_merged", dtype=torch.float32),
+                                          str(out / "model")).eval()
+    for m, model in ((b, sft_model), (t, dpo_model)):
+        direct = [(direct_logp(model, tokenizer, p["prompt"], p["chosen"]), direct_logp(model, tokenizer, p["prompt"], p["rejected"]))
+                  for p in pairs]
+        assert m["preference_pairs"] == 5 and flat(m["pair_logps"]) == pytest.approx(flat(direct), abs=2e-3)
+        assert m["preference_accuracy"] == sum(c > r for c, r in direct) / 5
+        assert m["mean_logp_margin"] == pytest.approx(sum(c - r for c, r in direct) / 5, abs=1e-3)
+        assert m["examples"] == 5 and len(m["completions"]) == 5
+    # The SFT model's held-out numbers are base + the SFT adapter's (the merge is the SFT model).
+    unmerged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32), str(sft)).eval()
+    p = pairs[0]
+    assert direct_logp(unmerged, tokenizer, p["prompt"], p["chosen"]) == pytest.approx(b["pair_logps"][0][0], abs=2e-3)
+    assert t["mean_logp_margin"] > b["mean_logp_margin"]  # DPO widened the held-out margin
+    assert metrics["preference_accuracy_gain_points"] == pytest.approx(100 * (t["preference_accuracy"] - b["preference_accuracy"]))
+    text = (out / "report" / "report.md").read_text()
+    assert f"| preference accuracy (5 held-out pairs) | {b['preference_accuracy']:.1%} | {t['preference_accuracy']:.1%} |" in text
+    assert "| SFT model | after DPO |" in text and "DPO (beta 0.5) on the SFT model" in text
+    assert f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on 5 held-out pairs" in proc.stdout

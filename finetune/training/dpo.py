@@ -55,6 +55,30 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     return completion_logps(out.logits, batch["labels"], positions)
 
 
+def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, max_seq_length: int = 512,
+               where: str = "pair") -> torch.Tensor:
+    """[pairs, 2] float64: the completion log-probabilities (chosen, rejected) of each preference record under
+    `model`, tokenized, truncated and scored exactly as training scores them (tokenize_pair, truncate_pair,
+    PairCollator, sequence_logps), without gradients. The held-out preference accuracy is the share of rows whose
+    chosen log-probability is the higher."""
+    from finetune.data.preference import PairCollator, tokenize_pair, truncate_pair
+
+    features = []
+    for i, record in enumerate(records):
+        prompt, c, cl, r, rl = tokenize_pair(tokenizer, record, f"{where} {i + 1}")
+        prompt, ((c, cl), (r, rl)), _ = truncate_pair(prompt, [(c, cl), (r, rl)], max_seq_length)
+        features.append({"prompt_ids": prompt, "chosen_ids": c, "chosen_labels": cl, "rejected_ids": r,
+                         "rejected_labels": rl})
+    collate = PairCollator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(features), batch_size):
+            batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size]).items()}
+            out.append(torch.stack(sequence_logps(model, batch).double().chunk(2), dim=1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
+
+
 def sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float = 0.0):
     """(per-pair losses, chosen rewards, rejected rewards); rewards are β × log-ratio to the reference, detached."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
