@@ -115,7 +115,9 @@ def trial(path: str, index: int, seed: int, work: Path) -> dict:
     row.update(kill_at(cmd, step, rank, delay))
     resumed = run(cmd, timeout=900).check()
     found = re.search(r"resume: from \S*checkpoint-(\d+)", resumed.output)
-    row["resumed_from"] = int(found.group(1)) if found else 0
+    # "final": the kill came after the final model was saved, and `latest` found it and did nothing.
+    done = "already holds this run's final model" in resumed.output
+    row["resumed_from"] = int(found.group(1)) if found else ("final" if done else 0)
     got = losses(out)
     row["max_diff"] = max(abs(a - b) for a, b in zip(expected, got)) if len(got) == len(expected) == STEPS else None
     row["ok"] = row["max_diff"] is not None and row["max_diff"] <= TOL
