@@ -9,8 +9,8 @@ the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume after 
 
     python bench/resume_trials.py --trials 10 --work /tmp/trials --write   # the table in bench/RESULTS.md
 
-tests/test_resume_trials.py runs the same trials (one per path in CI; FINETUNE_RESUME_TRIALS=10 for ten) and can
-record its rows, which `--rows FILE --write` turns into the table.
+tests/test_resume_trials.py runs the same trials (the loop and DPO once each in CI; FINETUNE_RESUME_TRIALS=10: ten on
+every path) and can record its rows, which `--rows FILE --write` turns into the table.
 """
 
 from __future__ import annotations
