@@ -111,6 +111,7 @@ def test_without_nvme_offload_nothing_is_refused(monkeypatch, tmp_path):
     checkpoint.restore_after_load(SimpleNamespace(optimizer=None), tmp_path)  # no optimizer: nothing to restore
 
 
+@pytest.mark.slow  # 7-10 s each: a fresh interpreter importing the training stack
 @pytest.mark.parametrize("entry", [
     [sys.executable, "-m", "finetune.cli", "train", "--help"],
     [sys.executable, str(REPO / "finetune" / "train.py"), "--help"],
@@ -146,6 +147,7 @@ def test_collective_deprecations_silenced_and_nothing_else():
     assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` will be deprecated."]
 
 
+@pytest.mark.slow  # 19 s: two fresh interpreters loading bitsandbytes
 def test_bitsandbytes_hub_kernel_notice_is_quiet():
     import subprocess
     import sys

@@ -86,6 +86,7 @@ def test_corrupted_save_is_an_error_in_the_deepspeed_script(tiny_chatml, tmp_pat
     _assert_refused(proc.returncode, proc.stderr, tmp_path / "out")
 
 
+@pytest.mark.slow  # 11-12 s each: a whole training run
 @pytest.mark.parametrize("script", ["finetune/train.py", "finetune/loop.py"])
 def test_bf16_save_is_verified_against_the_weights_dtype(script, tiny_chatml, tmp_path):
     # Under --bf16, accelerate wraps forward in autocast; the reload runs without it, so the reference must too
