@@ -1,8 +1,8 @@
 """Random-kill resume trials: `kill -9` of a random rank at a random moment, then `--resume_from_checkpoint latest`.
 
 For each path (Trainer: finetune/train.py under accelerate launch; loop: finetune/loop.py under accelerate launch;
-engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning) and preset (zero2, zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted
-2-rank reference run. Each trial (seeded) starts the same job into a fresh folder, waits until the job has logged a
+engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning) and preset (zero2,
+zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted 2-rank reference run. Each trial (seeded) starts the same job into a fresh folder, waits until the job has logged a
 random step, waits a random fraction of a second more (so the kill lands anywhere in a step or a checkpoint save),
 kills a random rank, and runs the same command again; the resumed run's per-step losses (all STEPS of them) must equal
 the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume after step 6 is in the second epoch.

@@ -159,20 +159,20 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of f32, f16, bf16, q8_0")
     if cfg.model_dir and cfg.gguf:
         problems.append("--model_dir and --gguf: choose one (a HF folder, or a GGUF file to import)")
-    elif cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file():
+    elif starts_from_sft_adapter(cfg):
         base = sft_adapter_base(cfg.model_dir)
         if not base or not (Path(base) / "config.json").is_file():
             problems.append(f"--model_dir: {cfg.model_dir}: a LoRA adapter whose base model {base!r} is not a local "
                             "model folder")
     elif cfg.model_dir:
         problems += [f"--model_dir: {p.split(': ', 1)[-1]}" for p in check_model_folder(cfg.model_dir, allow_pickle=False)]
+    elif cfg.gguf and not Path(cfg.gguf).is_file():
+        problems.append(f"--gguf: {cfg.gguf}: no such file")
     if cfg.dpo and not cfg.model_dir:
         problems.append("--dpo: give --model_dir, the SFT result to start from (a quickstart's OUTPUT_DIR/model, e.g. "
                         "outputs/quickstart/model after `finetune quickstart`)")
     if cfg.dpo and not cfg.beta > 0:
         problems.append(f"--beta: must be more than 0, got {cfg.beta}")
-    elif cfg.gguf and not Path(cfg.gguf).is_file():
-        problems.append(f"--gguf: {cfg.gguf}: no such file")
     for flag in ("train_file", "eval_file") + (("eval_pairs_file",) if cfg.dpo else ()):
         if getattr(cfg, flag) is None:
             continue
@@ -222,7 +222,7 @@ def check_train_file(path: str, dpo: bool = False) -> None:
     try:
         records, where = read_records(path)
         if dpo:
-            read_pairs(path, len(records), flag="train_file")
+            check_pairs(records, where, flag="train_file")
             return
         fmt = detect_format(records[0], where[0])
         for record, loc in zip(records, where):
@@ -232,18 +232,27 @@ def check_train_file(path: str, dpo: bool = False) -> None:
 
 
 def read_pairs(path: str, limit: int, flag: str = "eval_pairs_file") -> list[dict]:
-    """The first `limit` preference records of `path`, each checked as --method dpo checks it (a chat model's
-    forms: finetune.data.preference.pair_of)."""
-    from finetune.data.preference import pair_of
+    """The first `limit` preference records of `path`, checked (check_pairs)."""
     from finetune.data.prepare import DataError, read_records
 
     try:
         records, where = read_records(path)
-        for record, loc in zip(records[:limit], where):
+    except DataError as e:
+        raise QuickstartError(f"--{flag}: {e}") from None
+    return check_pairs(records[:limit], where, flag)
+
+
+def check_pairs(records: list[dict], where: list[str], flag: str) -> list[dict]:
+    """Each record checked as --method dpo checks it (a chat model's forms: finetune.data.preference.pair_of)."""
+    from finetune.data.preference import pair_of
+    from finetune.data.prepare import DataError
+
+    try:
+        for record, loc in zip(records, where):
             pair_of(record, loc, chat=True)
     except DataError as e:
         raise QuickstartError(f"--{flag}: {e}") from None
-    return records[:limit]
+    return records
 
 
 def read_eval_records(path: str, limit: int) -> list[dict]:
@@ -363,7 +372,7 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
 
     from finetune.convert import gguf_import as G
 
-    if cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file():
+    if starts_from_sft_adapter(cfg):
         return merge_sft_adapter(cfg.model_dir, Path(cfg.output_dir) / "sft_merged", log)
     if cfg.model_dir:
         return cfg.model_dir, {"source": "folder", "path": str(Path(cfg.model_dir).resolve()), "cached": True}
@@ -387,6 +396,11 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
     except G.GGUFImportError as e:
         raise QuickstartError(str(e)) from None
     return str(target), {**info, "cached": False}
+
+
+def starts_from_sft_adapter(cfg: QuickstartConfig) -> bool:
+    """--dpo on a LoRA SFT result: its adapter is merged into its base before DPO."""
+    return bool(cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file())
 
 
 def sft_adapter_base(adapter: str) -> str | None:

@@ -430,7 +430,7 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
     problems += validate(model, data, launch, training_values, check_paths=check_paths)
     problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths,
                                     method=extras["objective"].method)
-    problems += validate_method(extras["objective"], model, data, launch, training_values, evaluation)
+    problems += validate_method(extras["objective"], data, training_values, evaluation)
     ds_path = resolve_preset(launch.config)
 
     training = None
@@ -443,8 +443,8 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> Finetun
                           objective=extras["objective"])
 
 
-def validate_method(m: ObjectiveConfig, model: ModelConfig, data: DataConfig, launch: LaunchConfig,
-                    training: dict[str, Any], evaluation: EvalConfig | None = None) -> list[str]:
+def validate_method(m: ObjectiveConfig, data: DataConfig, training: dict[str, Any],
+                    evaluation: EvalConfig | None = None) -> list[str]:
     """--method and its options; what DPO does not support yet is refused by name."""
     if m.method not in METHODS:
         return [f"method: '{m.method}' is not one of {', '.join(METHODS)}{did_you_mean(m.method, list(METHODS))}"]

@@ -107,8 +107,11 @@ def pair_of(record: dict, where: str, chat: bool) -> tuple:
 
 def _completion(tokenizer, messages: list[dict], n_prompt: int, where: str, tools) -> tuple[str, list[int], list[int]]:
     """(rendered prompt, completion ids, completion labels) for the conversation prompt + completion."""
-    turns = P.assistant_turns(tokenizer, messages, where, tools)[-sum(m["role"] == "assistant" for m in messages[n_prompt:]):]
-    full = P._render(tokenizer, messages, where=where, tools=tools)
+    renderer = P.ChatRenderer(tokenizer)
+    turns = P.assistant_turns(tokenizer, messages, where, tools, renderer)
+    # Ending with an assistant turn, the conversation was just rendered whole, as that turn's `through`.
+    full = turns[-1][1] if messages[-1]["role"] == "assistant" else renderer(messages, where=where, tools=tools)
+    turns = turns[-sum(m["role"] == "assistant" for m in messages[n_prompt:]):]
     context = turns[0][0]
     if not all(full.startswith(through) for _, through in turns):
         raise DataError(f"{where}: the chat template rewrites earlier turns of this completion, so its assistant "
@@ -198,6 +201,17 @@ class PreferenceStats:
                 f"{self.rejected_tokens} rejected)")
 
 
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
+
+
+def pair_features(tokenizer, record: dict, where: str, max_len: int):
+    """((prompt ids, chosen ids, chosen labels, rejected ids, rejected labels), what truncation cut): one record
+    tokenized and truncated as training takes it (the PAIR_COLUMNS, in order)."""
+    prompt, c, cl, r, rl = tokenize_pair(tokenizer, record, where)
+    prompt, ((c, cl), (r, rl)), cut = truncate_pair(prompt, [(c, cl), (r, rl)], max_len)
+    return (prompt, c, cl, r, rl), cut
+
+
 class TokenizePairs:
     """The batched map function: records in, pairs out (with their status)."""
 
@@ -207,18 +221,15 @@ class TokenizePairs:
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         from finetune.data.pipeline import _record
 
-        out: dict[str, list] = {k: [] for k in ("prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids",
-                                                "rejected_labels", "_prompt_cut", "_completion_cut", "_dropped")}
+        out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "_prompt_cut", "_completion_cut", "_dropped")}
         for k, index in enumerate(indices):
             record, where = _record(batch, k, index, self.prefix)
-            prompt, c, cl, r, rl = tokenize_pair(self.tokenizer, record, where)
-            prompt, ((c, cl), (r, rl)), cut = truncate_pair(prompt, [(c, cl), (r, rl)], self.max_seq_length)
+            (prompt, c, cl, r, rl), cut = pair_features(self.tokenizer, record, where, self.max_seq_length)
             long = bool(cut.prompt_tokens or cut.completion_tokens)
             dropped = (long and self.drop_long) or any(all(x == IGNORE_INDEX for x in lab) for lab in (cl, rl))
             if dropped:
                 prompt, c, cl, r, rl = [], [], [], [], []
-            for key, value in zip(("prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"),
-                                  (prompt, c, cl, r, rl)):
+            for key, value in zip(PAIR_COLUMNS, (prompt, c, cl, r, rl)):
                 out[key].append(value)
             out["_prompt_cut"].append(int(cut.prompt_tokens > 0))
             out["_completion_cut"].append(int(cut.completion_tokens > 0))

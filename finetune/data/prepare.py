@@ -418,10 +418,6 @@ class ChatRenderer:
             template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
-    return ChatRenderer(tokenizer)(messages, add_generation_prompt, where, tools)
-
-
 def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None, renderer=None) -> list[tuple[str, str]]:
     """(context, through) for each assistant turn: the text the model continues at inference (the conversation
     before the turn rendered with the generation prompt) and the conversation rendered through the turn, which

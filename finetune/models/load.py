@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
-from finetune import compat
-from finetune.compat import guard_4bit_training, quiet_checkpointing_alias  # noqa: F401
+from finetune.compat import guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 
 class WeightsError(ValueError):
     """The weights file does not hold the weights the config describes; the message names keys and file."""
@@ -197,7 +196,7 @@ def check_lora_targets(model_cfg) -> None:
     config = AutoConfig.from_pretrained(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
     # Outside ZeRO-3: under it from_config would partition the meta copy and re-initialize it, which fails on meta
     # tensors (and would gather with collectives); the names are all this check needs.
-    with torch.device("meta"), compat.outside_zero3():
+    with torch.device("meta"), outside_zero3():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     names = [name for name, _ in model.named_modules() if name]
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})

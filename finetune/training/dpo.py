@@ -58,17 +58,13 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
 def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, max_seq_length: int = 512,
                where: str = "pair") -> torch.Tensor:
     """[pairs, 2] float64: the completion log-probabilities (chosen, rejected) of each preference record under
-    `model`, tokenized, truncated and scored exactly as training scores them (tokenize_pair, truncate_pair,
-    PairCollator, sequence_logps), without gradients. The held-out preference accuracy is the share of rows whose
+    `model`, tokenized, truncated and scored exactly as training scores them (pair_features, PairCollator,
+    sequence_logps), without gradients. The held-out preference accuracy is the share of rows whose
     chosen log-probability is the higher."""
-    from finetune.data.preference import PairCollator, tokenize_pair, truncate_pair
+    from finetune.data.preference import PAIR_COLUMNS, PairCollator, pair_features
 
-    features = []
-    for i, record in enumerate(records):
-        prompt, c, cl, r, rl = tokenize_pair(tokenizer, record, f"{where} {i + 1}")
-        prompt, ((c, cl), (r, rl)), _ = truncate_pair(prompt, [(c, cl), (r, rl)], max_seq_length)
-        features.append({"prompt_ids": prompt, "chosen_ids": c, "chosen_labels": cl, "rejected_ids": r,
-                         "rejected_labels": rl})
+    features = [dict(zip(PAIR_COLUMNS, pair_features(tokenizer, record, f"{where} {i + 1}", max_seq_length)[0]))
+                for i, record in enumerate(records)]
     collate = PairCollator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     out = []
