@@ -171,20 +171,25 @@ def test_plan_counts_the_reference(tmp_path):
     sft = plan.make_plan(base + ["--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
     full = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2"])
     params = full["model"]["parameters"]
-    # Two rows per pair: a DPO micro-batch of 2 pairs holds what an SFT micro-batch of 4 records does.
-    assert full["activations_saved"] == sft["activations_saved"]
+    # Two rows per pair: the layers of a DPO micro-batch of 2 pairs save what an SFT micro-batch of 4 records does;
+    # the loss does not (logits at the scored positions only: bench/memory.py --dpo measures both).
+    assert full["activations_detail"]["decoder layers"] == sft["activations_detail"]["decoder layers"]
+    assert full["activations_saved"] != sft["activations_saved"]
     assert full["per_device"]["reference model"] == 4 * params  # fp32 on CPU: the whole model again
-    assert full["per_device_total"] == sft["per_device_total"] + 4 * params
+    precomputed = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2",
+                                         "--precompute_ref_log_probs"])
+    assert full["per_device_total"] == precomputed["per_device_total"] + 4 * params  # the copy is all that differs
     assert "reference a frozen copy of the model" in full["job"]["method"]
     assert "does not fit" not in full["rejected"].get("zero3", "")
     for flags, what in ((["--use_peft"], "the base, adapters disabled (no copy)"),
                         (["--precompute_ref_log_probs"], "precomputed log-probabilities (no copy)")):
         other = plan.make_plan(base + ["--method", "dpo", "--per_device_train_batch_size", "2", *flags])
         assert "reference model" not in other["per_device"] and what in other["job"]["method"]
-    # Under ZeRO-3 the frozen copy is partitioned like the policy: each of 2 ranks holds half of it.
+    # Under ZeRO-3 the frozen copy is partitioned like the policy: each of 2 ranks holds half of it, and the small
+    # parameters its engine keeps whole (the 5 norms of 64 under the persistence threshold, 10 x hidden) whole.
     two = base + ["--method", "dpo", "--per_device_train_batch_size", "2", "--devices_per_node", "2"]
     zero3 = plan.make_plan(two + ["--config", "zero3"])
-    assert zero3["per_device"]["reference model"] == 4 * params // 2
+    assert zero3["per_device"]["reference model"] == 4 * params // 2 + 4 * 5 * 64
     assert "partitioned over the 2 ranks" in " ".join(zero3["notes"])
     assert plan.make_plan(two + ["--config", "ddp"])["per_device"]["reference model"] == 4 * params
 

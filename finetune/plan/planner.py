@@ -701,8 +701,11 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     full = not job.use_peft
     # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
     # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway; the chunked loss saves none).
-    chunk = min(job.loss_chunk, t)
-    lm_head_input = a * t * h if (full or job.strategy.stage == 3) and not chunk else 0
+    # DPO (finetune.training.dpo) never chunks; it asks for logits only at the scored positions (logits_to_keep), at
+    # worst every one but a row's first (a prompt of one token), and the lm_head saves those rows, gathered (a copy).
+    chunk = 0 if job.pairs else min(job.loss_chunk, t)
+    logit_rows = t - b if job.pairs else t
+    lm_head_input = a * logit_rows * h if (full or job.strategy.stage == 3) and not chunk else 0
     detail["final norm"] = f32 * t * h + f32 * t + (a * t * h if full else 0) + lm_head_input
     if full:
         detail["token ids (embedding)"] = 8 * t
@@ -714,6 +717,16 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["chunked loss: hidden-state gradient"] = a * trained * h
         detail["chunked loss: head weight gradient"] = head_grad
         detail["labels"] = 8 * trained  # the trained positions' index (gathered rows scatter back in backward)
+    elif job.pairs:
+        # completion_logps: logsumexp keeps its fp32 input (the scored rows of the logits, a copy); besides, small:
+        # the positions (int64), the trained-label mask (bool), gather's index and the mask's nonzero (int64, 1 + 2
+        # per token), each token's logsumexp and log-probability (fp32); the sigmoid loss' four per-pair values
+        # and num_items_in_batch.
+        positions = s_len - 1
+        detail["log-probabilities: scored logits (fp32)"] = f32 * logit_rows * v
+        detail["log-probabilities: indices and per-token values"] = (8 * positions + b * positions + 24 * logit_rows
+                                                                     + 2 * f32 * logit_rows)
+        detail["DPO loss"] = 4 * f32 * (b // 2) + 8
     else:
         # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
         detail["log-softmax output"] = f32 * t * v
@@ -725,6 +738,9 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         forward_peak = (saved + a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v
                         + (a * chunk * v if a != f32 else 0)
                         + (f32 * v * h if full and precision_of(job).grad != f32 else 0))
+    elif job.pairs:
+        # In logsumexp: the logits (16-bit: their fp32 copy is the saved input) and its fp32 exp temporary.
+        forward_peak = saved + a * logit_rows * v + f32 * logit_rows * v
     else:
         # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
         forward_peak = saved + a * t * v + (f32 * t * v if a != f32 else 0)
@@ -741,9 +757,11 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         kept = detail["chunked loss: hidden-state gradient"] + head_grad + detail["labels"]
         stages = [Stage("loss", kept - tied_head, head_numel, head_numel, a * t * h)]
     else:
+        loss_saved = saved - sum(x for k, x in detail.items() if k in (
+            "layer inputs (checkpointed)", "decoder layers", "rotary cos/sin", "final norm", "token ids (embedding)"))
         stages = [
-            Stage("loss", detail["log-softmax output"] + detail["labels"], 0, 0, 2 * f32 * t * v),
-            Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * t * v + a * t * h),
+            Stage("loss", loss_saved, 0, 0, 2 * f32 * logit_rows * v),
+            Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * logit_rows * v + a * logit_rows * h),
         ]
     stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
                         2 * a * t * h))
@@ -843,9 +861,7 @@ def predict(job: Job) -> Prediction:
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
     # and frees its logits first.
-    reference = prec.weight * job.shape.num_params if job.reference_copy else 0
-    if reference and stage == 3:
-        reference = -(-reference // job.world_size)
+    reference = reference_model_bytes(job)
     if reference:
         notes.append("DPO reference: a frozen copy of the model " + (
             f"partitioned over the {job.world_size} ranks" if stage == 3 else "on every device")
@@ -865,7 +881,8 @@ def predict(job: Job) -> Prediction:
         bw_grads += st.grads  # ZeRO-3 keeps its gradient partition buffer between steps
     forward = act.forward_peak
     if stage == 0 and job.world_size > 1 and not job.loss_chunk:
-        forward += prec.act * job.rows * job.seq_len * job.shape.vocab_size  # DDP's _DDPSink clones the logits
+        # DDP's _DDPSink clones the logits (DPO's: the scored positions only)
+        forward += prec.act * job.rows * (job.seq_len - (1 if job.pairs else 0)) * job.shape.vocab_size
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
         "backward": {"gradients": bw_grads, "activations": bw_acts + st.gathered + st.backward_buffers},
@@ -902,6 +919,22 @@ def predict(job: Job) -> Prediction:
         host["checkpoint in page cache"] = _checkpoint_bytes(job)
     host = {k: v for k, v in host.items() if v}
     return Prediction(job, device, host, notes, peak_name, st, act)
+
+
+def reference_model_bytes(job: Job) -> int:
+    """DPO's frozen reference (full fine-tuning) on one rank: the weights again, or under ZeRO-3 this rank's
+    partition of them, padded per parameter as the policy's are, plus the small parameters the reference's engine
+    keeps whole (its persistence threshold is the policy's). bench/memory.py counts it byte for byte."""
+    if not job.reference_copy:
+        return 0
+    weight, tensors, n = precision_of(job).weight, job.shape.tensors(), job.world_size
+    if job.strategy.stage != 3:
+        return weight * sum(t.numel for t in tensors)
+    threshold = job.strategy.setting("stage3_param_persistence_threshold", job.shape.hidden_size)
+    held = sum(math.ceil(t.numel / n) for t in tensors)
+    if n > 1:
+        held += sum(math.ceil(t.numel / n) * n for t in tensors if t.numel <= threshold)
+    return weight * held
 
 
 def _checkpoint_bytes(job: Job) -> int:
