@@ -193,15 +193,18 @@ def worker(argv: list[str]) -> None:
     sampler.phase = "setup"
     vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
     n_records = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    gen = torch.Generator().manual_seed(0)
-    records = []
-    for _ in range(n_records):
-        ids = torch.randint(0, vocab, (seq,), generator=gen).tolist()
-        records.append({"input_ids": ids, "labels": ids})
-    trainer = Trainer(model=model, args=args, train_dataset=records, data_collator=Collator(0))
-    timeline.append(("trainer", _rss(), _maxrss()))
-
     result: dict = {"rank": args.process_index, "world_size": args.world_size, "calls": []}
+    if cfg.objective.method == "dpo":
+        trainer = _dpo_trainer(cfg, model, n_records, sampler)
+        result["reference_bytes_at_start"] = reference_bytes(trainer)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        records = []
+        for _ in range(n_records):
+            ids = torch.randint(0, vocab, (seq,), generator=gen).tolist()
+            records.append({"input_ids": ids, "labels": ids})
+        trainer = Trainer(model=model, args=args, train_dataset=records, data_collator=Collator(0))
+    timeline.append(("trainer", _rss(), _maxrss()))
 
     def measuring() -> bool:
         return trainer.state.global_step == MEASURE_STEP - 1
@@ -219,6 +222,9 @@ def worker(argv: list[str]) -> None:
         inner, zero = inner_optimizer()
         totals, listing = count_model_state(trainer.model, optimizer or inner, zero)
         entry = {"where": where, "totals": totals, "rss": _rss()}
+        if hasattr(trainer, "reference"):
+            # Counted here, not at load: ZeRO-3 gathers the small parameters it keeps whole at their first forward.
+            result["reference_bytes"] = reference_bytes(trainer)
         if os.environ.get("FINETUNE_BENCH_LISTING"):
             entry["listing"] = listing
         result["calls"].append(entry)
@@ -298,6 +304,78 @@ def worker(argv: list[str]) -> None:
     Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))
 
 
+DPO_PROMPT = 1  # prompt tokens of a bench pair: every other position is scored, the planner's worst case
+
+
+def _dpo_trainer(cfg, model, n_pairs: int, sampler: _PhaseSampler):
+    """finetune.training.dpo's trainer (as `finetune train --method dpo` builds it) on n_pairs fixed-length
+    random-token pairs: a DPO_PROMPT-token prompt and two completions filling --max_seq_length, all scored, so
+    every micro-batch is 2 x pairs full rows with logits at every position but the first."""
+    import datasets
+    import torch
+
+    from finetune.models.load import load_tokenizer
+    from finetune.training import dpo
+
+    vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    features = []
+    for _ in range(n_pairs):
+        chosen, rejected = ids(seq - DPO_PROMPT), ids(seq - DPO_PROMPT)
+        features.append({"prompt_ids": ids(DPO_PROMPT), "chosen_ids": chosen, "chosen_labels": chosen,
+                         "rejected_ids": rejected, "rejected_labels": rejected})
+    # A fresh key per output folder: --precompute_ref_log_probs must score, not read an earlier run's cache.
+    pairs = dpo._indexed(datasets.Dataset.from_list(features), f"bench-{os.getpid()}")
+    trainer = dpo.make_trainer(cfg, model, load_tokenizer(cfg.model), pairs, None, None, [])
+
+    # The reference's own moments, so the peaks say where they happen.
+    live = trainer.reference.logps
+
+    def reference_logps(batch):
+        sampler.phase = "reference forward"
+        try:
+            return live(batch)
+        finally:
+            sampler.phase = "forward"
+
+    trainer.reference.logps = reference_logps
+    scoring = dpo.precompute
+
+    def precompute(*a, **k):
+        sampler.phase = "precompute"
+        try:
+            return scoring(*a, **k)
+        finally:
+            sampler.phase = "forward"
+
+    dpo.precompute = precompute
+    return trainer
+
+
+def reference_bytes(trainer) -> int:
+    """Bytes of the DPO reference's own parameter tensors on this rank (unique storages, none shared with the
+    policy): the frozen copy, or this rank's partition of it (plus the small parameters ZeRO-3 keeps whole);
+    0 when the reference is the policy itself (LoRA adapters disabled, or log-probs precomputed)."""
+    copy = trainer.reference.copy
+    if copy is None:
+        return 0
+    module = getattr(copy, "module", copy)  # the partitioned copy's DeepSpeed engine
+    policy = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    seen: dict[int, int] = {}
+    for p in module.parameters():
+        for t in (p.data, getattr(p, "ds_tensor", None)):
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.data_ptr() and s.nbytes() and s.data_ptr() not in policy:
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # Launching measured runs: finetune.testing (loopback, bounded waits, no process left behind).
 
@@ -357,9 +435,10 @@ def step_counts(rank_result: dict) -> dict[str, int]:
 
 
 def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
-            lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int | None = None):
+            lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int | None = None, pairs: bool = False,
+            reference_copy: bool = False):
     """The planner's Job for a measured run (full-length records: no padding mask). loss_chunk: the run's
-    --loss_chunk_size; None for a run that does not pass it."""
+    --loss_chunk_size; None for a run that does not pass it. pairs, reference_copy: a DPO run (micro = pairs)."""
     import dataclasses
 
     from finetune.config import ModelConfig
@@ -371,7 +450,8 @@ def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int,
         loss_chunk = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "loss_chunk_size")
     return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
-                    lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk)
+                    lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk,
+                    pairs=pairs, reference_copy=reference_copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +587,91 @@ def loss_compare(work: Path) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# DPO on a real model: SmolLM2-135M, 2 pairs (4 rows) x 512 tokens, gradient checkpointing; the reference model's
+# cost (LoRA: none; full: a frozen copy; precomputed: none; ZeRO-3: a partition of the copy) beside the SFT run
+# of the same rows.
+
+DPO_PAIRS, DPO_SEQ = 2, 512
+DPO_CELLS = {  # name -> (preset, processes, flags)
+    "sft-lora": ("ddp", 1, ["--use_peft"]),
+    "sft-full": ("ddp", 1, []),
+    "dpo-lora": ("ddp", 1, ["--method", "dpo", "--use_peft"]),
+    "dpo-full": ("ddp", 1, ["--method", "dpo"]),
+    "dpo-full-precompute": ("ddp", 1, ["--method", "dpo", "--precompute_ref_log_probs"]),
+    "dpo-full-zero3": ("zero3_no_offload", 2, ["--method", "dpo"]),
+}
+
+
+def dpo_grid(cells=tuple(DPO_CELLS), work: Path | None = None) -> Path:
+    """Each cell in a fresh process (or 2): WORK/dpo-CELL/. SFT cells train 2 x DPO_PAIRS records, the rows of
+    a DPO micro-batch, with transformers' loss (DPO does not chunk its log-probabilities either)."""
+    import tempfile
+
+    work = Path(work or tempfile.mkdtemp(prefix="finetune-bench-dpo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = smollm2_folder()
+    (work / "model.txt").write_text(str(model))
+    for cell in cells:
+        preset, nproc, flags = DPO_CELLS[cell]
+        out = work / f"dpo-{cell}"
+        if (out / "result.json.0").is_file():
+            continue
+        dpo = "--method" in flags
+        micro = DPO_PAIRS if dpo else 2 * DPO_PAIRS
+        start = time.time()
+        measure(model, preset, nproc, out, [*flags, "--gradient_checkpointing", "--per_device_train_batch_size",
+                                            str(micro), "--max_seq_length", str(DPO_SEQ), "--seed", "0",
+                                            "--loss_chunk_size", "0", "--dataset", str(out / "unused.jsonl"),
+                                            "--dataset_cache_dir", str(out / "cache")],
+                steps=MEASURE_STEP, timeout=3600)
+        print(f"{cell}: measured in {time.time() - start:.0f}s", flush=True)
+    return work
+
+
+def dpo_compare(work: Path) -> list[dict]:
+    from finetune.plan import planner as plan
+
+    model = Path((work / "model.txt").read_text())
+    rows = []
+    for cell, (preset, nproc, flags) in DPO_CELLS.items():
+        if not (work / f"dpo-{cell}" / "result.json.0").is_file():
+            continue
+        dpo, lora = "--method" in flags, "--use_peft" in flags
+        job = job_for(model, preset, nproc, micro=DPO_PAIRS if dpo else 2 * DPO_PAIRS, seq=DPO_SEQ, use_peft=lora,
+                      loss_chunk=0, pairs=dpo,
+                      reference_copy=dpo and not lora and "--precompute_ref_log_probs" not in flags)
+        job.grad_ckpt = True
+        pred = plan.predict(job)
+        for r in range(nproc):
+            rank = json.loads((work / f"dpo-{cell}" / f"result.json.{r}").read_text())
+            rows.append({"cell": cell, "config": preset, "procs": nproc, "rank": r,
+                         "rss_pred": pred.device_total, "rss_meas": rank["maxrss"],
+                         "ref_pred": pred.device.get("reference model", 0) if dpo else None,
+                         "ref_meas": rank.get("reference_bytes"),
+                         "states_pred": sum(plan.rank_state_bytes(job, r).values()),
+                         "states_meas": sum(step_counts(rank).values()),
+                         "saved_pred": pred.act.saved, "saved_meas": rank.get("saved_for_backward"),
+                         "peak_moment": pred.peak_moment, "pred_breakdown": pred.device,
+                         "phase_peaks": rank["phase_peaks"], "seconds": rank["seconds"]})
+    return rows
+
+
+def dpo_table(rows: list[dict]) -> str:
+    lines = ["| run (SmolLM2-135M, 2 pairs x 512 tokens, ckpt) | config | rank | reference model counted | planner "
+             "| peak RSS measured | planner | error | precompute phase peak | model states counted | planner "
+             "| saved for backward counted | planner |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = "" if r["ref_pred"] is None else f"{r['ref_meas']:,} | {r['ref_pred']:,}"
+        pre = r["phase_peaks"].get("precompute")
+        lines.append(
+            f"| {r['cell']} | {r['config']} x{r['procs']} | {r['rank']} | {ref or '(SFT) | '} | "
+            f"{r['rss_meas'] / 1e6:,.0f} MB | {r['rss_pred'] / 1e6:,.0f} MB | "
+            f"{(r['rss_pred'] / r['rss_meas'] - 1) * 100:+.1f}% | {f'{pre / 1e6:,.0f} MB' if pre else ''} | "
+            f"{r['states_meas']:,} | {r['states_pred']:,} | {(r['saved_meas'] or 0):,} | {r['saved_pred']:,} |")
+    return "\n".join(lines)
+
+
 def loss_table(rows: list[dict]) -> str:
     lines = ["| run (SmolLM2-135M, 4 x 1,024 tokens) | loss | peak RSS measured | vs unchunked | planner | planner error "
              "| saved for backward measured | planner |", "|---|---|---|---|---|---|---|---|"]
@@ -570,8 +735,20 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--loss", nargs="*", default=None, metavar="CELL",
                     help=f"the chunked-loss grid on SmolLM2-135M instead ({', '.join(LOSS_CELLS)}; default "
                          f"{' '.join(DEFAULT_LOSS_CELLS)})")
+    ap.add_argument("--dpo", nargs="*", default=None, metavar="CELL",
+                    help=f"the DPO reference-model grid on SmolLM2-135M instead ({', '.join(DPO_CELLS)}; default all)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.dpo is not None:
+        work = Path(args.compare_only) if args.compare_only else dpo_grid(
+            tuple(args.dpo or DPO_CELLS), Path(args.work) if args.work else None)
+        rows = dpo_compare(work)
+        print(dpo_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        if not args.no_write:
+            write_results(rows, marker="dpo-memory-table", title="DPO: the reference model's memory", render=dpo_table)
+        return
     if args.loss is not None:
         work = Path(args.compare_only) if args.compare_only else loss_grid(
             tuple(args.loss or DEFAULT_LOSS_CELLS), Path(args.work) if args.work else None)
