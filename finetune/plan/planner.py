@@ -759,8 +759,10 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     else:
         loss_saved = saved - sum(x for k, x in detail.items() if k in (
             "layer inputs (checkpointed)", "decoder layers", "rotary cos/sin", "final norm", "token ids (embedding)"))
+        # In the loss' backward: log_softmax's and nll's gradients (SFT); logsumexp's, gather's and their sum, each
+        # over the fp32 scored logits (DPO: measured, bench/memory.py --dpo).
         stages = [
-            Stage("loss", loss_saved, 0, 0, 2 * f32 * logit_rows * v),
+            Stage("loss", loss_saved, 0, 0, (3 if job.pairs else 2) * f32 * logit_rows * v),
             Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * logit_rows * v + a * logit_rows * h),
         ]
     stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
@@ -924,7 +926,8 @@ def predict(job: Job) -> Prediction:
 def reference_model_bytes(job: Job) -> int:
     """DPO's frozen reference (full fine-tuning) on one rank: the weights again, or under ZeRO-3 this rank's
     partition of them, padded per parameter as the policy's are, plus the small parameters the reference's engine
-    keeps whole (its persistence threshold is the policy's). bench/memory.py counts it byte for byte."""
+    keeps whole (its persistence threshold is the policy's; held unpadded, unlike the policy's: counted on odd
+    sizes). bench/memory.py counts it byte for byte."""
     if not job.reference_copy:
         return 0
     weight, tensors, n = precision_of(job).weight, job.shape.tensors(), job.world_size
@@ -933,7 +936,7 @@ def reference_model_bytes(job: Job) -> int:
     threshold = job.strategy.setting("stage3_param_persistence_threshold", job.shape.hidden_size)
     held = sum(math.ceil(t.numel / n) for t in tensors)
     if n > 1:
-        held += sum(math.ceil(t.numel / n) * n for t in tensors if t.numel <= threshold)
+        held += sum(t.numel for t in tensors if t.numel <= threshold)
     return weight * held
 
 
