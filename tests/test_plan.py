@@ -357,6 +357,52 @@ def test_model_states_equal_counted_bytes_on_2_processes(config, method, odd_mod
         assert plan.rank_state_bytes(job, 0)["grads"] != plan.rank_state_bytes(job, 1)["grads"]
 
 
+@pytest.fixture(scope="module")
+def odd_pairs_model(odd_model, tmp_path_factory):
+    """The odd model with a tokenizer: DPO's trainer reads its padding id (the bench's pairs need no padding)."""
+    import shutil
+
+    from finetune.models import tiny
+
+    folder = tmp_path_factory.mktemp("plan-dpo") / "model"
+    shutil.copytree(odd_model, folder)
+    tiny.build_tokenizer(folder, vocab_size=300)  # no larger than the odd model's 301 embeddings
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,procs,method", [("ddp", 1, "lora"), ("ddp", 1, "full"), ("ddp", 1, "precompute"),
+                                                 ("zero3_no_offload", 2, "full")])
+def test_dpo_reference_equals_counted_bytes(config, procs, method, odd_pairs_model, tmp_path):
+    """DPO: the reference model's own parameter bytes on each rank, counted from its tensors, equal the planner's
+    "reference model" line byte for byte (LoRA and precomputed log-probs: none; full: the copy; ZeRO-3 on 2
+    ranks: a padded half plus the small parameters kept whole); the policy's model states and the activations
+    saved for the DPO loss match as for SFT."""
+    bench = _bench()
+    flags = ["--method", "dpo", "--per_device_train_batch_size", "2", "--max_seq_length", "32",
+             "--dataset", str(tmp_path / "unused.jsonl"), "--dataset_cache_dir", str(tmp_path / "cache")]
+    flags += {"lora": ["--use_peft", "--lora_r", "4"], "full": [], "precompute": ["--precompute_ref_log_probs"]}[method]
+    ranks = bench.measure(odd_pairs_model, config, procs, tmp_path, flags, timeout=300)
+    job = bench.job_for(odd_pairs_model, config, procs, micro=2, seq=32, use_peft=method == "lora", lora_r=4,
+                        loss_chunk=0, pairs=True, reference_copy=method == "full")
+    params = job.shape.num_params
+    want = plan.reference_model_bytes(job)
+    assert plan.predict(job).device.get("reference model", 0) == want
+    if method != "full":
+        assert want == 0
+    elif procs == 1:
+        assert want == 4 * params
+    else:
+        # the padding and the persistent norms both show: neither half the model nor the whole of it
+        assert want != 4 * params // 2 and 0 < want < 4 * params
+    for rank, result in enumerate(ranks):
+        assert result["reference_bytes"] == want, (method, rank, result["reference_bytes"], want)
+        assert bench.step_counts(result) == plan.rank_state_bytes(job, rank), (method, rank)
+        assert result["saved_for_backward"] == plan.activations(job).saved, (method, rank)
+        # the precomputed reference was scored, in a phase of its own, before the first update
+        assert ("precompute" in result["phase_peaks"]) == (method == "precompute")
+
+
 # ----------------------------------------------------------------------------------------------
 # Absurd machine sizes: the plan's work does not grow with the world size.
 
