@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/memory.py                 # the grid; prints the table, writes bench/RESULTS.md
     .venv/bin/python bench/memory.py --quick         # a smaller grid (2 processes only)
+    .venv/bin/python bench/memory.py --dpo           # DPO's reference model (LoRA, copy, precomputed, ZeRO-3) on SmolLM2
     accelerate launch ... bench/memory.py worker OUT.json -- TRAINING FLAGS   # one measured run (per rank)
 
 The worker builds the run the way finetune/train.py does (finetune.config.parse -> models.load.load_model ->
