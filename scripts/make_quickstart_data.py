@@ -12,8 +12,11 @@ The pairs (`finetune quickstart --dpo`, docs/preference.md's strings form): one 
 prompt being the record's user turn, `chosen` its reference answer and `rejected` a plausible near miss: the same
 JSON with one thing wrong as a model gets it wrong (a quantity off by one or its digits swapped, the quantity as
 a string or with its unit, another adjective or noun in the item, another city, the name's last name changed or
-its two parts swapped, a field left out, a key renamed). `near_miss` names the mistake. The held-out pairs come
-from the held-out records only.
+its two parts swapped, a field left out, a key renamed). `near_miss` names the mistake. In a third of the pairs the
+prompt also carries a distractor, one more sentence naming a second city, number or person (`distractor_*`: the
+warehouse it ships from, the billing address, an order reference, the clerk who took it), and the rejected answer
+takes the distractor: the SFT records never show such a sentence, so the SFT model is unsure which value is meant
+and DPO has something to teach. The held-out pairs come from the held-out records only.
 
 Deterministic: the same seed writes the same bytes (tests/test_quickstart.py re-runs this script and compares
 with the committed files). Names, cities and items are invented combinations; nothing is copied from anywhere.
@@ -88,6 +91,14 @@ def build(n_train: int = 800, n_heldout: int = 80, seed: int = 5) -> tuple[list[
 
 
 NEAR_MISSES = ("quantity", "quantity_type", "item", "city", "name", "missing_field", "renamed_key")
+# The sentence added to the prompt, and the field whose value the rejected answer takes from it.
+DISTRACTORS = {
+    "distractor_warehouse": ("It ships from our {c} warehouse.", "city"),
+    "distractor_billing": ("Billing address: {c}.", "city"),
+    "distractor_reference": ("Order reference: {q}.", "quantity"),
+    "distractor_clerk": ("Taken by {n} at the front desk.", "name"),
+}
+KINDS = NEAR_MISSES + tuple(DISTRACTORS)
 RENAMED = {"name": ("customer", "buyer"), "city": ("destination", "ship_to"), "item": ("product", "article"),
            "quantity": ("qty", "count")}
 
@@ -125,16 +136,33 @@ def near_miss(answer: dict, kind: str, rng: random.Random) -> dict:
     return out
 
 
+def distractor(answer: dict, kind: str, rng: random.Random) -> tuple[str, dict]:
+    """(the sentence to add to the prompt, the answer with the field taken from that sentence instead)."""
+    sentence, field = DISTRACTORS[kind]
+    if field == "city":
+        value = rng.choice([c for c in CITIES if c != answer["city"]])
+    elif field == "quantity":
+        value = rng.randint(41, 99)  # above every real quantity (1-40), so never equal to it
+    else:
+        value = next(n for n in iter(lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}", None) if n != answer["name"])
+    return sentence.format(c=value, q=value, n=value), {**answer, field: value}
+
+
 def pairs(records: list[dict], rng: random.Random) -> list[dict]:
     """One preference pair per 'messages' record: its answer against a near miss, the kinds in turn, shuffled."""
-    kinds = [NEAR_MISSES[i % len(NEAR_MISSES)] for i in range(len(records))]
+    kinds = [KINDS[i % len(KINDS)] for i in range(len(records))]
     rng.shuffle(kinds)
     out = []
     for record, kind in zip(records, kinds):
         user, assistant = record["messages"]
         answer = json.loads(assistant["content"])
-        out.append({"prompt": user["content"], "chosen": assistant["content"],
-                    "rejected": json.dumps(near_miss(answer, kind, rng)), "near_miss": kind})
+        prompt = user["content"]
+        if kind in DISTRACTORS:
+            sentence, wrong = distractor(answer, kind, rng)
+            prompt = f"{prompt} {sentence}"
+        else:
+            wrong = near_miss(answer, kind, rng)
+        out.append({"prompt": prompt, "chosen": assistant["content"], "rejected": json.dumps(wrong), "near_miss": kind})
     return out
 
 

@@ -67,7 +67,13 @@ def test_adapter_reloads_to_same_logits(lora_runs):
             logits[name] = peft_model(ids).logits
         # The adapter is not a no-op: LoRA B started at zero and was trained.
         assert (logits[name] - base_logits).abs().max().item() > 1e-3
-    assert (logits["single"] - logits["zero3_offload"]).abs().max().item() <= 1e-4
+    # Two optimizers (torch's AdamW; DeepSpeed's CPU Adam under offload) and two reduction orders: 12 steps at lr 1e-2
+    # leave the logits apart by 1e-4-2e-4 on some CPUs, tied to its SIMD width. The bound is relative to what training
+    # moved them (0.88 here, 5,000x that); a wrong or unloaded adapter is apart by about the whole move.
+    moved = (logits["single"] - base_logits).abs().max().item()
+    apart = (logits["single"] - logits["zero3_offload"]).abs().max().item()
+    print(f"adapter moved the logits by up to {moved:.3g}; the two paths' adapters are apart by {apart:.3g}")
+    assert apart <= 1e-3 * moved, (apart, moved)
 
 
 def test_target_check_under_registered_zero3(tmp_path):

@@ -49,7 +49,11 @@ DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "
 METHODS = ("lora", "full")
 # Learning rates that learned the bundled task in ~50 steps: LoRA adapters need a far larger step than full weights.
 DEFAULT_LR = {"lora": 1e-3, "full": 3e-5}
-DEFAULT_DPO_LR = {"lora": 5e-5, "full": 5e-7}
+# DPO on the bundled pairs (LoRA on the merged SFT model): lr 1e-4 at beta 0.5 for 30 steps raised the held-out
+# preference accuracy to 96% and kept exact match; at beta 0.1, 5e-5 barely moved it and 2e-4 broke the JSON.
+DEFAULT_DPO_LR = {"lora": 1e-4, "full": 5e-7}
+# (max_steps, max_minutes) when not given: SFT learns the task in ~50 steps, DPO's steps cost ~2.5x SFT's.
+STAGE_BUDGET = {"sft": (50, 6.0), "dpo": (30, 12.0)}
 EXAMPLES_SHOWN = 5
 MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
 
@@ -84,14 +88,15 @@ class QuickstartConfig:
                                   "result: a quickstart's OUTPUT_DIR/model); also reports held-out preference accuracy.")
     eval_pairs_file: str = _flag(str(DEFAULT_EVAL_PAIRS), help="--dpo: held-out preference pairs (prompt, chosen, "
                                                                "rejected) for the preference accuracy.")
-    beta: float = _flag(0.1, help="--dpo: DPO's beta (finetune train --beta).")
+    beta: float = _flag(0.5, help="--dpo: DPO's beta (finetune train --beta; its default there is 0.1). 0.5 keeps "
+                                  "the model nearer the SFT model, which kept exact match on the bundled pairs.")
     config: str = _flag("ddp", help="Parallelism preset of finetune train (ddp, zero2, zero3, ...) or a DeepSpeed JSON; "
                                     "--deepspeed FILE is the same flag.", **CONFIG_ALIASES)
-    max_steps: int = _flag(50, help="Training steps (at most).")
+    max_steps: int | None = _flag(help="Training steps (at most; default 50, with --dpo 30).")
     # The training time bound (the evaluations and import come on top).
-    max_minutes: float = _flag(6.0, help="Training time bound in minutes.")
+    max_minutes: float | None = _flag(help="Training time bound in minutes (default 6, with --dpo 12).")
     per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
-    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 5e-5, 5e-7).")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 1e-4, 5e-7).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
@@ -125,6 +130,9 @@ def parse(argv: list[str]) -> QuickstartConfig:
     cfg = parsed.args
     cfg.extra_train_args = parsed.rest
     cfg.train_file = cfg.train_file or str(DEFAULT_TRAIN_PAIRS if cfg.dpo else DEFAULT_TRAIN)
+    steps, minutes = STAGE_BUDGET["dpo" if cfg.dpo else "sft"]
+    cfg.max_steps = steps if cfg.max_steps is None else cfg.max_steps
+    cfg.max_minutes = minutes if cfg.max_minutes is None else cfg.max_minutes
     return cfg
 
 
@@ -138,9 +146,9 @@ def validate(cfg: QuickstartConfig) -> list[str]:
     if cfg.config not in PRESETS and not cfg.config.endswith(".json"):
         problems.append(f"--config: unknown preset '{cfg.config}'{did_you_mean(cfg.config, list(PRESETS))} "
                         f"(presets: {', '.join(PRESETS)}, or a DeepSpeed .json)")
-    if cfg.max_steps < 1:
+    if cfg.max_steps is not None and cfg.max_steps < 1:
         problems.append(f"--max_steps: must be at least 1, got {cfg.max_steps}")
-    if not cfg.max_minutes > 0:
+    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
         problems.append(f"--max_minutes: must be more than 0, got {cfg.max_minutes}")
     for flag in ("per_device_train_batch_size", "eval_examples", "eval_batch_size"):
         if getattr(cfg, flag) < 1:
