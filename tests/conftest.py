@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from finetune.models import tiny  # noqa: E402
+from launch import FULL_MATRIX  # noqa: E402
 
 # The llama.cpp runtime check needs llama-cpp-python, which builds llama.cpp from source (4 to 20 minutes on 2
 # cores): an optional extra, not in CI's `.[test,bench]`. Without it the file is not collected, and the session says so.
@@ -24,6 +25,9 @@ collect_ignore = [] if HAS_LLAMA_CPP else ["test_gguf_llamacpp.py"]
 
 
 def pytest_terminal_summary(terminalreporter):
+    if not FULL_MATRIX:
+        terminalreporter.write_line("matrices run as their CI cover; FINETUNE_FULL_MATRIX=1 runs every combination "
+                                    "(signals x launchers, presets x paths, output-folder cases x paths in processes)")
     if not HAS_LLAMA_CPP:
         terminalreporter.write_line("tests/test_gguf_llamacpp.py not run: llama-cpp-python is not installed "
                                     "(pip install '.[llamacpp]', builds llama.cpp, 4-20 min; then pytest tests/test_gguf_llamacpp.py)")

@@ -5,3 +5,15 @@ from finetune.testing import (  # noqa: F401
     eval_losses, free_port, launcher, losses, node_launcher, rank_pids, run, run_and_kill_rank, run_nodes,
     run_nodes_and_kill_rank, tiny_job, unexpected_warnings, write_hostfile,
 )
+
+import os
+
+# CI runs a cover of each test matrix that uses `matrix` (every path, launcher, signal and preset at least once);
+# FINETUNE_FULL_MATRIX=1 runs every combination (about 10 more minutes on 2 cores).
+FULL_MATRIX = os.environ.get("FINETUNE_FULL_MATRIX") == "1"
+
+
+def matrix(every: list, cover: list) -> list:
+    """`every` combination under FINETUNE_FULL_MATRIX=1, else `cover`, a subset of it."""
+    assert all(c in every for c in cover), [c for c in cover if c not in every]
+    return list(every) if FULL_MATRIX else list(cover)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import matrix
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 LAUNCH_ENV = (
@@ -221,8 +223,16 @@ def _wrong_config(tiny_model: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
-@pytest.mark.parametrize("case", ["module_prefix", "gpt2_config"])
+def _weights_cases() -> list:
+    """Every case x path in this process; in a real process (slow) CI's cover takes one path per case, every path
+    with FINETUNE_FULL_MATRIX=1."""
+    every = [(c, h, m) for m in ("here", "process") for c in ("module_prefix", "gpt2_config") for h in ("cli", "loop", "sft")]
+    cover = [x for x in every if x[2] == "here"] + [("module_prefix", "sft", "process"), ("gpt2_config", "cli", "process")]
+    return [pytest.param(c, h, m, id=f"{m}-{c}-{h}", marks=[pytest.mark.slow] if m == "process" else [])
+            for c, h, m in matrix(every, cover)]
+
+
+@pytest.mark.parametrize("case, how, run", _weights_cases(), indirect=["run"])
 def test_weights_that_do_not_match_the_config_are_refused(case, how, tiny_chatml, tmp_path, run):
     """Before: every weight MISSING, a randomly initialised model trained, exit 0, its save 'verified'."""
     model = (_renamed_weights if case == "module_prefix" else _wrong_config)(tiny_chatml, tmp_path / "model")

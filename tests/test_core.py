@@ -23,7 +23,7 @@ import pytest
 from finetune import config as C
 from finetune.models import tiny
 from finetune.training import core
-from launch import LOOP, REPO, SFT, TRAIN, deepspeed_launcher, launcher, run, tiny_job, unexpected_warnings
+from launch import LOOP, REPO, SFT, TRAIN, deepspeed_launcher, launcher, matrix, run, tiny_job, unexpected_warnings
 
 # ----------------------------------------------------------------------------------------------
 # Fast.
@@ -218,8 +218,10 @@ def relative(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("path", list(PATHS))
+# CI's cover: each path once, each preset at least once (ZeRO-3 with the JSON's CPU Adam on the Trainer and the
+# engine); every path x preset with FINETUNE_FULL_MATRIX=1.
+@pytest.mark.parametrize("path, preset", matrix([(p, c) for c in PRESETS for p in PATHS],
+                                                [("trainer", "zero3"), ("loop", "zero2"), ("sft", "zero3")]))
 def test_non_default_flags_match_the_one_process_trainer(path, preset, job):
     ref = reference(job, preset)
     got = history(job, f"{path}-{preset}", PATHS[path]() + ["--config", preset], micro=2)

@@ -25,6 +25,7 @@ import pytest
 
 from finetune import compat, testing
 from finetune.training import core
+from launch import matrix
 
 BOUND = 30  # seconds: a signalled job is gone within this
 ORPHAN_BOUND = 60  # seconds: a rank whose launcher is gone exits within this, with a message
@@ -215,12 +216,19 @@ def test_a_rank_waiting_in_the_rendezvous_says_so(tmp_path):
 K, T, I = signal.SIGKILL, signal.SIGTERM, signal.SIGINT
 LAUNCHER_OF = {"torchrun": "torchrun", "accelerate": "accelerate launch", "deepspeed": "deepspeed",
                "deepspeed.launcher.launch": "deepspeed.launcher.launch"}
-TRIALS = [  # (launcher, who gets the signal, signal)
+EVERY_TRIAL = [  # (launcher, who gets the signal, signal)
     *[(launcher, "launcher", sig) for launcher in ("torchrun", "accelerate", "deepspeed") for sig in (I, T)],
     ("deepspeed", "deepspeed.launcher.launch", I), ("deepspeed", "deepspeed.launcher.launch", T),
     ("torchrun", "launcher", K), ("deepspeed", "deepspeed.launcher.launch", K),  # the watchdog's cases
     ("torchrun", "rank", I), ("torchrun", "rank", T), ("deepspeed", "rank", I), ("deepspeed", "rank", T),
 ]
+# CI's cover: every process that can be signalled, each with SIGINT or SIGTERM (both signals in each group), and
+# both watchdog cases; all 14 with FINETUNE_FULL_MATRIX=1.
+TRIALS = matrix(EVERY_TRIAL, [
+    ("torchrun", "launcher", T), ("accelerate", "launcher", I), ("deepspeed", "launcher", T),
+    ("deepspeed", "deepspeed.launcher.launch", I), ("torchrun", "launcher", K), ("deepspeed", "deepspeed.launcher.launch", K),
+    ("torchrun", "rank", I), ("deepspeed", "rank", T),
+])
 TABLE: list[str] = []
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from finetune.training import checkpoint
-from launch import LOOP, SFT, TRAIN, free_port, losses, node_launcher, run, run_nodes, run_nodes_and_kill_rank, write_hostfile
+from launch import (LOOP, SFT, TRAIN, free_port, losses, matrix, node_launcher, run, run_nodes, run_nodes_and_kill_rank,
+                    write_hostfile)
 
 STEPS, SAVE = 6, 2  # 20 records, global batch 4: 5 steps per epoch, so the resumed run crosses into epoch 2
 SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": SFT}
@@ -30,6 +31,9 @@ SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": SFT}
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
+# CI's cover: every launcher (and so every path) once over the two cases; both cases on all three with
+# FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared core's, whatever the launcher.
+SHARED_COVER, PER_NODE_COVER = ["torchrun", "deepspeed"], ["accelerate"]
 
 
 def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, monkeypatch):
@@ -119,7 +123,7 @@ def assert_same_losses(expected: list[float], out: Path, what: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(SCRIPTS))
+@pytest.mark.parametrize("kind", matrix(list(SCRIPTS), SHARED_COVER))
 def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, job, reference):
     expected = reference(SCRIPTS[kind])
     out, cache = job[0] / f"{kind}-shared", job[0] / "cache"  # the reference filled the cache: no tokenizing race
@@ -134,7 +138,7 @@ def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, job, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(SCRIPTS))
+@pytest.mark.parametrize("kind", matrix(list(SCRIPTS), PER_NODE_COVER))
 def test_folder_per_node_refuses_latest_on_every_node_then_resumes_once_merged(kind, job, reference):
     expected = reference(SCRIPTS[kind])
     outs = [job[0] / f"{kind}-node{r}" for r in range(2)]

@@ -22,6 +22,7 @@ import pytest
 
 from finetune.models import tiny
 from finetune.training import checkpoint
+from launch import matrix
 from test_cli_errors import assert_user_error
 from test_cli_errors import run as entry  # noqa: F401  (the fixture: in this process, or (slow) a real process)
 
@@ -51,6 +52,19 @@ def run(entry):
         return proc
 
     return run_one
+
+
+PATHS = ("cli", "loop", "sft")
+
+
+def where(process_path: str) -> list:
+    """(how, entry) cases: every path in this process; in a real process (slow), CI's cover takes one path per test
+    (the in-process cases hold the logic; the process adds the real exit and files), every path with
+    FINETUNE_FULL_MATRIX=1."""
+    every = [(h, "here") for h in PATHS] + [(h, "process") for h in PATHS]
+    cover = [(h, "here") for h in PATHS] + [(process_path, "process")]
+    return [pytest.param(h, m, id=f"{m}-{h}", marks=[pytest.mark.slow] if m == "process" else [])
+            for h, m in matrix(every, cover)]
 
 
 def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
@@ -85,7 +99,7 @@ def global_step(folder: Path) -> int:
     return json.loads((folder / "trainer_state.json").read_text())["global_step"]
 
 
-@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+@pytest.mark.parametrize("how, entry", where("sft"), indirect=["entry"])
 def test_latest_on_a_finished_run_does_nothing(how, job, run):
     out = job["out"]
     first = run(how, args(job, "--resume_from_checkpoint", "latest"))
@@ -101,7 +115,7 @@ def test_latest_on_a_finished_run_does_nothing(how, job, run):
     assert checkpoint.read_meta(out / "checkpoint-2")["fingerprint"] == fingerprint_line(out)
 
 
-@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+@pytest.mark.parametrize("how, entry", where("cli"), indirect=["entry"])
 def test_another_runs_outputs_are_refused(how, job, run, tmp_path):
     out = job["out"]
     assert run(how, args(job)).returncode == 0
@@ -142,7 +156,7 @@ def test_another_runs_outputs_are_refused(how, job, run, tmp_path):
         assert checkpoint.read_meta(out / f"checkpoint-{step}")["fingerprint"] == new
 
 
-@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+@pytest.mark.parametrize("how, entry", where("loop"), indirect=["entry"])
 def test_the_model_folder_is_never_the_output_folder(how, job, run, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(job["model"], model)
@@ -177,7 +191,7 @@ def test_finetune_config_is_written_with_the_final_model(job, monkeypatch, isola
     assert (out / "finetune_config.yaml").read_bytes() == saved
 
 
-@pytest.mark.parametrize("how", ["cli", "loop", "sft"])
+@pytest.mark.parametrize("how, entry", where("cli"), indirect=["entry"])
 def test_resume_after_a_lost_final_save_trains_no_extra_step(how, job, run):
     """The final save did not happen (a crash after the last checkpoint): `latest` finishes the run at --max_steps.
     Before, the Trainer path resumed its checkpoint-3 (global_step = max_steps) and trained a step 4."""
