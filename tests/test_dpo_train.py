@@ -269,14 +269,15 @@ MORE_PAIRS = PAIRS + [
     {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "colour of snow?"}],
      "chosen": "white", "rejected": "Snow is usually white, I believe."},
 ]
-# (path, preset, flags): full fine-tuning with its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live
-# reference (adapters off inside the engine), full fine-tuning's precomputed one, and its frozen copy partitioned
-# (ZeRO-3, and ZeRO-Infinity with the policy swapped to disk).
+# (path, preset, flags): the Trainer path (accelerate launch finetune/train.py) on every preset: full fine-tuning with
+# its frozen copy under DDP and ZeRO-2; under ZeRO-3 LoRA's live reference (adapters off inside the engine) and full
+# fine-tuning's frozen copy partitioned, also under ZeRO-Infinity with the policy swapped to disk. The loop: the
+# precomputed reference under ZeRO-3, and the partitioned copy under ZeRO-Infinity.
 # (LoRA without dropout: one process and two draw different dropout masks, as in tests/test_lora.py.)
-CASES = [("trainer", "ddp", ()), ("loop", "zero2", ()),
+CASES = [("trainer", "ddp", ()), ("trainer", "zero2", ()),
          ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005")),
          ("loop", "zero3", ("--precompute_ref_log_probs",)),
-         ("trainer", "zero3", ()), ("loop", "zero3_nvme", ())]
+         ("trainer", "zero3", ()), ("trainer", "zero3_nvme", ()), ("loop", "zero3_nvme", ())]
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +331,8 @@ def test_two_processes_equal_one(multi, path, preset, flags):
     for a, b in zip(one, two):
         for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
+    diff = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("loss", "grad_norm", "rewards/margins"))
+    curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
+    what = " ".join(flags[:1]) or "full, frozen copy"
+    print(f"\nDPO parity | {path} | {preset} | {what} | 1 process: {curve(one)} | 2 processes: {curve(two)} | "
+          f"max diff (loss, grad norm, margins) {diff:.1e}")
