@@ -91,3 +91,6 @@ if __name__ == "__main__":
         launch(sys.argv[2:])
     else:
         main()
+        from finetune.compat import exit_launched_rank
+
+        exit_launched_rank()  # done: skip the interpreter shutdown, where a rank can abort (finetune.compat)
