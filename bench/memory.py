@@ -740,25 +740,21 @@ def main(argv: list[str]) -> None:
                     help=f"the DPO reference-model grid on SmolLM2-135M instead ({', '.join(DPO_CELLS)}; default all)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.dpo is not None:
-        work = Path(args.compare_only) if args.compare_only else dpo_grid(
-            tuple(args.dpo or DPO_CELLS), Path(args.work) if args.work else None)
-        rows = dpo_compare(work)
-        print(dpo_table(rows))
+    # The two SmolLM2 grids: (cells asked, default cells, runner, comparison, table, RESULTS.md section).
+    for cells, default, run_grid, compare_rows, render, marker, title in (
+            (args.dpo, DPO_CELLS, dpo_grid, dpo_compare, dpo_table, "dpo-memory-table", "DPO: the reference model's memory"),
+            (args.loss, DEFAULT_LOSS_CELLS, loss_grid, loss_compare, loss_table, "loss-memory-table",
+             "Chunked cross-entropy: memory")):
+        if cells is None:
+            continue
+        work = Path(args.compare_only) if args.compare_only else run_grid(
+            tuple(cells or default), Path(args.work) if args.work else None)
+        rows = compare_rows(work)
+        print(render(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         if not args.no_write:
-            write_results(rows, marker="dpo-memory-table", title="DPO: the reference model's memory", render=dpo_table)
-        return
-    if args.loss is not None:
-        work = Path(args.compare_only) if args.compare_only else loss_grid(
-            tuple(args.loss or DEFAULT_LOSS_CELLS), Path(args.work) if args.work else None)
-        rows = loss_compare(work)
-        print(loss_table(rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        if not args.no_write:
-            write_results(rows, marker="loss-memory-table", title="Chunked cross-entropy: memory", render=loss_table)
+            write_results(rows, marker=marker, title=title, render=render)
         return
     if args.compare_only:
         work = Path(args.compare_only)
