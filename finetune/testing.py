@@ -320,7 +320,22 @@ def run(cmd: list[str], timeout: float = 300, cwd: Path = REPO, **extra_env: str
         if left:
             raise AssertionError(f"{' '.join(cmd)} exited ({job.returncode}) leaving {len(left)} process(es) running "
                                  f"(killed): {left}\n{job.output[-6000:]}")
+        shm = shm_left(cmd)
+        if shm:
+            raise AssertionError(f"{' '.join(cmd)} left DeepSpeed's shared-memory buffers (removed): {shm}")
         return Result(job.returncode, job.output)
+
+
+def shm_left(cmd: list[str]) -> list[str]:
+    """DeepSpeed shared-memory buffers of the job on `cmd`'s --master_port still in /dev/shm (removed here)."""
+    if "--master_port" not in cmd:
+        return []
+    port = cmd[cmd.index("--master_port") + 1]
+    found = []
+    for path in sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")):
+        found.append(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
+        path.unlink(missing_ok=True)
+    return found
 
 
 def rank_pids(root_pid: int) -> dict[int, int]:

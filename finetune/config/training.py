@@ -942,9 +942,9 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_
         if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
             # DeepSpeed's config check (train_batch_size = micro x accum x world) runs when TrainingArguments
             # is built; if the process group does not exist yet it uses world size 1 and asserts. Start it first.
-            import deepspeed
+            from finetune import compat
 
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+            compat.init_deepspeed_distributed()
     try:
         return TrainingArguments(**kwargs), []
     except (ValueError, TypeError) as e:

@@ -120,9 +120,9 @@ def unsupported(cfg) -> list[str]:
 
 def init_process_group(args) -> None:
     """DeepSpeed presets start the process group when TrainingArguments is built; `--config ddp` may not have."""
-    import deepspeed
-    import torch
     import torch.distributed as dist
+
+    from finetune import compat
 
     if dist.is_initialized():
         return
@@ -130,7 +130,7 @@ def init_process_group(args) -> None:
         # `python scripts/sft.py`: a world of one on loopback (DeepSpeed would otherwise look for MPI).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(C.free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    compat.init_deepspeed_distributed()
 
 
 def build_loader(dataset, collate_fn, args, world: int, rank: int):
