@@ -554,7 +554,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", default=str(REPO / "tmp" / "bench-throughput"))
     ap.add_argument("--json", default=None, help="also write every row of every repeat here")
     ap.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="render one table from the --json files of invocations run side by side (e.g. one per "
+                         "core), then exit")
     args = ap.parse_args(argv)
+    if args.merge:
+        report = merge(args.merge, args)
+        print(report)
+        if not args.no_write:
+            write_results(report)
+        return
 
     # Import everything once; children are forked with the modules loaded (no per-run start-up cost).
     import torch  # noqa: F401
@@ -613,14 +622,16 @@ def main(argv: list[str] | None = None) -> None:
                                   f"({time.time() - t0:.0f}s)", flush=True)
     if not args.gpu:
         peaks.append(fork_run(_gemm_child))
-    load_after = os.getloadavg()
+    run = {"argv": sys.argv, "load_before": load_before, "load_after": os.getloadavg(), "wall": time.time() - start}
     gemm = max(peaks, key=lambda g: g["peak"]) if peaks else None
-    report = render(results, models, info, dev, gemm, peaks, load_before, load_after, time.time() - start, args,
-                    sys.argv)
+    report = render(results, models, info, dev, gemm, peaks, [run], args)
     print(report)
-    (work / "results.json").write_text(json.dumps({"rows": results, "gemm": peaks}, indent=1))
+    saved = json.dumps({"rows": results, "gemm": peaks, "run": run, "info": info, "dev": dev,
+                        "models": {n: [m[0], m[3]] for n, m in models.items()},
+                        "min_tokens": args.min_tokens, "repeats": args.repeats, "gpu": args.gpu}, indent=1)
+    (work / "results.json").write_text(saved)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": results, "gemm": peaks}, indent=1))
+        Path(args.json).write_text(saved)
     if not args.no_write:
         write_results(report)
 
@@ -693,22 +704,40 @@ def _fmt(ms: tuple[float, float] | None, fmt: str, pct: bool = False, ratio: boo
     return f"{value} ±{100 * spread / 2:.1f}%{flag}"
 
 
-def render(results, models, info, dev, gemm, peaks, load_before, load_after, wall, args, argv) -> str:
+def merge(files: list[str], args) -> str:
+    """One report from several invocations' --json files (run side by side: each row keeps its own invocation's
+    repeats, ratios are taken within a (model, method, dataset) group, the GEMM peak is the best of all)."""
+    saved = [json.loads(Path(f).read_text()) for f in files]
+    results = [r for s in saved for r in s["rows"]]
+    peaks = [g for s in saved for g in s["gemm"]]
+    models = {}
+    for s in saved:
+        for name, (p, desc) in s["models"].items():
+            models[name] = (p, None, None, desc)
+    args.min_tokens, args.repeats, args.gpu = saved[0]["min_tokens"], saved[0]["repeats"], saved[0]["gpu"]
+    gemm = max(peaks, key=lambda g: g["peak"]) if peaks else None
+    return render(results, models, saved[0]["info"], saved[0]["dev"], gemm, peaks, [s["run"] for s in saved], args)
+
+
+def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
     peak = dev.get("peak") if args.gpu else (gemm["peak"] if gemm else None)
     table = summarize(results, peak)
-    cmd = " ".join([".venv/bin/python", "bench/throughput.py", *argv[1:]])
     lines = ["## Throughput", "",
-             "Written by `bench/throughput.py` (one invocation; its docstring says what each row runs and how it is "
-             "timed).", "",
-             f"**Command**: `{cmd}`  ",
-             f"**Machine**: {info['cpu']}, {info['cores']} cores, device {dev['device']}; torch {info['torch']}, "
-             f"transformers {info['transformers']}, TRL {info['trl']}, Python {info['python']}.  ",
-             f"**Load average** (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
-             f"{'/'.join(f'{x:.2f}' for x in load_after)}; total wall time {wall / 60:.0f} min.  "]
+             "Written by `bench/throughput.py` ("
+             + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations run side by side, one per core, "
+                "merged with `--merge`") + "; its docstring says what each row runs and how it is timed).", ""]
+    for run in runs:
+        cmd = " ".join([".venv/bin/python", "bench/throughput.py", *run["argv"][1:]])
+        lines.append(f"**Command**: `{cmd}`: load average (1/5/15 min) before "
+                     f"{'/'.join(f'{x:.2f}' for x in run['load_before'])}, after "
+                     f"{'/'.join(f'{x:.2f}' for x in run['load_after'])}; wall time {run['wall'] / 60:.0f} min.  ")
+    lines.append(f"**Machine**: {info['cpu']}, {info['cores']} cores, device {dev['device']}; torch {info['torch']}, "
+                 f"transformers {info['transformers']}, TRL {info['trl']}, Python {info['python']}.  ")
     if gemm:
         lines.append(f"**GEMM peak** (one thread, fp32 torch.mm, CPU time, best shape): {gemm['peak'] / 1e9:.1f} "
-                     f"GFLOP/s (measured {len(peaks)} times in this run: "
+                     f"GFLOP/s (measured {len(peaks)} times: "
                      + ", ".join(f"{g['peak'] / 1e9:.1f}" for g in peaks) + ").  ")
+    head_at = len(lines)  # the headline goes here, above the model descriptions
     for name, (p, _, _, desc) in models.items():
         lines.append(f"**{name}**: {desc}; {p['dtype']}, attention {p['attn']}; max_seq_length {p['seq']}, "
                      f"per-device batch {p['batch']}, {p['warmup']} warm-up steps, >= {args.min_tokens:,} real "
@@ -751,7 +780,8 @@ def render(results, models, info, dev, gemm, peaks, load_before, load_after, wal
             lines += ["", "TRL layouts: " + ", ".join(f"{n}: {v}" for n, v in layouts.items()) + "."]
         lines.append("")
     failed = [r for r in results if "error" in r]
-    lines = lines[:8] + ["**Headline**:", ""] + (headline or ["- (no ft_packed row with TRL rows)"]) + [""] + lines[8:]
+    lines = (lines[:head_at] + ["**Headline**:", ""] + (headline or ["- (no ft_packed row with TRL rows)"]) + [""]
+             + lines[head_at:])
     if failed:
         lines += ["Failed rows: " + "; ".join(f"{r['model']} {r['method']} {r['config']} (repeat {r['repeat'] + 1}): "
                                                f"{r['error'][:100]}" for r in failed), ""]

@@ -60,6 +60,38 @@ def test_summary_ratios_spreads_and_headline():
     assert "**unstable**" not in T._fmt((1.4, 0.04), ".2f", ratio=True)
 
 
+def test_merge_renders_invocations_run_side_by_side(tmp_path):
+    """Two --json files (LoRA on one core, full on the other): one report, each group's ratios against its own TRL
+    rows, both commands with their loads, MFU against the best GEMM peak of either."""
+    import json
+
+    def row(method, config, rep, tps):
+        return {"model": "smollm2", "method": method, "dataset": "mixed", "config": config, "repeat": rep,
+                "tokens_per_s": tps, "flops": tps * 1e6, "real_tokens": 20000, "steps": 10, "efficiency": 1.0,
+                "wall_tokens_per_s": tps, "peak_mb": 1.0}
+
+    files = []
+    for method, tps, peak in (("lora", 300, 4e10), ("full", 200, 5e10)):
+        saved = {"rows": [row(method, "ft_packed", r, tps) for r in range(2)]
+                 + [row(method, "trl_packing", r, tps / 2) for r in range(2)],
+                 "gemm": [{"peak": peak, "shapes": {}}],
+                 "run": {"argv": ["bench/throughput.py", "--methods", method], "load_before": [1, 1, 1],
+                         "load_after": [2, 2, 2], "wall": 60.0},
+                 "info": dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3"),
+                 "dev": {"device": "cpu", "peak": None},
+                 "models": {"smollm2": [dict(T.PRESETS["smollm2"], attn="sdpa"), "SmolLM2"]},
+                 "min_tokens": 20000, "repeats": 2, "gpu": False}
+        files.append(tmp_path / f"{method}.json")
+        files[-1].write_text(json.dumps(saved))
+    report = T.merge([str(f) for f in files], SimpleNamespace())
+    assert "2 invocations run side by side" in report
+    assert "--methods lora`" in report and "--methods full`" in report and report.count("load average") == 2
+    assert "### smollm2, lora, mixed" in report and "### smollm2, full, mixed" in report
+    assert report.count("ft_packed 2.00x TRL's best (trl_packing)") == 2
+    assert "GEMM peak** (one thread, fp32 torch.mm, CPU time, best shape): 50.0 GFLOP/s" in report
+    assert "| ft_packed | 300 ±0.0% | 2.00 ±0.0% |" in report and "| 0.6% ±0.0% |" in report  # 3e8 / 5e10
+
+
 def test_model_flops_count_the_job():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,7 +131,8 @@ def test_tiny_grid_runs(tmp_path, one_thread):
     rows = [{**r, "model": "tiny", "repeat": 0} for r in results]
     gemm = {"peak": 1e10, "shapes": {}}
     report = T.render(rows, {"tiny": (p, model_dir, data, "tiny model")}, info, {"device": "cpu", "peak": None},
-                      gemm, [gemm], (0, 0, 0), (0, 0, 0), 1.0,
-                      SimpleNamespace(gpu=False, min_tokens=600, repeats=1), ["bench/throughput.py", "--models", "tiny"])
+                      gemm, [gemm], [{"argv": ["bench/throughput.py", "--models", "tiny"], "load_before": (0, 0, 0),
+                                      "load_after": (0, 0, 0), "wall": 1.0}],
+                      SimpleNamespace(gpu=False, min_tokens=600, repeats=1))
     assert "| ft_packed |" in report and "### Profile" in report and "**Headline**" in report
     assert "ft_packed" in report.split("**Headline**")[1].split("###")[0]
