@@ -106,7 +106,10 @@ def test_cache_is_int32_arrow_shards_memory_mapped(toks, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS.values()])
     ds, _ = P.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c")), toks["chatml"], log=quiet)
     [entry] = [p for p in (tmp_path / "c").iterdir() if p.is_dir()]
-    assert sorted(f.name for f in entry.iterdir()) == ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", "stats.json"]
+    # The map's own file, renamed into the entry (no save_to_disk copy), with what loading leaves out.
+    assert sorted(f.name for f in entry.iterdir()) == ["data-00000.arrow", "layout.json", "stats.json"]
+    assert json.loads((entry / "layout.json").read_text())["drop_columns"] == ["_status", "_trained", "_split", "_no_end"]
+    assert ds.column_names == ["input_ids", "labels"]
     assert str(ds.features["input_ids"].feature.dtype) == "int32"
     assert ds.cache_files and all(f["filename"].startswith(str(entry)) for f in ds.cache_files)  # mapped, not copied
     assert not [p for p in (tmp_path / "c").iterdir() if not p.is_dir()]  # no lock, error or tmp left

@@ -1,5 +1,5 @@
 """Preparation at scale: a data source as an Arrow `datasets.Dataset`, tokenized by a batched, multi-process
-`Dataset.map` into an Arrow cache (save_to_disk shards, reloaded memory-mapped), once per node and once per job
+`Dataset.map` into an Arrow cache (the map's own shards, reloaded memory-mapped), once per node and once per job
 where nodes share the cache folder (a lock file). docs/data.md describes it for users.
 
 Every record goes through prepare.py's `tokenize_many` (a batch's records rendered one by one, their texts tokenized
@@ -215,9 +215,7 @@ def _features():
 
 
 def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str):
-    """Read, validate and tokenize one source into `work/final` (save_to_disk). Returns its DataStats."""
-    import datasets
-    import numpy as np
+    """Read, validate and tokenize one source into `work/final` (see commit). Returns its DataStats."""
     import pyarrow.compute as pc
 
     ds, prefix = source_dataset(cfg, hub, work)
@@ -250,13 +248,40 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     )
     if not stats.examples:
         raise DataError(f"{name}: no examples left after filtering ({stats.summary()})")
-    if not keep.all():
-        mapped = mapped.select(np.flatnonzero(keep))
-    final = work / "final"
-    mapped.remove_columns(["_status", "_trained", "_split", "_no_end"]).save_to_disk(str(final), num_proc=procs if procs > 1 else None)
-    (final / "stats.json").write_text(json.dumps(asdict(stats)))
+    commit(mapped, keep, ["_status", "_trained", "_split", "_no_end"], work / "final", asdict(stats))
     del mapped, table, ds
     return stats
+
+
+def commit(mapped, keep, drop: list[str], final: Path, stats: dict) -> None:
+    """The map's own Arrow files become the cache, renamed into `final`: a save_to_disk copy would read every page of
+    them (RSS grew by the data set's size: 1,596 MB at 1M conversations against 417 MB at 10k) and write the data a
+    second time. Dropped rows (`keep` false) and the bookkeeping columns `drop` are left out when it is loaded;
+    stats.json, written last, marks it complete."""
+    import numpy as np
+
+    final.mkdir()
+    files = []
+    for i, cache in enumerate(mapped.cache_files):
+        files.append(f"data-{i:05d}.arrow")
+        os.rename(cache["filename"], final / files[-1])
+    if not keep.all():
+        np.save(final / "keep.npy", np.flatnonzero(keep))
+    (final / "layout.json").write_text(json.dumps({"files": files, "drop_columns": drop}))
+    (final / "stats.json").write_text(json.dumps(stats))
+
+
+def load_final(final: Path):
+    """A committed cache entry as a memory-mapped Dataset."""
+    import datasets
+    import numpy as np
+
+    layout = json.loads((final / "layout.json").read_text())
+    parts = [datasets.Dataset.from_file(str(final / name)) for name in layout["files"]]
+    dataset = (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)).remove_columns(layout["drop_columns"])
+    if (final / "keep.npy").is_file():
+        dataset = dataset.select(np.load(final / "keep.npy"))
+    return dataset
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,8 +380,6 @@ def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log, 
     """One source, tokenized once (per job where the cache folder is shared) and loaded memory-mapped: (Dataset,
     stats), and the cache key too `with_key`. `build` and `stats_cls`: another map than tokenize_source (the
     preference pairs of finetune.data.preference), cached under keys starting with `kind`."""
-    import datasets
-
     root = P.cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     key = (f"{kind}-" if kind else "") + P._fingerprint(cfg, tokenizer, hub)
@@ -373,7 +396,7 @@ def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log, 
             finally:
                 lock.unlink(missing_ok=True)
     stats = stats_cls(**json.loads(done.read_text()))
-    dataset = datasets.load_from_disk(str(final))
+    dataset = load_final(final)
     return (dataset, stats, key) if with_key else (dataset, stats)
 
 

@@ -248,7 +248,6 @@ def _features():
 
 def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str) -> PreferenceStats:
     """pipeline.tokenize_source for pairs: read, validate, tokenize and truncate one source into `work/final`."""
-    import numpy as np
     import pyarrow.compute as pc
 
     from finetune.data import pipeline
@@ -282,11 +281,7 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     )
     if not stats.pairs:
         raise DataError(f"{name}: no pairs left after truncation ({stats.summary()})")
-    if dropped.any():
-        mapped = mapped.select(np.flatnonzero(~dropped))
-    final = work / "final"
-    mapped.remove_columns(["_prompt_cut", "_completion_cut", "_dropped"]).save_to_disk(str(final))
-    (final / "stats.json").write_text(json.dumps(stats.__dict__))
+    pipeline.commit(mapped, ~dropped, ["_prompt_cut", "_completion_cut", "_dropped"], work / "final", stats.__dict__)
     del mapped, table, ds
     return stats
 

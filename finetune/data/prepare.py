@@ -23,7 +23,8 @@ from typing import Any, Iterable
 
 IGNORE_INDEX = -100
 # Bump when tokenization changes, so stale caches are not reused.
-DATA_VERSION = "4"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts
+DATA_VERSION = "5"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts;
+# 5: the cache is the map's own files (layout.json), not a save_to_disk copy
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's speaker names -> chat roles.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
