@@ -621,3 +621,30 @@ def test_fast_path_equals_the_plain_reference(case, request, qwen3, qwen2_5, tin
         assert any(len(e) > 1 for e in expected)  # history rewritten: per-turn examples in the batch
     if case in ("gemma3_on_sentencepiece", "mistral_on_sentencepiece"):
         assert refused  # a conversation that opens with the assistant, or has tool turns
+
+
+@pytest.mark.parametrize("body", [
+    "{{ messages.__class__.__mro__ }}",                    # a name with underscores
+    "{{ messages.append(messages[0]) }}",                  # a list's mutating method
+    "{{ messages[0].update({'role': 'x'}) }}",             # a dict's
+    "{{ (messages[0].get).__self__.keys() }}",             # an internal attribute of a builtin method
+])
+def test_remembered_sandbox_checks_still_refuse(tiny_chatml, body):
+    """The renderer remembers the sandbox's attribute checks per (type, name): what jinja2's immutable sandbox refuses
+    stays refused, on the first conversation and on later ones (answered from what was remembered), and a template
+    that reads only safe attributes renders as apply_chat_template does."""
+    from finetune.data.prepare import ChatRenderer
+
+    template = "{% for m in messages %}{% if loop.first %}" + body + "{% endif %}{{ m['content'] }}{% endfor %}"
+    tok = _tok(tiny_chatml)
+    tok.chat_template = template
+    renderer = ChatRenderer(tok)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for _ in range(2):
+        with pytest.raises(DataError, match="rejected this conversation: .*(unsafe|not safely|SecurityError|access)"):
+            renderer(conversation, where="r:1")
+        with pytest.raises(Exception):
+            tok.apply_chat_template(conversation, tokenize=False)
+    tok.chat_template = "{% for m in messages %}{% if loop.first %}[{{ m.role }}]{% endif %}{{ m.content }}{% endfor %}"
+    for _ in range(2):
+        assert ChatRenderer(tok)(conversation) == tok.apply_chat_template(conversation, tokenize=False) == "[user]hiyo"

@@ -401,10 +401,21 @@ class ChatRenderer:
     def _template(self, tools):
         """(compiled template, its globals as a dict) of the template apply_chat_template would pick."""
         source = self.tokenizer.get_chat_template(None, tools)
-        found = self.templates.get(source)
+        found = self.templates.get(source) or _RENDER_TEMPLATES.get(source)
         if found is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
             template = self.compile(source)
-            found = self.templates[source] = (template, dict(template.globals))
+            env = template.environment
+            if type(env) is ImmutableSandboxedEnvironment:
+                # The sandbox checks every attribute a template reads (`loop.first`: half the rendering time of a
+                # short chat); its answer depends on the object's type and the name only, so it is remembered per
+                # (type, name), on a copy of transformers' environment (theirs is left as it is).
+                env = env.overlay()
+                env.is_safe_attribute = _per_type(env.is_safe_attribute)
+                template = env.from_string(source)
+            found = _RENDER_TEMPLATES[source] = (template, dict(template.globals))
+        self.templates[source] = found
         return found
 
     def _render_compiled(self, template, template_globals: dict, variables: dict) -> str:
@@ -417,6 +428,25 @@ class ChatRenderer:
             return template.environment.concat(template.root_render_func(context))
         except Exception:
             template.environment.handle_exception()  # raises the error, its traceback pointing into the template
+
+
+_RENDER_TEMPLATES: dict = {}  # source -> (template, globals): a renderer is made per map batch, compiled once
+
+
+def _per_type(check):
+    """A sandbox's is_safe_attribute(obj, attr, value) remembered per (type(obj), attr): jinja2's checks (names with
+    underscores, internal attributes of functions, frames, generators, mutating methods of lists, dicts and sets)
+    look at nothing else."""
+    known: dict = {}
+
+    def is_safe_attribute(obj, attr, value):
+        key = (type(obj), attr)
+        safe = known.get(key)
+        if safe is None:
+            safe = known[key] = check(obj, attr, value)
+        return safe
+
+    return is_safe_attribute
 
 
 def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None, renderer=None) -> list[tuple[str, str]]:
@@ -485,6 +515,13 @@ def _encode(tokenizer, texts: list[str], offsets: bool = False) -> tuple[list, l
     """(ids, offsets or []) of texts, in one tokenizer call (the fast tokenizer's own batch, each text on its own)."""
     if not texts:
         return [], []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        # What tokenizer(texts) runs when nothing is truncated or padded, without its conversion of every encoding
+        # into a dict of lists (a third of the tokenizing time of short conversations).
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in encodings], [e.offsets for e in encodings] if offsets else []
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets, return_attention_mask=False,
                     return_token_type_ids=False)
     return enc["input_ids"], enc["offset_mapping"] if offsets else []
@@ -499,7 +536,7 @@ def _span_labels(tokenizer, ids: list[int], offsets: list[tuple[int, int]], end:
                  completion_only: bool, special: set[int]) -> tuple[list[int], list[int]]:
     """Train the tokens that start inside a span (through its last special token), for a text `end` characters long."""
     labels = [IGNORE_INDEX] * len(ids)
-    starts = [s for s, _ in offsets]
+    starts = list(map(operator.itemgetter(0), offsets))
     # Offsets run in text order (always, for the tokenizers seen), so a span's tokens are one run found by bisection.
     ordered = all(map(operator.le, starts, starts[1:]))
     needs_eos = False
