@@ -276,12 +276,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
                       seed=0, disable_tqdm=True, gradient_checkpointing=gc, logging_steps=1000, learning_rate=1e-4)
         if not gpu:
             kwargs.update(use_cpu=True, bf16=False)  # fp32 on CPU, like the project's runs
-        peft_config = None
-        if method == "lora":
-            from finetune.models.load import add_lora
-
-            model = add_lora(model, cfg.model, seed=0)  # the same adapter as --use_peft
-        trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), peft_config=peft_config,
+        # With --use_peft, load_model has put the project's adapter on the model (as on the ft_ rows): TRL trains it.
+        trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs),
                              train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer)
         inner = trainer.data_collator
         if config == "trl_packing_rows":
