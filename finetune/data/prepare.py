@@ -519,7 +519,7 @@ def _encode(tokenizer, texts: list[str], offsets: bool = False) -> tuple[list, l
     if (backend is not None and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
         # What tokenizer(texts) runs when nothing is truncated or padded, without its conversion of every encoding
-        # into a dict of lists (a third of the tokenizing time of short conversations).
+        # into a dict of lists.
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings], [e.offsets for e in encodings] if offsets else []
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets, return_attention_mask=False,
