@@ -570,9 +570,10 @@ def default_deepspeed_accelerator() -> None:
 
 
 def exit_launched_rank(code: int = 0) -> None:
-    """End a launched rank (LOCAL_RANK set by its launcher) whose work is done: flush, then os._exit. A run in this
-    process (no LOCAL_RANK: `python finetune/train.py`, or a test running an entry point in-process) returns."""
-    if "LOCAL_RANK" not in os.environ:
+    """End a launched rank (LOCAL_RANK set by its launcher) whose work is done: flush, then os._exit. Any other
+    process returns: `python finetune/train.py`, and a test running an entry point in-process, set LOCAL_RANK
+    themselves (a world of one), so what counts is the environment the process started with."""
+    if not launched_by_launcher():
         return
     import logging
 
@@ -583,6 +584,16 @@ def exit_launched_rank(code: int = 0) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def launched_by_launcher() -> bool:
+    """LOCAL_RANK was in the environment this process started with (/proc/self/environ: os.environ changes since
+    do not show there); False where that cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return any(item.startswith(b"LOCAL_RANK=") for item in f.read().split(b"\0"))
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------

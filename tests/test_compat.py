@@ -217,3 +217,30 @@ def test_deepspeed_shared_memory_buffers_do_not_outlive_the_job(tmp_path, init):
         for rank in (0, 1):
             assert f"rank {rank} sum 3 buffer named False" in result.output, result.output[-3000:]
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+def test_a_rank_ends_at_once_only_when_its_launcher_set_local_rank(monkeypatch, tmp_path):
+    """exit_launched_rank: in this process LOCAL_RANK set since start (a world of one sets it) is not a launcher's,
+    so it returns; a process started with LOCAL_RANK ends with the code, its atexit handlers not run."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not compat.launched_by_launcher()
+    compat.exit_launched_rank(3)  # returns
+    code = ("import atexit, pathlib, sys; from finetune import compat; "
+            f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'atexit')!r}).touch()); "
+            "print(compat.launched_by_launcher(), flush=True); compat.exit_launched_rank(3)")
+    for local_rank, expected in (("0", 3), (None, 0)):
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+        env["PYTHONPATH"] = str(REPO)
+        if local_rank is not None:
+            env["LOCAL_RANK"] = local_rank
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == expected, proc.stderr[-2000:]
+        assert proc.stdout.strip() == str(local_rank is not None)
+        assert (tmp_path / "atexit").exists() == (local_rank is None)  # os._exit skips the shutdown
+        (tmp_path / "atexit").unlink(missing_ok=True)
+
+
+def test_os_exit_in_the_test_process_raises():
+    """conftest's guard: a stray os._exit here fails the test instead of ending the session with its code."""
+    with pytest.raises(RuntimeError, match="called in the pytest process"):
+        os._exit(0)
