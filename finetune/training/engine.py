@@ -125,6 +125,9 @@ def init_process_group(args) -> None:
     from finetune import compat
 
     if dist.is_initialized():
+        # Started by accelerate (`--config ddp`): DeepSpeed's own communication layer still comes up (in
+        # deepspeed.initialize otherwise), with its shared-memory buffers; compat unlinks them.
+        compat.init_deepspeed_distributed()
         return
     if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
         # `python scripts/sft.py`: a world of one on loopback (DeepSpeed would otherwise look for MPI).
