@@ -605,6 +605,9 @@ def launched_by_launcher() -> bool:
 # mappings live on until the processes end, however they end.
 
 
+SHM_DIR, SHM_BUFFER = Path("/dev/shm"), "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME
+
+
 def init_deepspeed_distributed() -> None:
     """deepspeed.init_distributed, then unlink this rank's shared-memory buffer name (see above)."""
     import deepspeed
@@ -625,4 +628,4 @@ def shm_buffer_path(rank: int, addr: str | None = None, port: str | None = None)
     """The file DeepSpeed's shm_comm op makes for a rank of the job at addr:port (default MASTER_ADDR:MASTER_PORT)."""
     addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
     port = os.environ.get("MASTER_PORT", "") if port is None else port
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    return SHM_DIR / f"{SHM_BUFFER}_{os.getuid()}_{addr}_{port}_{rank}"

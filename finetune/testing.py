@@ -332,7 +332,9 @@ def shm_left(cmd: list[str]) -> list[str]:
         return []
     port = cmd[cmd.index("--master_port") + 1]
     found = []
-    for path in sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")):
+    from finetune.compat import SHM_BUFFER, SHM_DIR
+
+    for path in sorted(SHM_DIR.glob(f"{SHM_BUFFER}_*_{port}_*")):
         found.append(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
         path.unlink(missing_ok=True)
     return found

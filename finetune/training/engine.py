@@ -119,17 +119,14 @@ def unsupported(cfg) -> list[str]:
 
 
 def init_process_group(args) -> None:
-    """DeepSpeed presets start the process group when TrainingArguments is built; `--config ddp` may not have."""
+    """DeepSpeed's communication layer, through compat (which unlinks its shared-memory buffers): DeepSpeed presets
+    started the process group when TrainingArguments was built, `--config ddp` through accelerate or not at all;
+    deepspeed.initialize would otherwise bring the layer up itself."""
     import torch.distributed as dist
 
     from finetune import compat
 
-    if dist.is_initialized():
-        # Started by accelerate (`--config ddp`): DeepSpeed's own communication layer still comes up (in
-        # deepspeed.initialize otherwise), with its shared-memory buffers; compat unlinks them.
-        compat.init_deepspeed_distributed()
-        return
-    if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
+    if not dist.is_initialized() and "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
         # `python scripts/sft.py`: a world of one on loopback (DeepSpeed would otherwise look for MPI).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(C.free_port()))
