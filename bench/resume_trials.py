@@ -2,10 +2,13 @@
 
 For each path (Trainer: finetune/train.py under accelerate launch; loop: finetune/loop.py under accelerate launch;
 engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning) and preset (zero2,
-zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted 2-rank reference run. Each trial (seeded) starts the same job into a fresh folder, waits until the job has logged a
-random step, waits a random fraction of a second more (so the kill lands anywhere in a step or a checkpoint save),
-kills a random rank, and runs the same command again; the resumed run's per-step losses (all STEPS of them) must equal
-the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume after step 6 is in the second epoch.
+zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted 2-rank reference run. Each trial (seeded) starts the same
+job into a fresh folder and kills (SIGKILL) a random rank a random step and a random fraction of the reference's
+mean step time later, so the kill lands anywhere in the next step or a checkpoint save. The rank stops itself at that
+point (finetune.testing.stop_env) and is killed there: the kill point does not depend on how fast this harness polls,
+and a run of a few tenths of a second cannot end first. Then the same command runs again; the resumed run's per-step
+losses (all STEPS of them) must equal the reference's within 1e-6. STEPS=8 with 6 steps per epoch: every resume
+after step 6 is in the second epoch.
 
     python bench/resume_trials.py --trials 10 --work /tmp/trials --write   # the table in bench/RESULTS.md
 
@@ -27,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.testing import (LOOP, REPO, TRAIN, Job, deepspeed_launcher, env, launcher, losses, rank_pids,  # noqa: E402
-                              run)
+from finetune.testing import (LOOP, REPO, TRAIN, Job, deepspeed_launcher, env, launcher, losses, run,  # noqa: E402
+                              stop_env, stopped_rank)
 
 STEPS, SAVE, RECORDS, TOL = 8, 2, 24, 1e-6
 PATHS = {
@@ -74,18 +77,18 @@ def steps_logged(output: str) -> int:
 
 
 def kill_at(cmd: list[str], step: int, rank: int, delay: float, timeout: float = 600) -> dict:
-    """Run `cmd`; once `step` steps are logged and `delay` s passed, SIGKILL rank `rank`; wait for every process."""
-    with Job(cmd, REPO, env()) as job:
-        if not job.wait(timeout, until=lambda: steps_logged(job.output) >= step):
-            raise AssertionError(f"step {step} not logged in {timeout}s\n{job.output[-4000:]}")
-        if job.returncode is not None:
-            raise AssertionError(f"the job ended before step {step} was killed\n{job.output[-4000:]}")
-        time.sleep(delay)
-        ranks = rank_pids(job.proc.pid)
+    """Run `cmd`; `delay` s after optimizer step `step`, rank `rank` stops itself (finetune.testing.stop_env) and is
+    killed with SIGKILL there; wait for every process. The kill point does not depend on how fast this harness polls:
+    a run of a few tenths of a second cannot end first."""
+    with Job(cmd, REPO, env(**stop_env(rank, step, delay))) as job:
+        if not job.wait(timeout, until=lambda: stopped_rank(job.proc.pid, rank) is not None):
+            raise AssertionError(f"rank {rank} did not stop after step {step} (+{delay} s) in {timeout}s "
+                                 f"(exit {job.returncode})\n{job.output[-4000:]}")
+        pid = stopped_rank(job.proc.pid, rank)
         logged = steps_logged(job.output)
-        if job.returncode is not None or rank not in ranks:
-            raise AssertionError(f"the job ended before the kill ({job.returncode}, {ranks})\n{job.output[-4000:]}")
-        os.kill(ranks[rank], signal.SIGKILL)
+        if job.returncode is not None or pid is None:
+            raise AssertionError(f"the job ended before the kill ({job.returncode})\n{job.output[-4000:]}")
+        os.kill(pid, signal.SIGKILL)
         killed = time.time()
         if not job.wait(120):
             raise AssertionError(f"still running 120s after the kill\n{job.output[-4000:]}")
@@ -96,18 +99,27 @@ def kill_at(cmd: list[str], step: int, rank: int, delay: float, timeout: float =
         return {"logged_at_kill": logged, "exit_s": round(exit_s, 1)}
 
 
-def reference(path: str, preset: str, work: Path) -> list[float]:
+def step_seconds(out: Path) -> float:
+    """Mean seconds per step of a finished run, its checkpoint saves included."""
+    state = json.loads((out / "trainer_state.json").read_text())
+    return state["log_history"][-1]["train_runtime"] / STEPS
+
+
+def reference(path: str, preset: str, work: Path) -> tuple[list[float], float]:
+    """The uninterrupted run's per-step losses, and its mean seconds per step."""
     out = work / f"ref-{path}-{preset}"
     if not (out / "trainer_state.json").is_file():
         run(command(path, preset, work, out), timeout=900).check()
-    return losses(out)
+    return losses(out), step_seconds(out)
 
 
 def trial(path: str, index: int, seed: int, work: Path) -> dict:
     rng = random.Random(f"{seed}-{path}-{index}")
     preset = PRESETS[index % len(PRESETS)]
-    step, rank, delay = rng.randint(1, STEPS - 2), rng.randint(0, 1), round(rng.uniform(0.0, 0.5), 2)
-    expected = reference(path, preset, work)
+    step, rank, fraction = rng.randint(1, STEPS - 2), rng.randint(0, 1), rng.uniform(0.0, 1.0)
+    expected, per_step = reference(path, preset, work)
+    # Anywhere within about one step (its checkpoint save included) after `step`.
+    delay = round(fraction * per_step, 3)
     out = work / f"trial-{path}-{index}"
     cmd = command(path, preset, work, out)
     start = time.time()

@@ -367,21 +367,46 @@ class Killed:
     survivors: list[int]  # processes of the job still running after the launcher exited (killed; should be none)
 
 
+def stop_env(rank: int, step: int, delay: float = 0.0) -> dict[str, str]:
+    """The environment that makes rank `rank` stop itself `delay` s after its optimizer step `step`
+    (finetune.training.core.stop_point), so that it can be killed at that point of the run."""
+    from finetune.training.core import STOP_VAR
+
+    return {STOP_VAR: f"{rank}:{step}:{delay}"}
+
+
+def stopped_rank(root_pid: int, rank: int) -> int | None:
+    """The pid of rank `rank` under `root_pid` if it is stopped (SIGSTOP), else None."""
+    import psutil
+
+    pid = rank_pids(root_pid).get(rank)
+    try:
+        return pid if pid is not None and psutil.Process(pid).status() == psutil.STATUS_STOPPED else None
+    except psutil.NoSuchProcess:
+        return None
+
+
 def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float = 300, exit_bound: float = 120,
-                      **extra_env: str) -> Killed:
+                      stop_at: tuple[int, float] | None = None, **extra_env: str) -> Killed:
     """Start `cmd`, and as soon as the file `when` exists, `kill -9` the process of one rank (not a clean stop).
 
+    stop_at=(step, delay): the rank stops itself `delay` s after optimizer step `step` (stop_env) and is killed
+    there; `when` must exist by then. A short run cannot end before the harness sees `when`.
     Then wait, at most `exit_bound` seconds, for the launcher to exit by itself: the other ranks must not hang.
     Every process of the job is killed on any failure, so no rank outlives the test.
     """
+    if stop_at is not None:
+        extra_env.update(stop_env(rank, *stop_at))
     with Job(cmd, REPO, env(**extra_env)) as job:
-        if not job.wait(timeout, until=when.exists):
+        ready = when.exists if stop_at is None else (lambda: stopped_rank(job.proc.pid, rank) is not None)
+        what = when if stop_at is None else f"rank {rank} stopped after step {stop_at[0]} (+{stop_at[1]} s)"
+        if not job.wait(timeout, until=ready):
             job.kill()
             job.drain()
-            raise AssertionError(f"{when} did not appear in {timeout}s\n{job.output[-6000:]}")
-        if job.returncode is not None and not when.exists():
+            raise AssertionError(f"{what} did not happen in {timeout}s\n{job.output[-6000:]}")
+        if job.returncode is not None or not when.exists():
             job.finish()
-            raise AssertionError(f"exited ({job.returncode}) before {when} appeared\n{job.output[-6000:]}")
+            raise AssertionError(f"exited ({job.returncode}) or {when} missing when {what}\n{job.output[-6000:]}")
         ranks = rank_pids(job.proc.pid)
         assert rank in ranks, f"no process with RANK={rank} under {cmd[0]}: {ranks}"
         os.kill(ranks[rank], signal.SIGKILL)

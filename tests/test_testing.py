@@ -86,3 +86,43 @@ def test_a_clean_run_returns_at_once_with_its_output_and_exit_code(tmp_path):
     assert result.returncode == 4
     # The checkout the code comes from is first on the path of everything a job starts.
     assert result.output.split("\n")[0].split(":")[0] == str(testing.REPO)
+
+
+# A "rank" that reports steps 1..4 to finetune.training.core.stop_point, then says it is done and exits.
+STEPPER = """
+import time
+from finetune.training import core
+for step in range(1, 5):
+    core.stop_point(step)
+    print("step", step, time.monotonic(), flush=True)
+    time.sleep(0.5)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("spec, stops", [("0:3:0", True), ("0:2:0.75", True), ("1:3:0", False), ("0:9:0", False)])
+def test_a_rank_stops_itself_at_the_step_it_is_told(spec, stops):
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", STEPPER], stdout=subprocess.PIPE, text=True,
+                            env=testing.env(FINETUNE_TEST_STOP=spec), cwd=testing.REPO)
+    try:
+        deadline = time.monotonic() + BOUND
+        while proc.poll() is None and time.monotonic() < deadline:
+            if psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED:
+                break
+            time.sleep(0.01)
+        stopped = proc.poll() is None and psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        assert stopped == stops, spec
+    finally:
+        proc.kill()
+        out = proc.communicate(timeout=BOUND)[0]
+    steps = [line.split() for line in out.splitlines() if line.startswith("step")]
+    if not stops:
+        assert len(steps) == 4 and out.rstrip().endswith("done"), out
+    elif spec == "0:3:0":
+        # Stopped inside step 3's call, before it printed: nothing after it ran.
+        assert [s[1] for s in steps] == ["1", "2"], out
+    else:
+        # 0.75 s after step 2: step 3 (0.5 s later) ran meanwhile, step 4 (1 s later) did not.
+        assert [s[1] for s in steps] == ["1", "2", "3"], out

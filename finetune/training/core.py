@@ -228,6 +228,29 @@ def _caller(frame) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else "?"
 
 
+# Fault injection for the kill tests: "RANK:STEP:DELAY" makes rank RANK stop itself (SIGSTOP) DELAY s after its
+# optimizer step STEP, so a harness can `kill -9` it at a chosen point of the run, however fast the run is (a harness
+# that polls for a step or a file may see it only after a short run has ended).
+STOP_VAR = "FINETUNE_TEST_STOP"
+
+
+def stop_point(step: int) -> None:
+    """Called by every path once optimizer step `step` is done, before that step's logging, evaluation and save."""
+    spec = os.environ.get(STOP_VAR)
+    if not spec:
+        return
+    who, at, delay = spec.split(":")
+    if int(who) != rank() or int(at) != step:
+        return
+    stop = lambda: os.kill(os.getpid(), signal.SIGSTOP)  # noqa: E731  (stops every thread of the process)
+    if float(delay) <= 0:
+        stop()
+    else:
+        timer = threading.Timer(float(delay), stop)
+        timer.daemon = True
+        timer.start()
+
+
 def _rank_says(message: str) -> None:
     print(f"finetune: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -566,6 +589,7 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             log.count(chunk, job.device)
             loss, lr, grad_norm = job.step(chunk, global_tokens(chunk, job.device))
             pos.step += 1
+            stop_point(pos.step)
             epoch = pos.epoch + pos.micro_done / micro_per_epoch
             entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
                             None if grad_norm is None else float(grad_norm), epoch, job.metrics)

@@ -99,6 +99,13 @@ class Trainer(transformers.Trainer):
             checkpoint.restore_after_load(self.model_wrapped, checkpoint_dir)
 
 
+class StopPoint(transformers.TrainerCallback):
+    """core.stop_point at the Trainer's step end (before its log, evaluate and save, as in the other paths)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        core.stop_point(state.global_step)
+
+
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
@@ -134,6 +141,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     if cfg.evaluation.early_stopping_patience:
         callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
                                                             cfg.evaluation.early_stopping_threshold))
+    if os.environ.get(core.STOP_VAR):
+        callbacks.append(StopPoint())
     if dpo:
         trainer = preference.make_trainer(cfg, model, tokenizer, pairs, held_out, resume, callbacks)
     else:
