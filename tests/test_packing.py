@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.models import tiny
+from finetune.models import attention, tiny
 from finetune.config import DataConfig
 from finetune.data.prepare import IGNORE_INDEX, make_collator, prepare_dataset, tokenize_record
 from finetune.models.load import load_tokenizer
@@ -66,8 +66,9 @@ def tok_model(tiny_chatml):
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(SimpleNamespace(model_name_or_path=str(tiny_chatml), trust_remote_code=False))
+    attention.register()
     models = {impl: AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32, attn_implementation=impl)
-              for impl in ("sdpa", "eager")}
+              for impl in ("sdpa", "eager", attention.PACKED_SDPA)}
     return tok, models
 
 
@@ -91,7 +92,7 @@ def alone(model, rec):
     return model(input_ids=ids, use_cache=False).logits[0]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", attention.PACKED_SDPA])
 @pytest.mark.parametrize("layout", ["rows", "flat"])
 def test_packed_logits_losses_and_gradients_equal_one_by_one(tok_model, impl, layout, one_thread):
     tok, models = tok_model
@@ -135,6 +136,33 @@ def test_packed_logits_losses_and_gradients_equal_one_by_one(tok_model, impl, la
     (ref_total / ref_items).backward()
     for p, g in zip(model.parameters(), packed_grads):
         torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-5)
+
+
+def test_per_record_sdpa_splits_only_packed_rows():
+    """Runs where position ids restart at 0; anything else (no restart, generation's left padding) is not split."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1, 0, 1]])
+    assert attention.segments(pos, 10) == [[(0, 3), (3, 5), (5, 9), (9, 10)], [(0, 6), (6, 8), (8, 10)]]
+    assert attention.segments(torch.arange(10)[None], 10) is None
+    assert attention.segments(torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4]]), 8) is None  # left padding, generate()
+    assert attention.segments(torch.tensor([[0, 1, 2, 5, 6, 7]]), 6) is None  # a jump, not a restart at 0
+    assert attention.segments(pos, 12) is None and attention.segments(None, 10) is None
+
+
+def test_per_record_sdpa_falls_back_to_sdpa_where_it_must(tok_model, one_thread):
+    """A padded batch (attention mask, plain positions) gives sdpa's own logits; a sliding window is never split."""
+    tok, models = tok_model
+    recs = records(tok, n=2)
+    n = max(len(r["input_ids"]) for r in recs)
+    ids = torch.tensor([r["input_ids"] + [tok.pad_token_id] * (n - len(r["input_ids"])) for r in recs])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in recs])
+    a = models["sdpa"](input_ids=ids, attention_mask=mask, use_cache=False).logits
+    b = models[attention.PACKED_SDPA](input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(a * mask[..., None], b * mask[..., None])
+    from transformers import MistralConfig
+
+    assert attention.unsupported(MistralConfig(sliding_window=4096)) == "a sliding window"
+    assert attention.unsupported(MistralConfig(sliding_window=None)) is None
+    assert attention.unsupported(models["sdpa"].config) is None
 
 
 def test_without_the_reset_records_would_mix(tok_model, one_thread):
@@ -250,12 +278,15 @@ def test_three_paths_agree_with_packing(paths_setup):
         "trainer": [sys.executable, TRAIN, *_flags(paths_setup, "trainer", "--packing")],
         "loop": [sys.executable, LOOP, *_flags(paths_setup, "loop", "--packing")],
         "sft": [sys.executable, SFT, *_flags(paths_setup, "sft", "--packing")],
+        # The same rows under eager attention and its block-diagonal mask: what per-record sdpa must reproduce.
+        "eager": [sys.executable, TRAIN, *_flags(paths_setup, "eager", "--packing", "--attn_implementation", "eager")],
     }
     results = {}
     for name, cmd in runs.items():
         result = run(cmd, timeout=300, OMP_NUM_THREADS="2").check()
         assert re.search(r"packing: 96 records into \d+ rows of 192 tokens .*efficiency", result.output), result.output[-3000:]
         assert "packed rows x 192" in result.output
+        assert ("attention: sdpa, each packed record attending to itself only" in result.output) == (name != "eager")
         results[name] = losses(paths_setup[0] / name)
     ref = results["trainer"]
     assert len(ref) == STEPS and ref[-1] < ref[0]

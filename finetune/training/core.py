@@ -276,10 +276,13 @@ def load_model_for_training(cfg, stats, world_size: int):
     from finetune.models.load import WeightsError, load_model
     from finetune.training.outputs import describe_run
 
+    from finetune.models import attention
+
     try:
         model = load_model(cfg.model, cfg.training)
     except WeightsError as e:
         exit_with(str(e))
+    attention.enable(model, cfg)
     rank0_print(describe_run(cfg, stats, model, world_size))
     seed(cfg.training)
     enable_gradient_checkpointing(model, cfg.training)

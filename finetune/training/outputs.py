@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from finetune.models.attention import PACKED_SDPA
+
 # Written last when moving a finished save into place: its presence marks a complete model folder.
 _COMMIT_LAST = ("config.json", "adapter_config.json")
 # The Trainer pickles its arguments next to the model; we keep outputs pickle-free (finetune_config.yaml holds the config).
@@ -315,7 +317,8 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
         f"parameters: {trainable:,} trainable of {total:,}",
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
         else "weights: a full copy on every rank",
-    ])
+    ] + (["attention: sdpa, each packed record attending to itself only (no work across records)"]
+         if getattr(getattr(model, "config", None), "_attn_implementation", None) == PACKED_SDPA else []))
 
 
 def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:

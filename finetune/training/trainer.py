@@ -22,6 +22,7 @@ from finetune import compat
 from finetune.training import checkpoint, core, evaluate
 from finetune import config as C
 from finetune.data.prepare import make_collator
+from finetune.models import attention
 from finetune.models.load import WeightsError, load_model
 from finetune.training.outputs import describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final, saving
 from finetune.models.verify import VerificationError
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         model = load_model(cfg.model, args)
     except WeightsError as e:
         exit_with(str(e))
+    attention.enable(model, cfg)
     rank0_print(describe_run(cfg, stats, model))
     core.install_loss(model, cfg)
 

@@ -1,0 +1,104 @@
+"""sdpa over packed rows, one record at a time.
+
+A packed row (finetune.data.packing, layout "rows") holds several records told apart by position ids that restart
+at 0. transformers' sdpa keeps them apart with a [rows, 1, length, length] block-diagonal mask, so the kernel computes
+the whole causal square of the row and masks most of it away (with several records to a 1,024-token row, most of the
+attention work), and a mask also makes it repeat the key/value heads of grouped-query attention. Here each record's
+queries attend to its own keys with `is_causal` and no mask: the same result (a record never saw another one), the
+work of the records' own causal triangles, and the kernel's grouped-query path.
+
+Used for training on packed rows with `--attn_implementation sdpa` (the default); a batch that is not packed rows
+(padded records, evaluation on unpacked data) takes transformers' own sdpa unchanged.
+"""
+
+from __future__ import annotations
+
+PACKED_SDPA = "finetune_sdpa_packed"
+
+
+def register() -> None:
+    """Make PACKED_SDPA a name transformers knows: this attention function, and sdpa's masks (for the unpacked
+    batches that fall back to sdpa, which need their padding mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+
+
+def unsupported(config) -> str | None:
+    """Why a model's attention is not plain causal attention that per-record sdpa reproduces (None: it is)."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "a sliding window"
+    if not getattr(config, "is_causal", True):
+        return "bidirectional attention"
+    return None
+
+
+def enable(model, cfg) -> bool:
+    """Switch the model's sdpa to PACKED_SDPA when this run trains on packed rows (True if it did)."""
+    from finetune.data.packing import collator_layout
+
+    data, margs, args = cfg.data, cfg.model, cfg.training
+    if (margs.attn_implementation != "sdpa" or getattr(args, "torch_compile", False)
+            or collator_layout(data.packing, data.padding_free, margs.attn_implementation) != "rows"):
+        # torch.compile: a loop over records whose lengths change every batch would recompile or break the graph.
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if unsupported(base.config) is not None:
+        return False
+    register()
+    base.set_attn_implementation(PACKED_SDPA)
+    return True
+
+
+def segments(position_ids, length: int) -> list[list[tuple[int, int]]] | None:
+    """Per row, the (start, end) of each record: where the position ids restart at 0 and count up by one.
+
+    None when the ids are not packed rows of `length` (no restart anywhere, or a run that does not start at 0, as
+    the left padding of generation gives): such a batch is not split."""
+    import torch
+
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] != length or length < 2:
+        return None
+    ids = position_ids.detach()
+    step = torch.diff(ids, dim=-1)
+    breaks = step != 1
+    if not bool(breaks.any()):
+        return None
+    # Every run (the first, and each one after a break) must start at 0: a record, or the tail padding.
+    starts = torch.cat([torch.ones_like(breaks[:, :1]), breaks], dim=-1)
+    if bool((ids[starts] != 0).any()):
+        return None
+    out = []
+    for row in starts.cpu():
+        at = row.nonzero().flatten().tolist() + [length]
+        out.append(list(zip(at[:-1], at[1:])))
+    return out
+
+
+def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                        is_causal=None, **kwargs):
+    """transformers' attention-function signature; query [B, heads, L, d], key/value [B, kv heads, L, d]."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    runs = None
+    if key.shape[2] == query.shape[2] and kwargs.get("position_bias") is None and not kwargs.get("output_attentions"):
+        runs = segments(kwargs.get("position_ids"), query.shape[2])
+    if runs is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    rows = []
+    for b, row in enumerate(runs):
+        parts = [torch.nn.functional.scaled_dot_product_attention(
+            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], dropout_p=dropout, is_causal=True,
+            scale=scaling, enable_gqa=gqa) for s, e in row]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+    return out.transpose(1, 2).contiguous(), None
