@@ -8,8 +8,8 @@ loop, like with like, on a small random Llama and on SmolLM2-135M (LoRA and full
 Rows (each in a forked child: modules imported once, peak memory per row):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
-  load_model -> the chunked loss -> finetune.training.trainer.Trainer with make_collator), flags as a user types
-  them; ft_packed_compiled: ft_packed with --torch_compile; ft_packed_unchunked: with --loss_chunk_size 0
+  load_model -> the chunked loss -> per-record attention on packed rows -> finetune.training.trainer.Trainer with
+  make_collator), flags as a user types them; ft_packed_compiled: ft_packed with --torch_compile; ft_packed_unchunked: with --loss_chunk_size 0
   (transformers' own loss);
 - trl_default: TRL's SFTTrainer on the same records; trl_packing: `packing=True` in the layout TRL picks for it
   (BFD packing, every micro-batch flattened into one padding-free row, which TRL picks for flash-attention);
@@ -233,6 +233,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
 
     from finetune import config as C
     from finetune.data.prepare import make_collator, prepare_dataset
+    from finetune.models import attention
     from finetune.models.load import load_model, load_tokenizer
     from finetune.training import core
 
@@ -257,6 +258,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         from finetune.training.trainer import Trainer
 
         core.install_loss(model, cfg)
+        result["per_record_attention"] = attention.enable(model, cfg)
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
         counting_ref[0] = counting = Counting(make_collator(cfg, tokenizer))
         callbacks = [timer] + ([profile_callback(profile, timer)] if profile is not None else [])
@@ -295,6 +297,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         from finetune.data.sampler import distributed_dataloader
 
         core.install_loss(model, cfg)
+        attention.enable(model, cfg)
         core.enable_gradient_checkpointing(model, cfg.training)
         dataset_obj, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
         counting_ref[0] = counting = Counting(make_collator(cfg, tokenizer))

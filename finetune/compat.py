@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -608,12 +609,54 @@ def launched_by_launcher() -> bool:
 SHM_DIR, SHM_BUFFER = Path("/dev/shm"), "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME
 
 
+# A job killed before that barrier (during start-up) still leaves its buffers: local rank 0 of the next job removes
+# the ones no process maps any more (sweep_stale_shm_buffers).
+STALE_AFTER_S = 120  # younger buffers may belong to a job still starting (created, not yet mapped)
+
+
+def sweep_stale_shm_buffers(min_age: float = STALE_AFTER_S) -> list[str]:
+    """Unlink this user's DeepSpeed shm buffers that no process maps and that are older than `min_age` seconds;
+    returns their names. A buffer another job still uses is mapped by its ranks (its name is in their /proc/PID/maps)."""
+    now, uid = time.time(), os.getuid()
+    candidates = []
+    for path in SHM_DIR.glob(f"{SHM_BUFFER}_{uid}_*"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_uid == uid and now - st.st_mtime > min_age:
+            candidates.append(path)
+    if not candidates:
+        return []
+    names = {str(p) for p in candidates}
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's process (unlinking a name leaves existing mappings intact)
+            continue
+        names -= {n for n in names if n in text}
+        if not names:
+            return []
+    removed = []
+    for name in sorted(names):
+        try:
+            size = Path(name).stat().st_size
+            Path(name).unlink()
+        except OSError:
+            continue
+        removed.append(f"{Path(name).name} ({size / 2**20:.0f} MiB)")
+    return removed
+
+
 def init_deepspeed_distributed() -> None:
     """deepspeed.init_distributed, then unlink this rank's shared-memory buffer name (see above)."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
+    if os.environ.get("LOCAL_RANK", "0") == "0" and (removed := sweep_stale_shm_buffers()):
+        print(f"finetune: removed {len(removed)} DeepSpeed shared-memory buffer(s) that killed jobs left in "
+              f"{SHM_DIR} (mapped by no process): {', '.join(removed)}", file=sys.stderr, flush=True)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     from deepspeed.comm import comm as ds_comm
 

@@ -244,3 +244,34 @@ def test_os_exit_in_the_test_process_raises():
     """conftest's guard: a stray os._exit here fails the test instead of ending the session with its code."""
     with pytest.raises(RuntimeError, match="called in the pytest process"):
         os._exit(0)
+
+
+def test_stale_shared_memory_buffers_of_killed_jobs_are_swept(tmp_path):
+    """Buffers a job killed during start-up left: unmapped and older than the bound, removed by the next job's
+    local rank 0; one still mapped by a live process (a job running) and a young one (a job starting) stay."""
+    import subprocess
+    import time
+
+    tag = f"sweeptest{os.getpid()}"
+    paths = {k: compat.SHM_DIR / f"{compat.SHM_BUFFER}_{os.getuid()}_127.0.0.1_{tag}_{k}" for k in ("dead", "mapped", "young")}
+    holder = None
+    try:
+        for path in paths.values():
+            path.write_bytes(b"\0" * 4096)
+        old = time.time() - 2 * compat.STALE_AFTER_S
+        for k in ("dead", "mapped"):
+            os.utime(paths[k], (old, old))
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+            "print('mapped', flush=True); sys.stdin.read()"), str(paths["mapped"])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "mapped"
+        removed = [r for r in compat.sweep_stale_shm_buffers() if tag in r]
+        assert removed == [f"{paths['dead'].name} (0 MiB)"], removed
+        assert not paths["dead"].exists() and paths["mapped"].exists() and paths["young"].exists()
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=30)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
