@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from finetune import compat
 from finetune.data import prepare as P
 from finetune.data.prepare import IGNORE_INDEX, DataError, DataStats
 
@@ -28,6 +29,7 @@ DROPPED = DROPPED_LONG | DROPPED_NO_LABELS
 # Fewer records than this per process: more processes cost more to start than they save.
 MIN_RECORDS_PER_PROC = 2000
 READ_BATCH = 10_000  # lines per Arrow batch when a text file is read (bounds the reader's memory)
+RELEASE_EVERY = 50  # map batches (of 200 records) between two compat.release_mapped_pages of the source
 WAIT_NOTE_S = 30.0  # a waiting rank says what it waits for at least this often
 
 
@@ -167,12 +169,17 @@ def first_record(ds, prefix: str | None) -> tuple[dict, str]:
 class Tokenize:
     """The batched map function: records in, their examples out (with a status and trained-token count each)."""
 
-    def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None):
+    def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None,
+                 sources: tuple[str, ...] = ()):
         self.tokenizer, self.fmt, self.completion_only = tokenizer, fmt, completion_only
         self.max_seq_length, self.drop_long, self.prefix = max_seq_length, drop_long, prefix
         self.end_ids = P.end_of_turn_ids(tokenizer)
+        self.sources, self.calls = sources, 0  # the source's Arrow files: their read pages are let go as we go
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
+        self.calls += 1
+        if self.sources and self.calls % RELEASE_EVERY == 0:
+            compat.release_mapped_pages(self.sources)
         out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
 
         def records():  # each validated just before it is rendered, so the first bad record is the one reported
@@ -225,7 +232,8 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     if fmt in P.CHAT_FORMATS:
         P.require_chat_template(tokenizer, fmt, str(name))
     procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
-    fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix)
+    fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
+                  tuple(f["filename"] for f in ds.cache_files))
     mapped = ds.map(
         fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names, features=_features(),
         num_proc=procs if procs > 1 else None, cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
