@@ -146,6 +146,14 @@ def test_per_record_sdpa_splits_only_packed_rows():
     assert attention.segments(torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4]]), 8) is None  # left padding, generate()
     assert attention.segments(torch.tensor([[0, 1, 2, 5, 6, 7]]), 6) is None  # a jump, not a restart at 0
     assert attention.segments(pos, 12) is None and attention.segments(None, 10) is None
+    # Computed once per forward (the same tensor in every layer), never reused for other position ids.
+    first = attention._segments_once(pos, 10)
+    assert attention._segments_once(pos, 10) is first
+    other = pos.clone()
+    other[0, 3:5] = torch.tensor([3, 4])
+    assert attention._segments_once(other, 10)[0] == [(0, 5), (5, 9), (9, 10)]
+    pos[1, 6:8] = torch.tensor([6, 7])  # changed in place: its version moved on
+    assert attention._segments_once(pos, 10)[1] == [(0, 8), (8, 10)]
 
 
 def test_per_record_sdpa_falls_back_to_sdpa_where_it_must(tok_model, one_thread):

@@ -81,6 +81,24 @@ def segments(position_ids, length: int) -> list[list[tuple[int, int]]] | None:
     return out
 
 
+_last: tuple = (None, -1, None)  # (weak reference to position_ids, its version, their segments)
+
+
+def _segments_once(position_ids, length: int):
+    """segments() computed once per forward: every layer gets the same position_ids tensor (on a GPU each
+    computation would wait for the device)."""
+    import weakref
+
+    global _last
+    ref, version, runs = _last
+    if position_ids is not None and ref is not None and ref() is position_ids and version == position_ids._version:
+        return runs
+    runs = segments(position_ids, length)
+    if position_ids is not None:
+        _last = (weakref.ref(position_ids), position_ids._version, runs)
+    return runs
+
+
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         is_causal=None, **kwargs):
     """transformers' attention-function signature; query [B, heads, L, d], key/value [B, kv heads, L, d]."""
@@ -89,7 +107,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
 
     runs = None
     if key.shape[2] == query.shape[2] and kwargs.get("position_bias") is None and not kwargs.get("output_attentions"):
-        runs = segments(kwargs.get("position_ids"), query.shape[2])
+        runs = _segments_once(kwargs.get("position_ids"), query.shape[2])
     if runs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
