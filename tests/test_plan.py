@@ -143,6 +143,54 @@ def test_activation_bytes_equal_saved_tensors(method, ckpt, padded):
     assert plan.activations(job).saved == _saved_bytes(model, ids, mask)
 
 
+@pytest.mark.parametrize("method", ["full", "lora", "lora-no-dropout"])
+def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_path):
+    """Packed rows train with per-record sdpa: no mask reaches the kernel and its key/value heads stay unrepeated;
+    `finetune plan` plans a packed run that way, and the saved tensors of a real packed batch are those bytes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.models import attention
+
+    torch.manual_seed(0)
+    d = SHAPES["gqa"]
+    b, s = 2, 48
+    dropout = 0.0 if method == "lora-no-dropout" else 0.05
+    attention.register()
+    model = LlamaForCausalLM(LlamaConfig(**d, tie_word_embeddings=False))
+    model.set_attn_implementation(attention.PACKED_SDPA)
+    model.config.use_cache = False
+    if method != "full":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    model.train()
+    ids = torch.randint(0, d["vocab_size"], (b, s))
+    positions = torch.cat([torch.arange(20), torch.arange(28)]).repeat(b, 1)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() and st.data_ptr() not in params and not isinstance(t, torch.nn.Parameter):
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, position_ids=positions, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())))
+    folder = write_config(tmp_path / "gqa", **d, tie_word_embeddings=False)
+    flags = ["--model_name_or_path", str(folder), "--max_seq_length", str(s), "--per_device_train_batch_size", str(b),
+             "--packing", "--lora_r", "4", "--lora_dropout", str(dropout), "--loss_chunk_size", "0"] + (["--use_peft"] if method != "full" else [])
+    job = plan.job_from_config(C.parse(flags, check_paths=False), world_size=1, devices_per_node=1, accelerator="cpu")
+    assert not job.padding_mask
+    assert plan.activations(job).saved == sum(seen.values())
+    # Without packing, or compiled (masked sdpa), the plan keeps its worst case: a mask, repeated heads.
+    for extra in ([], ["--torch_compile"]):
+        flags_other = [f for f in flags if f != "--packing"] if not extra else flags + extra
+        other = plan.job_from_config(C.parse(flags_other, check_paths=False), world_size=1, devices_per_node=1,
+                                     accelerator="cpu")
+        assert other.padding_mask and plan.activations(other).saved > plan.activations(job).saved
+
+
 @pytest.mark.parametrize("method", ["full", "lora"])
 @pytest.mark.parametrize("ckpt", [False, True], ids=["", "ckpt"])
 def test_chunked_loss_activation_bytes_equal_saved_tensors(method, ckpt):

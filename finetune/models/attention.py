@@ -39,17 +39,22 @@ def unsupported(config) -> str | None:
     return None
 
 
-def enable(model, cfg) -> bool:
-    """Switch the model's sdpa to PACKED_SDPA when this run trains on packed rows (True if it did)."""
+def applies(cfg, model_config) -> bool:
+    """Whether a run of `cfg` on a model of `model_config` (a transformers config, or any object with its
+    attributes) trains with PACKED_SDPA: packed rows, --attn_implementation sdpa, no --torch_compile (a loop over
+    records whose lengths change every batch would recompile or break the graph), plain causal attention."""
     from finetune.data.packing import collator_layout
 
     data, margs, args = cfg.data, cfg.model, cfg.training
-    if (margs.attn_implementation != "sdpa" or getattr(args, "torch_compile", False)
-            or collator_layout(data.packing, data.padding_free, margs.attn_implementation) != "rows"):
-        # torch.compile: a loop over records whose lengths change every batch would recompile or break the graph.
-        return False
+    return (margs.attn_implementation == "sdpa" and not getattr(args, "torch_compile", False)
+            and collator_layout(data.packing, data.padding_free, margs.attn_implementation) == "rows"
+            and unsupported(model_config) is None)
+
+
+def enable(model, cfg) -> bool:
+    """Switch the model's sdpa to PACKED_SDPA where `applies` (True if it did)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if unsupported(base.config) is not None:
+    if not applies(cfg, base.config):
         return False
     register()
     base.set_attn_implementation(PACKED_SDPA)

@@ -31,8 +31,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from types import SimpleNamespace
 
 from finetune.config.parser import ConfigError
+from finetune.models import attention
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
 
@@ -303,6 +305,9 @@ class Job:
     quant: str | None = None  # "8bit" | "4bit"
     bnb_nested: bool = False
     padding_mask: bool = True  # batches padded to the longest record carry an attention mask (worst case)
+    # Packed rows under per-record sdpa (finetune.models.attention): no mask, position ids (so rotary cos/sin) per
+    # row, and the records' attention outputs joined into a copy that o_proj takes as its input.
+    per_record_attention: bool = False
     loss_chunk: int = 0  # --loss_chunk_size: tokens per chunk of the chunked cross-entropy (0: transformers' loss)
     pairs: bool = False  # --method dpo: each example of a micro-batch is a pair, two rows (chosen, rejected)
     reference_copy: bool = False  # DPO full fine-tuning: a frozen copy of the weights beside the trained ones
@@ -636,6 +641,12 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     # the output (also o_proj's input, a view) and the fp32 log-sum-exp per head.
     kv_saved = 2 * (q if job.padding_mask and sh.num_kv_heads != sh.num_heads else kv)
     attn = a * (q + kv_saved + q) + f32 * nh
+    # Per-record attention: o_proj's input is the records' outputs joined (a copy), kept where o_proj saves its
+    # input: trained, under ZeRO-3's linear, or LoRA's lora_A without dropout in front of it.
+    if job.per_record_attention:
+        o_lora = "o_proj" in lora_targets(list(job.lora_targets)) and job.lora_dropout == 0
+        if not job.use_peft or job.strategy.stage == 3 or o_lora:
+            attn += a * q
     if not job.use_peft:
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
@@ -697,7 +708,8 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         if job.use_peft and layer_saved:
             layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask
         detail["decoder layers"] = sum(layer_saved)
-        detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim  # shared by the layers
+        # Shared by the layers; one per row where position ids are per row (packed rows).
+        detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
     full = not job.use_peft
     # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
     # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway; the chunked loss saves none).
@@ -1171,6 +1183,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
     objective = getattr(cfg, "objective", None)
     dpo = getattr(objective, "method", "sft") == "dpo"
+    per_record = attention.applies(cfg, SimpleNamespace(**_config_dict(model.model_name_or_path)))
     return Job(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
@@ -1181,7 +1194,14 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         # DPO scores log-probabilities from the logits, not with the chunked cross-entropy.
         loss_chunk=0 if dpo or getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
         pairs=dpo, reference_copy=dpo and not model.use_peft and not objective.precompute_ref_log_probs,
+        # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
+        # then keeps the key/value heads unrepeated.
+        padding_mask=not per_record, per_record_attention=per_record,
     )
+
+
+def _config_dict(folder) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
 
 
 def _local_gpus() -> tuple[int, int]:
