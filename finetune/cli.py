@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> None:
 
         compat.check_versions()
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    module.main(argv[1:])
-    from finetune.compat import exit_launched_rank
+    from finetune.compat import run_rank
 
-    exit_launched_rank()  # a launched rank that is done skips the interpreter shutdown, where it can abort
+    run_rank(module.main, argv[1:])  # a launched rank ends without the interpreter shutdown, where it can abort
 
 
 if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it

@@ -14,10 +14,9 @@ if __package__ in (None, ""):
     # Run as a file: import the `finetune` package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune.compat import check_versions, exit_launched_rank
+from finetune.compat import check_versions, run_rank
 from finetune.training.trainer import main
 
 if __name__ == "__main__":
     check_versions()
-    main()
-    exit_launched_rank()  # done: skip the interpreter shutdown, where a rank can abort (finetune.compat)
+    run_rank(main)  # a launched rank ends without the interpreter shutdown, where it can abort (finetune.compat)

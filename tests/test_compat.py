@@ -240,6 +240,35 @@ def test_a_rank_ends_at_once_only_when_its_launcher_set_local_rank(monkeypatch, 
         (tmp_path / "atexit").unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("how, code", [("return", 0), ("nothing to do", 0), ("error", 2), ("crash", 1)])
+def test_a_launched_rank_ends_without_the_shutdown_however_main_ends(tmp_path, how, code):
+    """run_rank: main returned, raised SystemExit(0) (a finished run resumed with `latest`: nothing to do, where a
+    rank aborted in the shutdown in CI), exit_with's SystemExit(2), or an exception: the launched rank ends with
+    that code and its message or traceback, its atexit handlers (the interpreter shutdown) not run."""
+    import subprocess
+
+    body = {"return": "pass", "nothing to do": "raise SystemExit(0)",
+            "error": "from finetune.training.outputs import exit_with; exit_with('bad flag')",
+            "crash": "raise ValueError('boom')"}[how]
+    code_text = ("import atexit, pathlib; from finetune import compat\n"
+                 f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'atexit')!r}).touch())\n"
+                 f"def main():\n    {body}\n"
+                 "compat.run_rank(main)\n")
+    for local_rank in ("0", None):
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+        env["PYTHONPATH"] = str(REPO)
+        if local_rank is not None:
+            env["LOCAL_RANK"] = local_rank
+        proc = subprocess.run([sys.executable, "-c", code_text], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, (local_rank, proc.returncode, proc.stderr[-2000:])
+        assert (tmp_path / "atexit").exists() == (local_rank is None), local_rank
+        if how == "error":
+            assert "finetune: bad flag" in proc.stderr
+        if how == "crash":
+            assert "ValueError: boom" in proc.stderr
+        (tmp_path / "atexit").unlink(missing_ok=True)
+
+
 def test_os_exit_in_the_test_process_raises():
     """conftest's guard: a stray os._exit here fails the test instead of ending the session with its code."""
     with pytest.raises(RuntimeError, match="called in the pytest process"):

@@ -90,7 +90,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["launch"]:
         launch(sys.argv[2:])
     else:
-        main()
-        from finetune.compat import exit_launched_rank
+        from finetune.compat import run_rank
 
-        exit_launched_rank()  # done: skip the interpreter shutdown, where a rank can abort (finetune.compat)
+        run_rank(main)  # a launched rank ends without the interpreter shutdown, where it can abort (finetune.compat)
