@@ -806,7 +806,7 @@ def write_results(section: str, path: Path = REPO / "bench" / "RESULTS.md") -> N
     start = text.find("## Throughput")
     if start >= 0:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+        text = text[:start] + section.rstrip("\n") + "\n\n" + (text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
