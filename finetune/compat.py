@@ -568,8 +568,8 @@ def default_deepspeed_accelerator() -> None:
 # without an active exception", SIGABRT, the launcher then exits non-zero). Seen on the engine and Trainer paths,
 # about 1 run in 4 of tests/test_resume.py's mid-epoch engine case, never in 14 runs of its command outside pytest;
 # which library's thread it is was not found; also a rank that raised SystemExit(0) with nothing to do (a finished
-# run resumed with `latest`, CI 2026-11-26). A launched rank therefore ends without the shutdown, however its
-# main ends (run_rank).
+# run resumed with `latest`, CI 2026-11-26). A launched rank that succeeded therefore ends without the shutdown,
+# however its main ends (run_rank).
 
 
 def exit_launched_rank(code: int = 0) -> None:
@@ -590,22 +590,14 @@ def exit_launched_rank(code: int = 0) -> None:
 
 
 def run_rank(main, *args) -> None:
-    """Run an entry point's main(*args); a launched rank then ends by exit_launched_rank with main's exit code,
-    whether main returned, raised SystemExit (an error message, or a run with nothing left to do) or failed."""
+    """Run an entry point's main(*args); a launched rank that succeeded then ends by exit_launched_rank, whether main
+    returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing rank keeps the
+    usual way out: ending at once would let its launcher stop local rank 0 before that rank printed the error."""
     try:
         main(*args)
     except SystemExit as e:
-        if launched_by_launcher():
-            if e.code is not None and not isinstance(e.code, int):
-                print(e.code, file=sys.stderr)
-            exit_launched_rank(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
-        raise
-    except BaseException:
-        if launched_by_launcher():
-            import traceback
-
-            traceback.print_exc()
-            exit_launched_rank(1)
+        if e.code in (None, 0):
+            exit_launched_rank(0)
         raise
     exit_launched_rank(0)
 
