@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.testing import (LOOP, REPO, TRAIN, Job, deepspeed_launcher, env, launcher, losses, run,  # noqa: E402
-                              stop_env, stopped_rank)
+from finetune.testing import (LOOP, REPO, TRAIN, deepspeed_launcher, launcher, losses, run,  # noqa: E402
+                              run_and_kill_rank)
 
 STEPS, SAVE, RECORDS, TOL = 8, 2, 24, 1e-6
 PATHS = {
@@ -77,26 +75,15 @@ def steps_logged(output: str) -> int:
 
 
 def kill_at(cmd: list[str], step: int, rank: int, delay: float, timeout: float = 600) -> dict:
-    """Run `cmd`; `delay` s after optimizer step `step`, rank `rank` stops itself (finetune.testing.stop_env) and is
-    killed with SIGKILL there; wait for every process. The kill point does not depend on how fast this harness polls:
-    a run of a few tenths of a second cannot end first."""
-    with Job(cmd, REPO, env(**stop_env(rank, step, delay))) as job:
-        if not job.wait(timeout, until=lambda: stopped_rank(job.proc.pid, rank) is not None):
-            raise AssertionError(f"rank {rank} did not stop after step {step} (+{delay} s) in {timeout}s "
-                                 f"(exit {job.returncode})\n{job.output[-4000:]}")
-        pid = stopped_rank(job.proc.pid, rank)
-        logged = steps_logged(job.output)
-        if job.returncode is not None or pid is None:
-            raise AssertionError(f"the job ended before the kill ({job.returncode})\n{job.output[-4000:]}")
-        os.kill(pid, signal.SIGKILL)
-        killed = time.time()
-        if not job.wait(120):
-            raise AssertionError(f"still running 120s after the kill\n{job.output[-4000:]}")
-        exit_s = time.time() - killed
-        left = job.finish()
-        if job.returncode == 0 or left:
-            raise AssertionError(f"after the kill: exit {job.returncode}, left running {left}\n{job.output[-4000:]}")
-        return {"logged_at_kill": logged, "exit_s": round(exit_s, 1)}
+    """Run `cmd`; `delay` s after optimizer step `step`, rank `rank` stops itself and is killed with SIGKILL there
+    (finetune.testing.run_and_kill_rank with stop_at); wait for every process. The kill point does not depend on how
+    fast this harness polls: a run of a few tenths of a second cannot end first."""
+    killed = run_and_kill_rank(cmd, None, rank=rank, timeout=timeout, exit_bound=120, stop_at=(step, delay))
+    if killed.returncode == 0 or killed.survivors:
+        raise AssertionError(f"after the kill: exit {killed.returncode}, left running {killed.survivors}\n"
+                             f"{killed.output[-4000:]}")
+    return {"logged_at_kill": steps_logged(killed.output[:killed.output_at_kill]),
+            "exit_s": round(killed.exit_seconds, 1)}
 
 
 def step_seconds(out: Path) -> float:

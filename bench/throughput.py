@@ -9,8 +9,8 @@ Rows (each in a forked child: modules imported once, peak memory per row):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
   load_model -> the chunked loss -> per-record attention on packed rows -> finetune.training.trainer.Trainer with
-  make_collator), flags as a user types them; ft_packed_compiled: ft_packed with --torch_compile; ft_packed_unchunked: with --loss_chunk_size 0
-  (transformers' own loss);
+  make_collator), flags as a user types them; ft_packed_compiled: ft_packed with --torch_compile;
+  ft_packed_unchunked: with --loss_chunk_size 0 (transformers' own loss);
 - trl_default: TRL's SFTTrainer on the same records; trl_packing: `packing=True` in the layout TRL picks for it
   (BFD packing, every micro-batch flattened into one padding-free row, which TRL picks for flash-attention);
   trl_packing_rows: TRL's same packed sequences as rows of max_length (position_ids, no attention mask: what

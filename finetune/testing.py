@@ -365,6 +365,7 @@ class Killed:
     output: str
     exit_seconds: float  # from the kill to the launcher's exit
     survivors: list[int]  # processes of the job still running after the launcher exited (killed; should be none)
+    output_at_kill: int = 0  # how much of `output` there was when the kill was sent
 
 
 def stop_env(rank: int, step: int, delay: float = 0.0) -> dict[str, str]:
@@ -386,12 +387,12 @@ def stopped_rank(root_pid: int, rank: int) -> int | None:
         return None
 
 
-def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float = 300, exit_bound: float = 120,
+def run_and_kill_rank(cmd: list[str], when: Path | None, rank: int = 1, timeout: float = 300, exit_bound: float = 120,
                       stop_at: tuple[int, float] | None = None, **extra_env: str) -> Killed:
     """Start `cmd`, and as soon as the file `when` exists, `kill -9` the process of one rank (not a clean stop).
 
     stop_at=(step, delay): the rank stops itself `delay` s after optimizer step `step` (stop_env) and is killed
-    there; `when` must exist by then. A short run cannot end before the harness sees `when`.
+    there; `when` (None: no file) must exist by then. A short run cannot end before the harness sees `when`.
     Then wait, at most `exit_bound` seconds, for the launcher to exit by itself: the other ranks must not hang.
     Every process of the job is killed on any failure, so no rank outlives the test.
     """
@@ -404,11 +405,12 @@ def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float 
             job.kill()
             job.drain()
             raise AssertionError(f"{what} did not happen in {timeout}s\n{job.output[-6000:]}")
-        if job.returncode is not None or not when.exists():
+        if job.returncode is not None or (when is not None and not when.exists()):
             job.finish()
             raise AssertionError(f"exited ({job.returncode}) or {when} missing when {what}\n{job.output[-6000:]}")
         ranks = rank_pids(job.proc.pid)
         assert rank in ranks, f"no process with RANK={rank} under {cmd[0]}: {ranks}"
+        at_kill = len(job.output)
         os.kill(ranks[rank], signal.SIGKILL)
         killed_at = time.time()
         if not job.wait(exit_bound):
@@ -417,7 +419,7 @@ def run_and_kill_rank(cmd: list[str], when: Path, rank: int = 1, timeout: float 
             raise AssertionError(f"still running {exit_bound}s after rank {rank} was killed\n{job.output[-6000:]}")
         exit_seconds = time.time() - killed_at
         survivors = job.finish()
-        return Killed(job.returncode, job.output, exit_seconds, survivors)
+        return Killed(job.returncode, job.output, exit_seconds, survivors, at_kill)
 
 
 # ----------------------------------------------------------------------------------------------

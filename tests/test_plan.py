@@ -98,7 +98,8 @@ def test_70b_parameter_count():
 # Activations: predicted bytes equal what autograd saves (unique storages), in one process.
 
 
-def _saved_bytes(model, ids, mask) -> int:
+def _saved_bytes(model, ids, mask=None, **inputs) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (the parameters left out)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -109,7 +110,8 @@ def _saved_bytes(model, ids, mask) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=mask, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())))
+        model(input_ids=ids, attention_mask=mask, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())),
+              **inputs)
     return sum(seen.values())
 
 
@@ -166,23 +168,13 @@ def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_p
     model.train()
     ids = torch.randint(0, d["vocab_size"], (b, s))
     positions = torch.cat([torch.arange(20), torch.arange(28)]).repeat(b, 1)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() and st.data_ptr() not in params and not isinstance(t, torch.nn.Parameter):
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, position_ids=positions, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())))
+    saved = _saved_bytes(model, ids, position_ids=positions)
     folder = write_config(tmp_path / "gqa", **d, tie_word_embeddings=False)
     flags = ["--model_name_or_path", str(folder), "--max_seq_length", str(s), "--per_device_train_batch_size", str(b),
              "--packing", "--lora_r", "4", "--lora_dropout", str(dropout), "--loss_chunk_size", "0"] + (["--use_peft"] if method != "full" else [])
     job = plan.job_from_config(C.parse(flags, check_paths=False), world_size=1, devices_per_node=1, accelerator="cpu")
     assert not job.padding_mask
-    assert plan.activations(job).saved == sum(seen.values())
+    assert plan.activations(job).saved == saved
     # Without packing, or compiled (masked sdpa), the plan keeps its worst case: a mask, repeated heads.
     for extra in ([], ["--torch_compile"]):
         flags_other = [f for f in flags if f != "--packing"] if not extra else flags + extra

@@ -263,7 +263,8 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
 
 def commit(mapped, keep, drop: list[str], final: Path, stats: dict) -> None:
     """The map's own Arrow files become the cache, renamed into `final`: a save_to_disk copy read every page of them
-    back (peak RSS 1,596 MB against 1,162 MB now, 1M conversations, bench/data.py) and wrote the data a second time. Dropped rows (`keep` false) and the bookkeeping columns `drop` are left out when it is loaded;
+    back (peak RSS 1,596 MB against 1,162 MB without it, 1M conversations, bench/data.py) and wrote the data a
+    second time. Dropped rows (`keep` false) and the bookkeeping columns `drop` are left out when it is loaded;
     stats.json, written last, marks it complete."""
     import numpy as np
 

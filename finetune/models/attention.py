@@ -3,9 +3,9 @@
 A packed row (finetune.data.packing, layout "rows") holds several records told apart by position ids that restart
 at 0. transformers' sdpa keeps them apart with a [rows, 1, length, length] block-diagonal mask, so the kernel computes
 the row's whole length x length square and masks most of it away (with several records to a 1,024-token row, most
-of the attention work), and a mask also makes it repeat the key/value heads of grouped-query attention. Here each record's
-queries attend to its own keys with `is_causal` and no mask: the same result (a record never saw another one), the
-work of the records' own causal triangles, and the kernel's grouped-query path.
+of the attention work), and a mask also makes it repeat the key/value heads of grouped-query attention. Here each
+record's queries attend to its own keys with `is_causal` and no mask: the same result (a record never saw another
+one), the work of the records' own causal triangles, and the kernel's grouped-query path.
 
 Used for training on packed rows with `--attn_implementation sdpa` (the default); a batch that is not packed rows
 (padded records, evaluation on unpacked data) takes transformers' own sdpa unchanged.

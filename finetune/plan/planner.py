@@ -132,13 +132,7 @@ class ModelShape:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelShape":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"model_name_or_path: {folder}: no config.json (finetune plan reads only the config)")
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        return cls.from_dict(read_config(folder))
 
     @property
     def q_dim(self) -> int:
@@ -1169,10 +1163,22 @@ def _preset_problems(model, data, launch, training_values: dict[str, Any]) -> li
     return [p for p in problems if p not in skip]
 
 
+def read_config(folder: str | Path) -> dict:
+    """A model folder's config.json; errors name the file."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model_name_or_path: {folder}: no config.json (finetune plan reads only the config)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+
+
 def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Job:
     args = cfg.training
     model = cfg.model
-    shape = ModelShape.from_folder(model.model_name_or_path)
+    config = read_config(model.model_name_or_path)
+    shape = ModelShape.from_dict(config)
     dtype = model.torch_dtype
     if dtype == "auto":
         dtype = "bfloat16" if accelerator == "gpu" else "float32"
@@ -1183,7 +1189,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
     objective = getattr(cfg, "objective", None)
     dpo = getattr(objective, "method", "sft") == "dpo"
-    per_record = attention.applies(cfg, SimpleNamespace(**_config_dict(model.model_name_or_path)))
+    per_record = attention.applies(cfg, SimpleNamespace(**config))
     return Job(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
@@ -1198,10 +1204,6 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,
     )
-
-
-def _config_dict(folder) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())
 
 
 def _local_gpus() -> tuple[int, int]:

@@ -273,10 +273,9 @@ def seed(args) -> None:
 
 def load_model_for_training(cfg, stats, world_size: int):
     """The model (and LoRA) as the Trainer trains it: seeded where the Trainer seeds, gradient checkpointing on."""
+    from finetune.models import attention
     from finetune.models.load import WeightsError, load_model
     from finetune.training.outputs import describe_run
-
-    from finetune.models import attention
 
     try:
         model = load_model(cfg.model, cfg.training)
