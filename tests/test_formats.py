@@ -623,6 +623,38 @@ def test_fast_path_equals_the_plain_reference(case, request, qwen3, qwen2_5, tin
         assert refused  # a conversation that opens with the assistant, or has tool turns
 
 
+def test_token_runs_found_at_the_span_ends_equal_the_offsets_scan(qwen3, tok_chatml, tiny_llama3, sentencepiece_dir):
+    """The whole renderings' spans on byte-level tokenizers come from two char_to_token lookups per span instead of
+    every token's offsets (issue 13: turning offsets into tuples was a third of the tokenization). For every span
+    (a, b) of texts with multi-byte, combining, joined-emoji and CJK characters, special tokens, runs of spaces and
+    line ends, the run equals the offsets scan's; tokenizers whose offsets may be out of order or empty
+    (SentencePiece's prepended '▁', trimmed offsets) keep the scan."""
+    import copy
+
+    from tokenizers import processors
+
+    from finetune.data.prepare import _offsets_ordered, _plain_backend, _runs_from_encoding, _runs_from_offsets
+
+    # "e\u0301": Qwen3's NFC joins the two characters into one token mapped to the first; the accent is in no token.
+    texts = [TRICKY, "e\u0301 cafe\u0301\t\r\n👨‍👩‍👧 x", "<|im_start|>assistant\n  🚀🚀 数学<|im_end|>\n", "a", ""]
+    llama3, uncovered = _tok(tiny_llama3), 0
+    for tok in (qwen3, tok_chatml, llama3):
+        assert _offsets_ordered(tok)
+        backend = _plain_backend(tok)
+        for text in texts:
+            encoding = backend.encode_batch([text], add_special_tokens=False)[0]
+            uncovered += sum(encoding.char_to_token(c) is None for c in range(len(text)))
+            n, offsets = len(encoding.ids), encoding.offsets
+            spans = [(a, b) for a in range(len(text) + 1) for b in range(a, len(text) + 1)]
+            runs = _runs_from_encoding(encoding, n, len(text), spans)
+            assert [list(r) for r in runs] == [list(r) for r in _runs_from_offsets(offsets, spans)], (tok.name_or_path, text)
+    assert uncovered == 2  # the two accents under Qwen3's NFC
+    assert not _offsets_ordered(_tok(sentencepiece_dir))
+    trimmed = copy.deepcopy(tok_chatml)
+    trimmed.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    assert not _offsets_ordered(trimmed)
+
+
 @pytest.mark.parametrize("body", [
     "{{ messages.__class__.__mro__ }}",                    # a name with underscores
     "{{ messages.append(messages[0]) }}",                  # a list's mutating method

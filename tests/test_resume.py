@@ -34,7 +34,7 @@ import pytest
 from finetune import compat
 from finetune.training import checkpoint
 from finetune.models import tiny
-from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, run, run_and_kill_rank
+from launch import LOOP, TRAIN, deepspeed_launcher, launcher, losses, matrix, run, run_and_kill_rank
 
 # ----------------------------------------------------------------------------------------------
 # Fast: completion marker, `latest`, compatibility.
@@ -196,7 +196,10 @@ PATHS = {
 # DeepSpeed swaps an optimizer sub-group to disk only from 1 MiB up: hidden 192 puts each rank's partition
 # (~430k fp32 values) on disk, hidden 64 (~69k) stays in memory under zero3_nvme. Both must resume exactly.
 HIDDEN = {"swapped": 192, "unswapped": 64}
-CASES = [("trainer", "swapped"), ("loop", "swapped"), ("sft", "swapped"), ("sft", "unswapped")]
+# CI: every path, both sizes; the swapped optimizer on the DeepSpeed launcher too with FINETUNE_FULL_MATRIX=1 (the
+# swap is the engine's, whichever launcher started it).
+CASES = matrix([("trainer", "swapped"), ("loop", "swapped"), ("sft", "swapped"), ("sft", "unswapped")],
+               [("trainer", "swapped"), ("loop", "swapped"), ("sft", "unswapped")])
 
 
 @pytest.fixture(scope="module")

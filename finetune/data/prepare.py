@@ -17,6 +17,7 @@ import json
 import operator
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -340,15 +341,22 @@ def require_chat_template(tokenizer, fmt: str, where: str) -> None:
 
 def _plain_json(value) -> bool:
     """Only JSON's own types, exactly (no subclasses, tuples or other objects): the values apply_chat_template's
-    normalization copies unchanged."""
+    normalization copies unchanged. Leaves are checked inline (a call per message value was a tenth of a short
+    conversation's preparation)."""
     kind = type(value)
-    if value is None or kind is str or kind is int or kind is float or kind is bool:
-        return True
     if kind is dict:
-        return all(type(k) is str and _plain_json(v) for k, v in value.items())
-    if kind is list:
-        return all(map(_plain_json, value))
-    return False
+        if not all(type(k) is str for k in value):
+            return False
+        values = value.values()
+    elif kind is list:
+        values = value
+    else:
+        return value is None or kind is str or kind is int or kind is float or kind is bool
+    for v in values:
+        t = type(v)
+        if not (t is str or v is None or t is int or t is float or t is bool) and not _plain_json(v):
+            return False
+    return True
 
 
 class ChatRenderer:
@@ -384,11 +392,15 @@ class ChatRenderer:
         fast = (self.compile is not None and _plain_json(tools) and _plain_json(messages)
                 and all(type(m) is dict and None not in m.values() for m in messages))
         seen = self.alias(messages) if fast else messages
+        try:
+            compiled = self._template(tools) if fast else None
+        except Exception as e:
+            raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
 
         def render(n: int, add_generation_prompt: bool = False) -> str:
             try:
                 if fast:
-                    return self._render_compiled(*self._template(tools), dict(
+                    return self._render_compiled(*compiled, dict(
                         messages=seen[:n], tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                         **self.variables))
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -511,15 +523,23 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
+def _plain_backend(tokenizer):
+    """The fast tokenizer's Rust backend where calling it is what tokenizer(texts, add_special_tokens=False) runs
+    (nothing truncated or padded), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return backend
+    return None
+
+
 def _encode(tokenizer, texts: list[str], offsets: bool = False) -> tuple[list, list]:
     """(ids, offsets or []) of texts, in one tokenizer call (the fast tokenizer's own batch, each text on its own)."""
     if not texts:
         return [], []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and backend.truncation is None and backend.padding is None
-            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
-        # What tokenizer(texts) runs when nothing is truncated or padded, without its conversion of every encoding
-        # into a dict of lists.
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
+        # Without transformers' conversion of every encoding into a dict of lists.
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings], [e.offsets for e in encodings] if offsets else []
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets, return_attention_mask=False,
@@ -535,11 +555,16 @@ def _mask_spans(tokenizer, full: str, spans: list[tuple[int, int]], completion_o
 def _span_labels(tokenizer, ids: list[int], offsets: list[tuple[int, int]], end: int, spans: list[tuple[int, int]],
                  completion_only: bool, special: set[int]) -> tuple[list[int], list[int]]:
     """Train the tokens that start inside a span (through its last special token), for a text `end` characters long."""
-    labels = [IGNORE_INDEX] * len(ids)
+    return _labels(tokenizer, ids, _runs_from_offsets(offsets, spans), [b == end for _, b in spans], completion_only,
+                   special)
+
+
+def _runs_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list:
+    """Per span, the indices of the tokens that start inside it and hold text."""
     starts = list(map(operator.itemgetter(0), offsets))
     # Offsets run in text order (always, for the tokenizers seen), so a span's tokens are one run found by bisection.
     ordered = all(map(operator.le, starts, starts[1:]))
-    needs_eos = False
+    runs = []
     for a, b in spans:
         if ordered:
             inside = range(bisect.bisect_left(starts, a), bisect.bisect_left(starts, b))
@@ -547,11 +572,88 @@ def _span_labels(tokenizer, ids: list[int], offsets: list[tuple[int, int]], end:
                 inside = [t for t in inside if offsets[t][1] > offsets[t][0]]
         else:
             inside = [t for t, (s, e) in enumerate(offsets) if a <= s < b and e > s]
+        runs.append(inside)
+    return runs
+
+
+def _runs_from_encoding(encoding, n: int, end: int, spans: list[tuple[int, int]]) -> list[range]:
+    """_runs_from_offsets without the offsets list (turning every offset into a Python tuple cost a third of the
+    tokenization, issue 13): each run's ends looked up at its span's ends, for tokenizers whose offsets are ordered
+    and never empty (_offsets_ordered)."""
+    return [range(_first_token_from(encoding, n, end, a), _first_token_from(encoding, n, end, b)) for a, b in spans]
+
+
+def _first_token_from(encoding, n: int, end: int, char: int) -> int:
+    """bisect_left over the tokens' start characters: the first token starting at `char` or later."""
+    t = None
+    while t is None:
+        if char >= end:
+            return n
+        # A character in no token (NFC joins 'e' and a combining accent into one, mapped to the 'e'): no token
+        # starts there either, so the answer is the next character's.
+        t = encoding.char_to_token(char)
+        char += 1
+    char -= 1
+    # A character can be split over several tokens (bytes of one character), and a token can start before `char`.
+    while t > 0 and encoding.token_to_chars(t - 1)[0] >= char:
+        t -= 1
+    while t < n and encoding.token_to_chars(t)[0] < char:
+        t += 1
+    return t
+
+
+def _offsets_ordered(tokenizer) -> bool:
+    """The tokenizer's offsets run in text order and every token holds text: byte-level BPE (GPT-2, Llama-3, Qwen,
+    SmolLM2) with no normalizer or NFC, no offset trimming. Each token is then bytes of the text in order, mapped to
+    the characters holding them. Anything else (SentencePiece's prepended '▁', trimmed offsets) keeps the offsets
+    list. Read once per tokenizer."""
+    try:
+        return _ORDERED[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    ok = False
+    if backend is not None:
+        try:
+            spec = json.loads(backend.to_str())
+        except Exception:
+            spec = {}
+
+        def steps(part):
+            if not part:
+                return []
+            return [s for p in part.get("pretokenizers") or part.get("normalizers") or part.get("processors") or [part]
+                    for s in ([p] if p.get("type") != "Sequence" else steps(p))]
+
+        pre = steps(spec.get("pre_tokenizer"))
+        ok = (spec.get("model", {}).get("type") == "BPE"
+              and all(n.get("type") == "NFC" for n in steps(spec.get("normalizer")))
+              and bool(pre) and pre[-1].get("type") == "ByteLevel"
+              and all(p.get("type") in ("Split", "ByteLevel") for p in pre)
+              and all(p.get("type") == "TemplateProcessing" or (p.get("type") == "ByteLevel" and not p.get("trim_offsets"))
+                      for p in steps(spec.get("post_processor"))))
+    try:
+        _ORDERED[tokenizer] = ok
+    except TypeError:  # not weakly referable: checked again next time
+        pass
+    return ok
+
+
+_ORDERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _labels(tokenizer, ids: list[int], runs: list, at_end: list[bool], completion_only: bool,
+            special: set[int]) -> tuple[list[int], list[int]]:
+    """Labels training each run of tokens through its last special token; a run reaching the end of the text with
+    no special token gets EOS appended and trained."""
+    labels = [IGNORE_INDEX] * len(ids)
+    needs_eos = False
+    for inside, last in zip(runs, at_end):
         # Train through the turn's end-of-turn token, not the whitespace the template puts after it.
         last_special = next((k for k in range(len(inside) - 1, -1, -1) if ids[inside[k]] in special), None)
         if last_special is not None:
             inside = inside[: last_special + 1]
-        elif b == end:
+        elif last:
             needs_eos = True
         if isinstance(inside, range):
             labels[inside.start:inside.stop] = ids[inside.start:inside.stop]
@@ -584,21 +686,38 @@ def _turn_example(tokenizer, prompt: list[int], turn: list[int], completion_only
 
 def encode_chats(tokenizer, layouts: list, completion_only: bool) -> list[list[tuple[list[int], list[int]]]]:
     """The examples of conversations laid out by chat_layout: one for each whole rendering, one per assistant turn
-    of the others. All their texts are tokenized in two tokenizer calls (with offsets for the whole renderings)."""
+    of the others. All their texts are tokenized in two tokenizer calls (the whole renderings with offsets)."""
     special = _special_ids(tokenizer)
-    whole_ids, whole_offsets = _encode(tokenizer, [full for full, _ in layouts if full is not None], offsets=True)
+    wholes = [(full, spans) for full, spans in layouts if full is not None]
+    whole = iter(_whole_examples(tokenizer, wholes, completion_only, special))
     # A turn's context and the turn are tokenized apart; an empty context is no tokens, not the text "".
     pieces = [text for full, turns in layouts if full is None for context, through in turns
               for text in ((context,) if context else ()) + (through[len(context):],)]
     piece_ids = iter(_encode(tokenizer, pieces)[0])
-    whole = iter(zip(whole_ids, whole_offsets))
     out = []
     for full, parts in layouts:
         if full is not None:
-            out.append([_span_labels(tokenizer, *next(whole), len(full), parts, completion_only, special)])
+            out.append([next(whole)])
         else:
             out.append([_turn_example(tokenizer, next(piece_ids) if context else [], next(piece_ids), completion_only, special)
                         for context, _ in parts])
+    return out
+
+
+def _whole_examples(tokenizer, wholes: list[tuple[str, list]], completion_only: bool, special: set[int]) -> list:
+    """(ids, labels) of whole renderings and their assistant spans."""
+    if not wholes:
+        return []
+    backend = _plain_backend(tokenizer)
+    if backend is None or not _offsets_ordered(tokenizer):
+        ids, offsets = _encode(tokenizer, [full for full, _ in wholes], offsets=True)
+        return [_span_labels(tokenizer, i, o, len(full), spans, completion_only, special)
+                for i, o, (full, spans) in zip(ids, offsets, wholes)]
+    out = []
+    for encoding, (full, spans) in zip(backend.encode_batch([full for full, _ in wholes], add_special_tokens=False), wholes):
+        ids = encoding.ids
+        runs = _runs_from_encoding(encoding, len(ids), len(full), spans)
+        out.append(_labels(tokenizer, ids, runs, [b == len(full) for _, b in spans], completion_only, special))
     return out
 
 
