@@ -723,7 +723,7 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
     table = summarize(results, peak)
     lines = ["## Throughput", "",
              "Written by `bench/throughput.py` ("
-             + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations run side by side, one per core, "
+             + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations run side by side on the cores, "
                 "merged with `--merge`") + "; its docstring says what each row runs and how it is timed).", ""]
     for run in runs:
         cmd = " ".join([".venv/bin/python", "bench/throughput.py", *run["argv"][1:]])
