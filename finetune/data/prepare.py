@@ -614,10 +614,15 @@ def _offsets_ordered(tokenizer) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     ok = False
     if backend is not None:
-        try:
-            spec = json.loads(backend.to_str())
-        except Exception:
-            spec = {}
+        # Each part's own JSON, not the whole tokenizer's (its vocabulary: megabytes).
+        spec = {}
+        for part in ("normalizer", "pre_tokenizer", "post_processor"):
+            try:
+                component = getattr(backend, part)
+                spec[part] = json.loads(component.__getstate__()) if component is not None else None
+            except Exception:
+                spec[part] = {"type": "unknown"}
+        spec["model"] = {"type": type(backend.model).__name__}
 
         def steps(part):
             if not part:
