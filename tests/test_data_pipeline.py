@@ -344,8 +344,14 @@ def test_bookkeeping_columns_read_without_the_memory_map(tmp_path):
     assert len(files) == 2
     compat.release_mapped_pages(files)  # as if the map had written more than memory holds
     before = sum(_resident_kb(Path(f)) for f in files)
-    status, split, no_end, trained, lengths = pipeline._bookkeeping(files)
+    import pyarrow as pa
+
+    pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    status, split, no_end, trained, lengths = pipeline._bookkeeping(files, memory_pool=pool)
     assert sum(_resident_kb(Path(f)) for f in files) == before
+    # One batch held at a time: the reader's peak is a few batches' bytes, not the files'.
+    batch_bytes = max(b.nbytes for b in mapped.data.to_batches(max_chunksize=100))
+    assert pool.max_memory() <= 3 * batch_bytes < sum(os.path.getsize(f) for f in files) / 5, (pool.max_memory(), batch_bytes)
     table = mapped.data
     for got, column in ((status, "_status"), (split, "_split"), (no_end, "_no_end"), (trained, "_trained")):
         assert np.array_equal(got, table.column(column).to_numpy()), column

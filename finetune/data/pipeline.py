@@ -256,23 +256,26 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     return stats
 
 
-def _bookkeeping(files: list[str]):
+def _bookkeeping(files: list[str], memory_pool=None):
     """(status, split, no_end, trained, token count) per example, read from the map's files batch by batch with
     plain reads: through the memory map, each column's few bytes per batch faulted in the pages around them, +270 MB
-    of RSS at 1M conversations (bench/data.py), most of the tokens' pages."""
+    of RSS at 1M conversations (bench/data.py), most of the tokens' pages. Each batch's numbers are copied out, so
+    only one batch is held at a time (a zero-copy view would keep its whole batch, tokens included, alive)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    columns: dict[str, list] = {"_status": [], "_split": [], "_no_end": [], "_trained": [], "lengths": []}
+    names = ("_status", "_split", "_no_end", "_trained")
+    parts: list[list] = [[] for _ in range(len(names) + 1)]
     for name in files:
-        with pa.OSFile(name, "rb") as f, pa.ipc.open_stream(f) as reader:
+        with pa.OSFile(name, "rb", memory_pool=memory_pool) as f, pa.ipc.open_stream(f, memory_pool=memory_pool) as reader:
             for batch in reader:
-                for c in ("_status", "_split", "_no_end", "_trained"):
-                    columns[c].append(batch.column(c).to_numpy(zero_copy_only=False))
-                columns["lengths"].append(pc.list_value_length(batch.column("input_ids")).to_numpy(zero_copy_only=False))
-    return tuple(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)
-                 for v in (columns["_status"], columns["_split"], columns["_no_end"], columns["_trained"], columns["lengths"]))
+                for k, c in enumerate(names):
+                    parts[k].append(np.array(batch.column(c).to_numpy(zero_copy_only=False), copy=True))
+                lengths = pc.list_value_length(batch.column("input_ids"), memory_pool=memory_pool)
+                parts[-1].append(np.array(lengths.to_numpy(zero_copy_only=False), copy=True))
+                del batch, lengths
+    return tuple(np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in parts)
 
 
 def commit(mapped, keep, drop: list[str], final: Path, stats: dict) -> None:
