@@ -314,8 +314,9 @@ def _resident_kb(path: Path) -> int:
     """This process's resident kB in mappings of `path` (/proc/self/smaps)."""
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split()[0]:
-            inside = line.split()[-1] == str(path)
+        fields = line.split()
+        if fields and not fields[0].endswith(":"):  # a mapping's header line (its fields' lines start "Name:")
+            inside = fields[-1] == str(path)
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
@@ -327,6 +328,7 @@ def test_bookkeeping_columns_read_without_the_memory_map(tmp_path):
     numbers as the memory-mapped table's columns, over several files, and no page of the files made resident."""
     import datasets
     import numpy as np
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from finetune import compat
@@ -344,8 +346,6 @@ def test_bookkeeping_columns_read_without_the_memory_map(tmp_path):
     assert len(files) == 2
     compat.release_mapped_pages(files)  # as if the map had written more than memory holds
     before = sum(_resident_kb(Path(f)) for f in files)
-    import pyarrow as pa
-
     pool = pa.proxy_memory_pool(pa.default_memory_pool())
     status, split, no_end, trained, lengths = pipeline._bookkeeping(files, memory_pool=pool)
     assert sum(_resident_kb(Path(f)) for f in files) == before

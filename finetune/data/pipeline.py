@@ -239,8 +239,9 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     )
     # datasets opens the map's output memory-mapped, and reading its stream in touches pages (about 40% of the file:
     # 320 MB at 1M conversations) that would stay in RSS; the training reads them again as it needs them.
-    compat.release_mapped_pages([f["filename"] for f in mapped.cache_files])
-    status, split, no_end, trained, lengths = _bookkeeping([f["filename"] for f in mapped.cache_files])
+    files = [f["filename"] for f in mapped.cache_files]
+    compat.release_mapped_pages(files)
+    status, split, no_end, trained, lengths = _bookkeeping(files)
     keep = (status & DROPPED) == 0
     no_end = no_end.astype(bool)
     stats = DataStats(
@@ -277,7 +278,6 @@ def _bookkeeping(files: list[str], memory_pool=None):
                     parts[k].append(np.array(batch.column(c).to_numpy(zero_copy_only=False), copy=True))
                 lengths = pc.list_value_length(batch.column("input_ids"), memory_pool=memory_pool)
                 parts[-1].append(np.array(lengths.to_numpy(zero_copy_only=False), copy=True))
-                del batch, lengths
     return tuple(np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in parts)
 
 

@@ -395,7 +395,7 @@ class ChatRenderer:
         try:
             compiled = self._template(tools) if fast else None
         except Exception as e:
-            raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
+            raise _rejected(where, e) from None
 
         def render(n: int, add_generation_prompt: bool = False) -> str:
             try:
@@ -406,7 +406,7 @@ class ChatRenderer:
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
                                                           **({"tools": tools} if tools else {}))
             except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
-                raise DataError(f"{where}: the tokenizer's chat template rejected this conversation: {e}") from None
+                raise _rejected(where, e) from None
 
         return render
 
@@ -440,6 +440,10 @@ class ChatRenderer:
             return template.environment.concat(template.root_render_func(context))
         except Exception:
             template.environment.handle_exception()  # raises the error, its traceback pointing into the template
+
+
+def _rejected(where: str, error: Exception) -> DataError:
+    return DataError(f"{where}: the tokenizer's chat template rejected this conversation: {error}")
 
 
 _RENDER_TEMPLATES: dict = {}  # source -> (template, globals): a renderer is made per map batch, compiled once
@@ -622,7 +626,6 @@ def _offsets_ordered(tokenizer) -> bool:
                 spec[part] = json.loads(component.__getstate__()) if component is not None else None
             except Exception:
                 spec[part] = {"type": "unknown"}
-        spec["model"] = {"type": type(backend.model).__name__}
 
         def steps(part):
             if not part:
@@ -631,7 +634,7 @@ def _offsets_ordered(tokenizer) -> bool:
                     for s in ([p] if p.get("type") != "Sequence" else steps(p))]
 
         pre = steps(spec.get("pre_tokenizer"))
-        ok = (spec.get("model", {}).get("type") == "BPE"
+        ok = (type(backend.model).__name__ == "BPE"
               and all(n.get("type") == "NFC" for n in steps(spec.get("normalizer")))
               and bool(pre) and pre[-1].get("type") == "ByteLevel"
               and all(p.get("type") in ("Split", "ByteLevel") for p in pre)
