@@ -27,7 +27,13 @@ Timing: on CPU every row runs on ONE thread and is timed in the process's CPU ti
 mostly measures other users' load; it is kept as a column). After the warm-up steps a row runs until it has timed
 at least --min_tokens real (non-padding) tokens; the whole grid is repeated --repeats times, interleaved, and the
 table gives the median with the spread (max - min over the median) of every number, and of every ratio. A
-ratio whose spread exceeds 5% is marked unstable. CPU MFU: model FLOPs per second over the single-thread fp32
+ratio whose spread exceeds 5% is marked unstable.
+
+Neighbours: on a machine of few cores a row's speed depends on what the other cores run (shared caches and memory
+bandwidth: up to 10% here), so the two rows of a ratio must run beside the same work. `--pair DIR` runs
+invocations in lockstep: started with the same arguments on different cores (`taskset -c 0 ...` and `taskset -c 1
+...`, the same DIR), each row starts when every invocation of the pair has reached it, so every row runs beside
+the same row of the other invocation. `--merge` takes their --json files together: each adds its repeats. CPU MFU: model FLOPs per second over the single-thread fp32
 GEMM peak (torch.mm, best of a few shapes) measured in the same invocation. Model FLOPs count the work the job
 needs, not what a framework happens to do: 6 x body parameters per real token (4 x for frozen LoRA bases, plus
 6 x the adapter's), the LM head per trained token the same way, causal attention 6 x layers x hidden x length^2
@@ -553,6 +559,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", default=str(REPO / "tmp" / "bench-throughput"))
     ap.add_argument("--json", default=None, help="also write every row of every repeat here")
     ap.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ap.add_argument("--pair", default=None, metavar="DIR",
+                    help="run in lockstep with the other invocations given this folder: each row starts when all "
+                         "have reached it (see Neighbours above)")
+    ap.add_argument("--pair_size", type=int, default=2, help="how many invocations share --pair")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="render one table from the --json files of invocations run side by side (e.g. one per "
                          "core), then exit")
@@ -583,9 +593,12 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     start = time.time()
+    barrier = Barrier(args.pair, args.pair_size) if args.pair else None
     dev = fork_run(_device_child)
     info = machine(args.gpu)
     info.update(device=dev["device"])
+    if barrier:
+        barrier.wait("the GEMM peak")
     peaks = [] if args.gpu else [fork_run(_gemm_child)]
     models = {}
     for name in args.models or (["gpu"] if args.gpu else ["small", "smollm2"]):
@@ -605,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
                         for config in args.configs or p.get("configs", CONFIGS):
                             row = config + ("+gc" if gc == "on" else "")
                             profile = repeat == 0 and config == "ft_packed" and gc == "off"
+                            if barrier:
+                                barrier.wait(f"{name} {method} {ds} {row}, repeat {repeat + 1}")
                             t0 = time.time()
                             status, payload = fork_run(_child, row, ds, model_dir, data[ds], work / name, p, args.gpu,
                                                        method, args.min_tokens, profile)
@@ -619,6 +634,8 @@ def main(argv: list[str] | None = None) -> None:
                                   f"{payload['tokens_per_s']:8.0f} tok/s  {payload['real_tokens']:7,} tokens  "
                                   f"{payload['steps']:3d} steps  peak {payload['peak_mb']:.0f} MB  "
                                   f"({time.time() - t0:.0f}s)", flush=True)
+    if barrier:
+        barrier.wait("the last GEMM peak")
     if not args.gpu:
         peaks.append(fork_run(_gemm_child))
     run = {"argv": sys.argv, "load_before": load_before, "load_after": os.getloadavg(), "wall": time.time() - start}
@@ -633,6 +650,32 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(saved)
     if not args.no_write:
         write_results(report)
+
+
+class Barrier:
+    """Lockstep with the other invocations sharing a folder: wait(what) returns once all have reached it."""
+
+    def __init__(self, folder: str, size: int, timeout: float = 3600.0, poll: float = 0.2):
+        self.folder, self.size, self.timeout, self.poll, self.count = Path(folder), size, timeout, poll, 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.me = f"{platform.node()}-{os.getpid()}"
+        if any(not f.name.startswith("00001.") for f in self.folder.iterdir()):
+            raise SystemExit(f"--pair {self.folder} holds an earlier run's files: give each pair a new folder")
+
+    def wait(self, what: str) -> None:
+        self.count += 1
+        (self.folder / f"{self.count:05d}.{self.me}").touch()
+        start = said = time.monotonic()
+        while len(list(self.folder.glob(f"{self.count:05d}.*"))) < self.size:
+            now = time.monotonic()
+            if now - start > self.timeout:
+                raise SystemExit(f"--pair {self.folder}: the other {self.size - 1} invocation(s) did not reach "
+                                 f"{what} within {self.timeout:.0f} s (did they start with the same arguments?)")
+            if now - said >= 60:
+                print(f"waiting {now - start:.0f} s for the other invocation(s) of --pair {self.folder} to reach "
+                      f"{what}", flush=True)
+                said = now
+            time.sleep(self.poll)
 
 
 def _describe_model(model_dir: Path) -> str:
@@ -704,10 +747,19 @@ def _fmt(ms: tuple[float, float] | None, fmt: str, pct: bool = False, ratio: boo
 
 
 def merge(files: list[str], args) -> str:
-    """One report from several invocations' --json files (run side by side: each row keeps its own invocation's
-    repeats, ratios are taken within a (model, method, dataset) group, the GEMM peak is the best of all)."""
+    """One report from several invocations' --json files (run side by side: ratios are taken within a (model,
+    method, dataset) group and repeat; a group that several invocations ran (--pair) adds each one's repeats after
+    the earlier ones'; the GEMM peak is the best of all)."""
     saved = [json.loads(Path(f).read_text()) for f in files]
-    results = [r for s in saved for r in s["rows"]]
+    results, seen = [], {}
+    for s in saved:
+        ran: dict = {}
+        for r in s["rows"]:
+            key = (r["model"], r["method"], r["dataset"])
+            ran[key] = max(ran.get(key, 0), r["repeat"] + 1)
+            results.append({**r, "repeat": r["repeat"] + seen.get(key, 0)})
+        for key, n in ran.items():
+            seen[key] = seen.get(key, 0) + n
     peaks = [g for s in saved for g in s["gemm"]]
     models = {}
     for s in saved:
@@ -740,7 +792,7 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
     for name, (p, _, _, desc) in models.items():
         lines.append(f"**{name}**: {desc}; {p['dtype']}, attention {p['attn']}; max_seq_length {p['seq']}, "
                      f"per-device batch {p['batch']}, {p['warmup']} warm-up steps, >= {args.min_tokens:,} real "
-                     f"tokens timed per row, {args.repeats} repeats.  ")
+                     f"tokens timed per row, {_repeats(results, name, args.repeats)}.  ")
     lines += ["", "Numbers are medians over the repeats, ± half the spread (max - min) in percent; a ratio is taken "
               "within each repeat, then summarized the same way (**unstable**: spread above 5%). `vs TRL best` "
               "divides by the fastest TRL row with the same gradient checkpointing in the same repeat.", ""]
@@ -798,6 +850,17 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
             lines.append(f"| `{t['op']}` | {t['group']} | {t['calls']} | {t['self_cpu_ms']:.1f} |")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _repeats(results: list[dict], model: str, default: int) -> str:
+    counts = {}
+    for r in results:
+        if r["model"] == model:
+            key = (r["method"], r["dataset"])
+            counts[key] = max(counts.get(key, 0), r["repeat"] + 1)
+    if len(set(counts.values())) > 1:
+        return ", ".join(f"{m} {n} repeats" for (m, _), n in counts.items())
+    return f"{next(iter(counts.values()), default)} repeats"
 
 
 def write_results(section: str, path: Path = REPO / "bench" / "RESULTS.md") -> None:

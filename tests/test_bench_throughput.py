@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,6 +92,67 @@ def test_merge_renders_invocations_run_side_by_side(tmp_path):
     assert report.count("ft_packed 2.00x TRL's best (trl_packing)") == 2
     assert "GEMM peak** (one thread, fp32 torch.mm, CPU time, best shape): 50.0 GFLOP/s" in report
     assert "| ft_packed | 300 ±0.0% | 2.00 ±0.0% |" in report and "| 0.6% ±0.0% |" in report  # 3e8 / 5e10
+
+
+def test_merge_adds_the_repeats_of_a_pair(tmp_path):
+    """Two invocations of the same group (--pair, one per core): six repeats, each ratio within its own repeat."""
+    import json
+
+    def row(config, rep, tps):
+        return {"model": "smollm2", "method": "full", "dataset": "mixed", "config": config, "repeat": rep,
+                "tokens_per_s": tps, "flops": tps * 1e6, "real_tokens": 20000, "steps": 10, "efficiency": 1.0,
+                "wall_tokens_per_s": tps, "peak_mb": 1.0}
+
+    files = []
+    for core, (ft, trl) in enumerate(((150, 100), (160, 100))):  # 1.5x on one core, 1.6x on the other
+        saved = {"rows": [row("ft_packed", r, ft) for r in range(3)] + [row("trl_packing_rows", r, trl) for r in range(3)],
+                 "gemm": [{"peak": 1e9, "shapes": {}}],
+                 "run": {"argv": ["bench/throughput.py", "--pair", "p"], "load_before": [1, 1, 1],
+                         "load_after": [2, 2, 2], "wall": 60.0},
+                 "info": dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3"),
+                 "dev": {"device": "cpu", "peak": None},
+                 "models": {"smollm2": [dict(T.PRESETS["smollm2"], attn="sdpa"), "SmolLM2"]},
+                 "min_tokens": 20000, "repeats": 3, "gpu": False}
+        files.append(tmp_path / f"{core}.json")
+        files[-1].write_text(json.dumps(saved))
+    report = T.merge([str(f) for f in files], SimpleNamespace())
+    assert "6 repeats" in report and "3 repeats" not in report
+    # median of 1.5 x3 and 1.6 x3 is 1.55; spread 0.1 / 1.55 = 6.5%: had the repeats overwritten each other, 1.60
+    assert "ft_packed 1.55x TRL's best (trl_packing_rows), spread 6.5% (UNSTABLE)" in report
+
+
+def test_pair_barrier_runs_invocations_in_lockstep(tmp_path):
+    """Each of two processes logs when it passes three barriers: no process passes barrier k+1 before the other
+    has reached barrier k+1 (the slow one sleeps before each); a stale folder is refused."""
+    import multiprocessing as mp
+
+    log = tmp_path / "log"
+
+    def run(delay):
+        b = T.Barrier(str(tmp_path / "pair"), 2, timeout=30, poll=0.01)
+        for k in range(3):
+            time.sleep(delay)
+            with open(log, "a") as f:
+                f.write(f"reach {k} {os.getpid()} {time.monotonic()}\n")
+            b.wait(f"row {k}")
+            with open(log, "a") as f:
+                f.write(f"pass {k} {os.getpid()} {time.monotonic()}\n")
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=run, args=(d,)) for d in (0.0, 0.3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    events = [line.split() for line in log.read_text().splitlines()]
+    for k in range(3):
+        last_reach = max(float(t) for e, kk, _, t in events if e == "reach" and int(kk) == k)
+        first_pass = min(float(t) for e, kk, _, t in events if e == "pass" and int(kk) == k)
+        assert first_pass >= last_reach  # nobody started row k before both had reached it
+    assert sum(e == "pass" for e, *_ in events) == 6
+    with pytest.raises(SystemExit, match="earlier run's files"):
+        T.Barrier(str(tmp_path / "pair"), 2)
 
 
 def test_model_flops_count_the_job():
