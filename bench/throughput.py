@@ -25,9 +25,11 @@ checkpointing.
 
 Timing: on CPU every row runs on ONE thread and is timed in the process's CPU time (on shared cores wall time
 mostly measures other users' load; it is kept as a column). After the warm-up steps a row runs until it has timed
-at least --min_tokens real (non-padding) tokens; the whole grid is repeated --repeats times, interleaved, and the
-table gives the median with the spread (max - min over the median) of every number, and of every ratio. A
-ratio whose spread exceeds 5% is marked unstable.
+at least --min_tokens real (non-padding) tokens. A step in which torch.compile compiled (a shape it had not seen)
+is left out: on a cold compile cache it takes seconds, so a grid's first repeat would time compilation and the
+later ones, on a warm cache, would not; the headline counts them. The whole grid is repeated --repeats times,
+interleaved, and the table gives the median with the spread (max - min over the median) of every number, and of
+every ratio. A ratio whose spread exceeds 5% is marked unstable.
 
 Neighbours: on a machine of few cores a row's speed depends on what the other cores run (shared caches and memory
 bandwidth: up to 10% here), so the two rows of a ratio must run beside the same work. `--pair DIR` runs
@@ -165,8 +167,13 @@ class Counting:
                              "sq": sum(n * n for n in seq)})
         return batch
 
-    def timed(self, warmup: int, steps: int) -> list[dict]:
-        return self.batches[warmup:steps]
+    def timed(self, ends: list, warmup: int) -> list[int]:
+        """The steps after the warm-up that are timed: those in which nothing was compiled (a compiled row
+        recompiles for a shape it has not seen; on a cold compile cache that step is seconds)."""
+        return [k for k in range(warmup, len(ends) - 1) if ends[k + 1][2] == ends[k][2]]
+
+    def timed_tokens(self, ends: list, warmup: int) -> int:
+        return sum(self.batches[k]["real"] for k in self.timed(ends, warmup))
 
 
 def step_timer(counting_ref: list, warmup: int, min_tokens: int):
@@ -185,17 +192,17 @@ def step_timer(counting_ref: list, warmup: int, min_tokens: int):
                 return
             _sync()
             self.ends.append(_now())
-            done = len(self.ends) - 1
-            if done > warmup and sum(b["real"] for b in counting_ref[0].timed(warmup, done)) >= min_tokens:
+            if counting_ref[0].timed_tokens(self.ends, warmup) >= min_tokens:
                 control.should_training_stop = True
 
     return Timer()
 
 
-def _now() -> tuple[float, float]:
-    """(wall, this process's CPU time): on a shared CPU the CPU time of a one-thread run is the work done, while
-    wall time also counts the time other users' processes held the cores."""
-    return time.perf_counter(), time.process_time()
+def _now() -> tuple[float, float, int]:
+    """(wall, this process's CPU time, graphs compiled so far): on a shared CPU the CPU time of a one-thread run is
+    the work done, while wall time also counts the time other users' processes held the cores."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return time.perf_counter(), time.process_time(), dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
 
 
 def _sync():
@@ -326,16 +333,16 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
             optimizer.zero_grad(set_to_none=True)
             _sync()
             ends.append(_now())
-            done = len(ends) - 1
-            if done > warmup and sum(b["real"] for b in counting.timed(warmup, done)) >= min_tokens:
+            if counting.timed_tokens(ends, warmup) >= min_tokens:
                 break
 
-    steps = len(ends) - 1
-    wall = [b[0] - a[0] for a, b in zip(ends[warmup:-1], ends[warmup + 1:])]
-    cpu = [b[1] - a[1] for a, b in zip(ends[warmup:-1], ends[warmup + 1:])]
+    kept = counting.timed(ends, warmup)
+    wall = [ends[k + 1][0] - ends[k][0] for k in kept]
+    cpu = [ends[k + 1][1] - ends[k][1] for k in kept]
     # GPU: wall time. CPU: CPU time of the (one-thread) process, see _now().
     timed = wall if gpu else cpu
-    batches = counting.timed(warmup, steps)
+    batches = [counting.batches[k] for k in kept]
+    result["compiling_steps"] = len(ends) - 1 - warmup - len(kept)
     real, trained, slots, sq = (sum(b[k] for b in batches) for k in ("real", "trained", "slots", "sq"))
     seconds = sum(timed)
     result.update(
@@ -732,6 +739,7 @@ def summarize(results: list[dict], peak: float | None) -> dict:
                 "peak_mb": max(r["peak_mb"] for r in reps.values()), "profile": next(
                     (r["profile"] for r in reps.values() if r.get("profile")), None),
                 "packing_efficiency": first.get("packing_efficiency"), "trl_layout": first.get("trl_layout"),
+                "compiling_steps": sum(r.get("compiling_steps", 0) for r in reps.values()),
             }
         out[key] = table
     return out
@@ -823,9 +831,11 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
                 other = rows.get(variant + gc)
                 if other and "vs_ft_packed" in other["ratios"]:
                     med, spread = other["ratios"]["vs_ft_packed"]
+                    left = (f"; {other['compiling_steps']} timed steps that compiled left out"
+                            if other.get("compiling_steps") else "")
                     headline.append(f"- {model} {method} {ds}, checkpointing {'on' if gc else 'off'}: {what} "
                                     f"{med:.2f}x ft_packed's tokens/s (spread {100 * spread:.1f}%), peak "
-                                    f"{other['peak_mb']:,.0f} MB vs {rows['ft_packed' + gc]['peak_mb']:,.0f} MB")
+                                    f"{other['peak_mb']:,.0f} MB vs {rows['ft_packed' + gc]['peak_mb']:,.0f} MB{left}")
         layouts = {n: r["trl_layout"] for n, r in rows.items() if r.get("trl_layout")}
         if layouts:
             lines += ["", "TRL layouts: " + ", ".join(f"{n}: {v}" for n, v in layouts.items()) + "."]

@@ -155,6 +155,23 @@ def test_pair_barrier_runs_invocations_in_lockstep(tmp_path):
         T.Barrier(str(tmp_path / "pair"), 2)
 
 
+def test_steps_that_compiled_are_not_timed():
+    """A step in which torch.compile compiled a graph is left out of the timing (and of the token count that ends a
+    row); the count is dynamo's own, read in _now()."""
+    import torch
+
+    counting = T.Counting(None)
+    counting.batches = [{"real": 100 + k} for k in range(6)]
+    graphs = [0, 0, 1, 1, 2, 2, 2]  # step k runs from ends[k] to ends[k + 1]: steps 1 and 3 compiled
+    ends = [(float(k), float(k), g) for k, g in enumerate(graphs)]
+    assert counting.timed(ends, 1) == [2, 4, 5] and counting.timed_tokens(ends, 1) == 102 + 104 + 105
+    before = T._now()[2]
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    f(torch.ones(3))
+    assert T._now()[2] == before + 1
+
+
 def test_model_flops_count_the_job():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
