@@ -18,6 +18,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -176,31 +177,54 @@ def _rss_anon(pid: int) -> int:
     return 0
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| records | tokens | preparation | processes | wall s | CPU s | records/s | tokens/s | peak RSS MB | of it anonymous MB | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+def _groups(rows: list[dict]) -> dict:
+    """(kind, records, num_proc) -> {repeat: row} (rows written before --repeats existed are repeat 0)."""
+    out: dict = {}
     for r in rows:
-        lines.append(f"| {r['records']:,} | {r['tokens']:,} | {r['kind']} | {r['num_proc']} | {r['wall_s']:.1f} | "
-                     f"{r['cpu_in_process_s']:.1f} | {r['records'] / r['wall_s']:,.0f} | {r['tokens'] / r['wall_s']:,.0f} | "
-                     f"{r['peak_rss_mb']:,.0f} | {r.get('peak_rss_anon_mb', float('nan')):,.0f} | {r.get('load_avg_1m', 0):.0f} |")
+        out.setdefault((r["kind"], r["records"], r["num_proc"]), {})[r.get("repeat", 0)] = r
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:.2f}" + (f" ({min(values):.2f}-{max(values):.2f} over {len(values)})" if len(values) > 1 else "")
+
+
+def table(rows: list[dict]) -> str:
+    """Medians over the repeats (CPU s with its spread: max - min over the median); peaks are the highest."""
+    lines = ["| records | tokens | preparation | processes | repeats | wall s | CPU s | records/s | tokens/s | peak RSS MB | of it anonymous MB | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (kind, n, p), reps in sorted(_groups(rows).items(), key=lambda kv: (kv[0][1], -kv[0][2], kv[0][0])):
+        rs = list(reps.values())
+        wall = statistics.median(r["wall_s"] for r in rs)
+        cpu = [r["cpu_in_process_s"] for r in rs]
+        med = statistics.median(cpu)
+        lines.append(f"| {n:,} | {rs[0]['tokens']:,} | {kind} | {p} | {len(rs)} | {wall:.1f} | {med:.1f} ±"
+                     f"{50 * (max(cpu) - min(cpu)) / med:.0f}% | {n / wall:,.0f} | {rs[0]['tokens'] / wall:,.0f} | "
+                     f"{max(r['peak_rss_mb'] for r in rs):,.0f} | "
+                     f"{max(r.get('peak_rss_anon_mb', float('nan')) for r in rs):,.0f} | "
+                     f"{max(r.get('load_avg_1m', 0) for r in rs):.0f} |")
     return "\n".join(lines)
 
 
 def ratios(rows: list[dict]) -> str:
+    """Each ratio taken within a repeat (the two runs measured one after the other), then its median and range."""
     out = []
-    by = {(r["kind"], r["records"], r["num_proc"]): r for r in rows}
+    by = _groups(rows)
     for n in sorted({r["records"] for r in rows}):
         procs = sorted({r["num_proc"] for r in rows if r["records"] == n})
         for p in procs:
-            f, q = by.get(("finetune", n, p)), by.get(("plain", n, p))
-            if f and q:
-                out.append(f"{n:,} records, {p} process(es): finetune CPU / plain CPU = {f['cpu_in_process_s'] / q['cpu_in_process_s']:.2f}")
+            f, q = by.get(("finetune", n, p), {}), by.get(("plain", n, p), {})
+            values = [f[r]["cpu_in_process_s"] / q[r]["cpu_in_process_s"] for r in f if r in q]
+            if values:
+                out.append(f"{n:,} records, {p} process(es): finetune CPU / plain CPU = {_spread(values)}")
         if len(procs) > 1:
             lo, hi = procs[0], procs[-1]
             for kind in ("finetune", "plain"):
-                a, b = by.get((kind, n, lo)), by.get((kind, n, hi))
-                if a and b:
-                    out.append(f"{n:,} records, {kind}: wall {lo} process / {hi} processes = {a['wall_s'] / b['wall_s']:.2f}x")
+                a, b = by.get((kind, n, lo), {}), by.get((kind, n, hi), {})
+                values = [a[r]["wall_s"] / b[r]["wall_s"] for r in a if r in b]
+                if values:
+                    out.append(f"{n:,} records, {kind}: wall {lo} process / {hi} processes = {_spread(values)}x")
     return "\n".join(out)
 
 
@@ -221,6 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=None, help="process counts (default: 1 and all cores)")
     ap.add_argument("--work", default="/tmp/finetune-bench-data")
     ap.add_argument("--out", default=str(REPO / "bench" / "data_results.jsonl"))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="the whole grid again, interleaved; ratios are taken within a repeat, the table gives medians")
     ap.add_argument("--kinds", nargs="+", default=["finetune", "plain"], choices=["finetune", "plain"])
     ap.add_argument("--child", choices=["finetune", "plain"])
     ap.add_argument("--num_proc", type=int, default=1)
@@ -246,14 +272,16 @@ def main(argv=None) -> None:
     rows = []
     for n in a.sizes:
         make_data(n, work, load_tok(work))
-        for p in sorted(procs, reverse=True):
-            for kind in a.kinds:
-                row = measure(kind, n, p, work)
-                row["load_avg_1m"] = os.getloadavg()[0]
-                rows.append(row)
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
+    for repeat in range(a.repeats):
+        for n in a.sizes:
+            for p in sorted(procs, reverse=True):
+                for kind in a.kinds:
+                    row = measure(kind, n, p, work)
+                    row.update(load_avg_1m=os.getloadavg()[0], repeat=repeat)
+                    rows.append(row)
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(json.dumps(row), flush=True)
     print(table(rows))
     print(ratios(rows))
 
