@@ -680,3 +680,15 @@ def test_remembered_sandbox_checks_still_refuse(tiny_chatml, body):
     tok.chat_template = "{% for m in messages %}{% if loop.first %}[{{ m.role }}]{% endif %}{{ m.content }}{% endfor %}"
     for _ in range(2):
         assert ChatRenderer(tok)(conversation) == tok.apply_chat_template(conversation, tokenize=False) == "[user]hiyo"
+    # What the sandbox renders as undefined (str.format, which it wraps; an unsafe name) renders the same.
+    for body in ("'{0.__class__}'.format(m)", "m.content.format_map({}) ~ m.__class__", "'{}'.format(m.role)"):
+        tok.chat_template = "{% for m in messages %}{{ " + body + " }}{{ m.content }}{% endfor %}"
+        for _ in range(2):
+            assert ChatRenderer(tok)(conversation) == tok.apply_chat_template(conversation, tokenize=False), body
+    # Attribute syntax on messages: keys, a missing key, a dict method.
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}:{{ m.content }} {{ m.missing is defined }} {{ m.get('role') }} "
+                         "{{ m['content'] }} {{ m.items is callable }}|{% endfor %}")
+    conversation[1]["items"] = "shadowed"
+    for _ in range(2):
+        assert ChatRenderer(tok)(conversation) == tok.apply_chat_template(conversation, tokenize=False) == (
+            "user:hi False user hi True|assistant:yo False assistant yo True|")

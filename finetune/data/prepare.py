@@ -17,6 +17,7 @@ import json
 import operator
 import os
 import time
+import types
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,6 +340,21 @@ def require_chat_template(tokenizer, fmt: str, where: str) -> None:
         )
 
 
+def _plain_messages(messages) -> bool:
+    """A list of dicts of plain JSON (below) none of which holds None: apply_chat_template drops keys holding None,
+    so a message holding one takes its path, to drop them the same way."""
+    if type(messages) is not list:
+        return False
+    for m in messages:
+        if type(m) is not dict:
+            return False
+        for k, v in m.items():
+            t = type(v)
+            if type(k) is not str or v is None or not (t is str or t is int or t is float or t is bool or _plain_json(v)):
+                return False
+    return True
+
+
 def _plain_json(value) -> bool:
     """Only JSON's own types, exactly (no subclasses, tuples or other objects): the values apply_chat_template's
     normalization copies unchanged. Leaves are checked inline (a call per message value was a tenth of a short
@@ -374,11 +390,11 @@ class ChatRenderer:
         if getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template:
             return
         try:
-            from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
-                                                                _plain_template_data)
+            from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
+                                                                _compile_jinja_template, _plain_template_data)
         except ImportError:
             return
-        self.compile, self.alias = _compile_jinja_template, _alias_reasoning_fields
+        self.compile, self.alias, self.reasoning = _compile_jinja_template, _alias_reasoning_fields, frozenset(_REASONING_FIELDS)
         self.variables = _plain_template_data(tokenizer.special_tokens_map)
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
@@ -388,21 +404,21 @@ class ChatRenderer:
         """render(n, add_generation_prompt=False): the conversation's first n messages rendered; a template error is a
         DataError naming `where`."""
         tools = tools or None
-        # apply_chat_template drops keys holding None (a message holding one takes its path, to drop them the same way).
-        fast = (self.compile is not None and _plain_json(tools) and _plain_json(messages)
-                and all(type(m) is dict and None not in m.values() for m in messages))
-        seen = self.alias(messages) if fast else messages
+        fast = self.compile is not None and _plain_json(tools) and _plain_messages(messages)
+        # Reasoning under its other names is copied to the names templates read, as apply_chat_template does.
+        seen = self.alias(messages) if fast and any(not self.reasoning.isdisjoint(m) for m in messages) else messages
         try:
-            compiled = self._template(tools) if fast else None
+            template, template_globals = self._template(tools) if fast else (None, None)
         except Exception as e:
             raise _rejected(where, e) from None
+        # What every rendering of this conversation shares: the template's globals, then the variables.
+        shared = {**template_globals, "tools": tools, "documents": None, **self.variables} if fast else None
 
         def render(n: int, add_generation_prompt: bool = False) -> str:
             try:
                 if fast:
-                    return self._render_compiled(*compiled, dict(
-                        messages=seen[:n], tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                        **self.variables))
+                    return self._render_compiled(template, template_globals, {
+                        **shared, "messages": seen[:n], "add_generation_prompt": add_generation_prompt})
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
                                                           **({"tools": tools} if tools else {}))
             except Exception as e:  # e.g. raise_exception('Conversation roles must alternate ...') in the template
@@ -425,17 +441,19 @@ class ChatRenderer:
                 # (type, name), on a copy of transformers' environment (theirs is left as it is).
                 env = env.overlay()
                 env.is_safe_attribute = _per_type(env.is_safe_attribute)
+                env.getattr = _known_getattr(env)
                 template = env.from_string(source)
             found = _RENDER_TEMPLATES[source] = (template, dict(template.globals))
         self.templates[source] = found
         return found
 
-    def _render_compiled(self, template, template_globals: dict, variables: dict) -> str:
-        """template.render(variables), given the template's globals as a plain dict: Template.render merges them in
-        from its ChainMap of globals on every call, which costs about as much as rendering a two-exchange chat."""
+    def _render_compiled(self, template, template_globals: dict, merged: dict) -> str:
+        """template.render(variables), given the template's globals as a plain dict and `merged`, the globals updated
+        with the variables: Template.render merges them from its ChainMap of globals on every call, which costs
+        about as much as rendering a two-exchange chat."""
         if template.environment.is_async:
-            return template.render(variables)
-        context = self.new_context(template.environment, template.name, template.blocks, variables, False, template_globals)
+            return template.render(merged)  # the globals given again as variables: the same values
+        context = self.new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
         try:
             return template.environment.concat(template.root_render_func(context))
         except Exception:
@@ -463,6 +481,40 @@ def _per_type(check):
         return safe
 
     return is_safe_attribute
+
+
+_METHODS = (types.MethodType, types.BuiltinMethodType)
+_DICT_NAMES = frozenset(dir(dict))
+
+
+def _known_getattr(env):
+    """The sandbox's getattr(obj, attr) (`loop.first`, `message.content`) without its checks where their answer is
+    known: a key of a plain dict that is no dict attribute is the item (the sandbox first raises and catches an
+    AttributeError); a (type(obj), attr) once found safe gives the attribute itself unless it is a method (the
+    sandbox wraps str.format, so methods always take its path)."""
+    slow, check, known = env.getattr, env.is_safe_attribute, set()
+
+    def getattr_(obj, attribute):
+        if type(obj) is dict and attribute not in _DICT_NAMES:
+            try:
+                return obj[attribute]
+            except (KeyError, TypeError):
+                return slow(obj, attribute)
+        try:
+            value = getattr(obj, attribute)
+        except AttributeError:
+            return slow(obj, attribute)
+        if isinstance(value, _METHODS):
+            return slow(obj, attribute)
+        key = (type(obj), attribute)
+        if key in known:
+            return value
+        if check(obj, attribute, value):
+            known.add(key)
+            return value
+        return slow(obj, attribute)
+
+    return getattr_
 
 
 def assistant_turns(tokenizer, messages: list[dict], where: str = "", tools=None, renderer=None) -> list[tuple[str, str]]:
