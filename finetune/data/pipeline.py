@@ -166,8 +166,29 @@ def first_record(ds, prefix: str | None) -> tuple[dict, str]:
     return _record(ds[:1], 0, 0, prefix)
 
 
+_INHERITED: dict[int, "Tokenize"] = {}  # map functions running now, which forked workers hold already
+
+
+def _inherited(parent: int, key: int) -> "Tokenize":
+    fn = _INHERITED.get(key) if parent in (os.getpid(), os.getppid()) else None
+    if fn is None:
+        raise RuntimeError(f"the data preparation's map function was sent by reference to a process that did not "
+                           f"fork from process {parent} while it ran")
+    return fn
+
+
 class Tokenize:
     """The batched map function: records in, their examples out (with a status and trained-token count each)."""
+
+    def __reduce_ex__(self, protocol):
+        # datasets sends the function to each worker pickled, tokenizer included: 0.05 s to write per shard in this
+        # process, 0.12 s to read in each worker (SmolLM2's), a sixth of 10k conversations' work on 2 processes.
+        # A worker its Pool forked during the map holds this very object already.
+        import multiprocess
+
+        if _INHERITED.get(id(self)) is self and multiprocess.get_start_method() == "fork":
+            return _inherited, (os.getpid(), id(self))
+        return super().__reduce_ex__(protocol)
 
     def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None,
                  sources: tuple[str, ...] = ()):
@@ -232,11 +253,15 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
     fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
                   tuple(f["filename"] for f in ds.cache_files))
-    mapped = ds.map(
-        fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names, features=_features(),
-        num_proc=procs if procs > 1 else None, cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
-        new_fingerprint=work.name.replace(".", "_"), desc=f"tokenizing {name} ({procs} process{'es' if procs > 1 else ''})",
-    )
+    _INHERITED[id(fn)] = fn
+    try:
+        mapped = ds.map(
+            fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names, features=_features(),
+            num_proc=procs if procs > 1 else None, cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
+            new_fingerprint=work.name.replace(".", "_"), desc=f"tokenizing {name} ({procs} process{'es' if procs > 1 else ''})",
+        )
+    finally:
+        del _INHERITED[id(fn)]
     # datasets opens the map's output memory-mapped, and reading its stream in touches pages (about 40% of the file:
     # 320 MB at 1M conversations) that would stay in RSS; the training reads them again as it needs them.
     files = [f["filename"] for f in mapped.cache_files]
