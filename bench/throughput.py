@@ -783,8 +783,10 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
     table = summarize(results, peak)
     lines = ["## Throughput", "",
              "Written by `bench/throughput.py` ("
-             + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations run side by side on the cores, "
-                "merged with `--merge`") + "; its docstring says what each row runs and how it is timed).", ""]
+             + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations merged with `--merge`, "
+                + ("those given the same `--pair` folder in lockstep, one per core"
+                   if any("--pair" in run["argv"] for run in runs) else "run side by side on the cores"))
+             + "; its docstring says what each row runs and how it is timed).", ""]
     for run in runs:
         cmd = " ".join([".venv/bin/python", "bench/throughput.py", *run["argv"][1:]])
         lines.append(f"**Command**: `{cmd}`: load average (1/5/15 min) before "
