@@ -28,7 +28,7 @@ mostly measures other users' load; it is kept as a column). After the warm-up st
 at least --min_tokens real (non-padding) tokens. A step in which torch.compile compiled (a shape it had not seen)
 is left out: on a cold compile cache it takes seconds, so a grid's first repeat would time compilation and the
 later ones, on a warm cache, would not; the headline counts them. The whole grid is repeated --repeats times,
-interleaved, and the table gives the median with the spread (max - min over the median) of every number, and of
+interleaved (ft_packed and trl_packing_rows first, next to each other, in turns: see row_order), and the table gives the median with the spread (max - min over the median) of every number, and of
 every ratio. A ratio whose spread exceeds 5% is marked unstable.
 
 Neighbours: on a machine of few cores a row's speed depends on what the other cores run (shared caches and memory
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods or p["methods"]:
                 for ds in args.datasets:
                     for gc in args.gc or p.get("gc", ("off", "on")):
-                        for config in args.configs or p.get("configs", CONFIGS):
+                        for config in row_order(args.configs or p.get("configs", CONFIGS), repeat):
                             row = config + ("+gc" if gc == "on" else "")
                             profile = repeat == 0 and config == "ft_packed" and gc == "off"
                             if barrier:
@@ -657,6 +657,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(saved)
     if not args.no_write:
         write_results(report)
+
+
+def row_order(configs, repeat: int) -> list[str]:
+    """ft_packed and TRL's usual best (trl_packing_rows) first and next to each other, their order swapped every
+    other repeat, then the rest: the machine's speed drifts by a few percent over minutes (on both cores at once),
+    which a ratio of two rows minutes apart would carry."""
+    head = [c for c in ("ft_packed", "trl_packing_rows") if c in configs]
+    return (head[::-1] if repeat % 2 else head) + [c for c in configs if c not in head]
 
 
 class Barrier:

@@ -173,6 +173,13 @@ def test_steps_that_compiled_are_not_timed():
     assert T._now()[2] == before + 1
 
 
+def test_headline_rows_run_next_to_each_other():
+    configs = ["ft_padded", "ft_packed", "trl_default", "trl_packing", "trl_packing_rows", "bare"]
+    assert T.row_order(configs, 0) == ["ft_packed", "trl_packing_rows", "ft_padded", "trl_default", "trl_packing", "bare"]
+    assert T.row_order(configs, 1)[:2] == ["trl_packing_rows", "ft_packed"] and T.row_order(configs, 2) == T.row_order(configs, 0)
+    assert T.row_order(["trl_default", "ft_packed"], 1) == ["ft_packed", "trl_default"]
+
+
 def test_model_flops_count_the_job():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
