@@ -782,6 +782,7 @@ def merge(files: list[str], args) -> str:
         for name, (p, desc) in s["models"].items():
             models[name] = (p, None, None, desc)
     args.min_tokens, args.repeats, args.gpu = saved[0]["min_tokens"], saved[0]["repeats"], saved[0]["gpu"]
+    args.min_tokens_by_model = {name: s["min_tokens"] for s in saved for name in s["models"]}
     gemm = max(peaks, key=lambda g: g["peak"]) if peaks else None
     return render(results, models, saved[0]["info"], saved[0]["dev"], gemm, peaks, [s["run"] for s in saved], args)
 
@@ -809,7 +810,8 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
     head_at = len(lines)  # the headline goes here, above the model descriptions
     for name, (p, _, _, desc) in models.items():
         lines.append(f"**{name}**: {desc}; {p['dtype']}, attention {p['attn']}; max_seq_length {p['seq']}, "
-                     f"per-device batch {p['batch']}, {p['warmup']} warm-up steps, >= {args.min_tokens:,} real "
+                     f"per-device batch {p['batch']}, {p['warmup']} warm-up steps, >= "
+                     f"{getattr(args, 'min_tokens_by_model', {}).get(name, args.min_tokens):,} real "
                      f"tokens timed per row, {_repeats(results, name, args.repeats)}.  ")
     lines += ["", "Numbers are medians over the repeats, ± half the spread (max - min) in percent; a ratio is taken "
               "within each repeat, then summarized the same way (**unstable**: spread above 5%). `vs TRL best` "

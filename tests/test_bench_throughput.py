@@ -116,7 +116,7 @@ def test_merge_adds_the_repeats_of_a_pair(tmp_path):
         files.append(tmp_path / f"{core}.json")
         files[-1].write_text(json.dumps(saved))
     report = T.merge([str(f) for f in files], SimpleNamespace())
-    assert "6 repeats" in report and "3 repeats" not in report
+    assert "6 repeats" in report and "3 repeats" not in report and ">= 20,000 real tokens timed per row" in report
     assert "2 invocations merged with `--merge`, those given the same `--pair` folder in lockstep" in report
     # median of 1.5 x3 and 1.6 x3 is 1.55; spread 0.1 / 1.55 = 6.5%: had the repeats overwritten each other, 1.60
     assert "ft_packed 1.55x TRL's best (trl_packing_rows), spread 6.5% (UNSTABLE)" in report
