@@ -28,18 +28,19 @@ mostly measures other users' load; it is kept as a column). After the warm-up st
 at least --min_tokens real (non-padding) tokens. A step in which torch.compile compiled (a shape it had not seen)
 is left out: on a cold compile cache it takes seconds, so a grid's first repeat would time compilation and the
 later ones, on a warm cache, would not; the headline counts them. The whole grid is repeated --repeats times,
-interleaved (ft_packed and trl_packing_rows first, next to each other, in turns: see row_order), and the table gives the median with the spread (max - min over the median) of every number, and of
-every ratio. A ratio whose spread exceeds 5% is marked unstable.
+interleaved (ft_packed and trl_packing_rows first, next to each other, in turns: see row_order), and the table
+gives the median with the spread (max - min over the median) of every number, and of every ratio. A ratio whose
+spread exceeds 5% is marked unstable. CPU MFU: model FLOPs per second over the single-thread fp32 GEMM peak
+(torch.mm, best of a few shapes) measured in the same invocation. Model FLOPs count the work the job needs, not
+what a framework happens to do: 6 x body parameters per real token (4 x for frozen LoRA bases, plus 6 x the
+adapter's), the LM head per trained token the same way, causal attention 6 x layers x hidden x length^2 per
+record; recomputation (checkpointing) and padding do not count.
 
 Neighbours: on a machine of few cores a row's speed depends on what the other cores run (shared caches and memory
 bandwidth: up to 10% here), so the two rows of a ratio must run beside the same work. `--pair DIR` runs
 invocations in lockstep: started with the same arguments on different cores (`taskset -c 0 ...` and `taskset -c 1
 ...`, the same DIR), each row starts when every invocation of the pair has reached it, so every row runs beside
-the same row of the other invocation. `--merge` takes their --json files together: each adds its repeats. CPU MFU: model FLOPs per second over the single-thread fp32
-GEMM peak (torch.mm, best of a few shapes) measured in the same invocation. Model FLOPs count the work the job
-needs, not what a framework happens to do: 6 x body parameters per real token (4 x for frozen LoRA bases, plus
-6 x the adapter's), the LM head per trained token the same way, causal attention 6 x layers x hidden x length^2
-per record; recomputation (checkpointing) and padding do not count.
+the same row of the other invocation. `--merge` takes their --json files together: each adds its repeats.
 """
 
 from __future__ import annotations

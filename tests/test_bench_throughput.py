@@ -62,29 +62,33 @@ def test_summary_ratios_spreads_and_headline():
     assert "**unstable**" not in T._fmt((1.4, 0.04), ".2f", ratio=True)
 
 
+def _row(method: str, config: str, rep: int, tps: float) -> dict:
+    return {"model": "smollm2", "method": method, "dataset": "mixed", "config": config, "repeat": rep,
+            "tokens_per_s": tps, "flops": tps * 1e6, "real_tokens": 20000, "steps": 10, "efficiency": 1.0,
+            "wall_tokens_per_s": tps, "peak_mb": 1.0}
+
+
+def _saved_json(path: Path, rows: list[dict], argv: list[str], peak: float, repeats: int) -> Path:
+    """What an invocation's --json writes, SmolLM2 rows of 20,000 tokens on a 2-core CPU."""
+    import json
+
+    path.write_text(json.dumps({
+        "rows": rows, "gemm": [{"peak": peak, "shapes": {}}],
+        "run": {"argv": ["bench/throughput.py", *argv], "load_before": [1, 1, 1], "load_after": [2, 2, 2], "wall": 60.0},
+        "info": dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3"),
+        "dev": {"device": "cpu", "peak": None},
+        "models": {"smollm2": [dict(T.PRESETS["smollm2"], attn="sdpa"), "SmolLM2"]},
+        "min_tokens": 20000, "repeats": repeats, "gpu": False}))
+    return path
+
+
 def test_merge_renders_invocations_run_side_by_side(tmp_path):
     """Two --json files (LoRA on one core, full on the other): one report, each group's ratios against its own TRL
     rows, both commands with their loads, MFU against the best GEMM peak of either."""
-    import json
-
-    def row(method, config, rep, tps):
-        return {"model": "smollm2", "method": method, "dataset": "mixed", "config": config, "repeat": rep,
-                "tokens_per_s": tps, "flops": tps * 1e6, "real_tokens": 20000, "steps": 10, "efficiency": 1.0,
-                "wall_tokens_per_s": tps, "peak_mb": 1.0}
-
     files = []
     for method, tps, peak in (("lora", 300, 4e10), ("full", 200, 5e10)):
-        saved = {"rows": [row(method, "ft_packed", r, tps) for r in range(2)]
-                 + [row(method, "trl_packing", r, tps / 2) for r in range(2)],
-                 "gemm": [{"peak": peak, "shapes": {}}],
-                 "run": {"argv": ["bench/throughput.py", "--methods", method], "load_before": [1, 1, 1],
-                         "load_after": [2, 2, 2], "wall": 60.0},
-                 "info": dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3"),
-                 "dev": {"device": "cpu", "peak": None},
-                 "models": {"smollm2": [dict(T.PRESETS["smollm2"], attn="sdpa"), "SmolLM2"]},
-                 "min_tokens": 20000, "repeats": 2, "gpu": False}
-        files.append(tmp_path / f"{method}.json")
-        files[-1].write_text(json.dumps(saved))
+        rows = [_row(method, "ft_packed", r, tps) for r in range(2)] + [_row(method, "trl_packing", r, tps / 2) for r in range(2)]
+        files.append(_saved_json(tmp_path / f"{method}.json", rows, ["--methods", method], peak, repeats=2))
     report = T.merge([str(f) for f in files], SimpleNamespace())
     assert "2 invocations merged with `--merge`, run side by side on the cores" in report
     assert "--methods lora`" in report and "--methods full`" in report and report.count("load average") == 2
@@ -96,25 +100,11 @@ def test_merge_renders_invocations_run_side_by_side(tmp_path):
 
 def test_merge_adds_the_repeats_of_a_pair(tmp_path):
     """Two invocations of the same group (--pair, one per core): six repeats, each ratio within its own repeat."""
-    import json
-
-    def row(config, rep, tps):
-        return {"model": "smollm2", "method": "full", "dataset": "mixed", "config": config, "repeat": rep,
-                "tokens_per_s": tps, "flops": tps * 1e6, "real_tokens": 20000, "steps": 10, "efficiency": 1.0,
-                "wall_tokens_per_s": tps, "peak_mb": 1.0}
 
     files = []
     for core, (ft, trl) in enumerate(((150, 100), (160, 100))):  # 1.5x on one core, 1.6x on the other
-        saved = {"rows": [row("ft_packed", r, ft) for r in range(3)] + [row("trl_packing_rows", r, trl) for r in range(3)],
-                 "gemm": [{"peak": 1e9, "shapes": {}}],
-                 "run": {"argv": ["bench/throughput.py", "--pair", "p"], "load_before": [1, 1, 1],
-                         "load_after": [2, 2, 2], "wall": 60.0},
-                 "info": dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3"),
-                 "dev": {"device": "cpu", "peak": None},
-                 "models": {"smollm2": [dict(T.PRESETS["smollm2"], attn="sdpa"), "SmolLM2"]},
-                 "min_tokens": 20000, "repeats": 3, "gpu": False}
-        files.append(tmp_path / f"{core}.json")
-        files[-1].write_text(json.dumps(saved))
+        rows = [_row("full", "ft_packed", r, ft) for r in range(3)] + [_row("full", "trl_packing_rows", r, trl) for r in range(3)]
+        files.append(_saved_json(tmp_path / f"{core}.json", rows, ["--pair", "p"], 1e9, repeats=3))
     report = T.merge([str(f) for f in files], SimpleNamespace())
     assert "6 repeats" in report and "3 repeats" not in report and ">= 20,000 real tokens timed per row" in report
     assert "2 invocations merged with `--merge`, those given the same `--pair` folder in lockstep" in report

@@ -490,9 +490,9 @@ _DICT_NAMES = frozenset(dir(dict))
 def _known_getattr(env):
     """The sandbox's getattr(obj, attr) (`loop.first`, `message.content`) without its checks where their answer is
     known: a key of a plain dict that is no dict attribute is the item (the sandbox first raises and catches an
-    AttributeError); a (type(obj), attr) once found safe gives the attribute itself unless it is a method (the
-    sandbox wraps str.format, so methods always take its path)."""
-    slow, check, known = env.getattr, env.is_safe_attribute, set()
+    AttributeError); an attribute that is no method and that the (per type remembered, _per_type) safety check
+    passes is the attribute itself (the sandbox wraps str.format, so methods always take its path)."""
+    slow, check = env.getattr, env.is_safe_attribute
 
     def getattr_(obj, attribute):
         if type(obj) is dict and attribute not in _DICT_NAMES:
@@ -504,15 +504,9 @@ def _known_getattr(env):
             value = getattr(obj, attribute)
         except AttributeError:
             return slow(obj, attribute)
-        if isinstance(value, _METHODS):
+        if isinstance(value, _METHODS) or not check(obj, attribute, value):
             return slow(obj, attribute)
-        key = (type(obj), attribute)
-        if key in known:
-            return value
-        if check(obj, attribute, value):
-            known.add(key)
-            return value
-        return slow(obj, attribute)
+        return value
 
     return getattr_
 
