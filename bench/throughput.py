@@ -41,6 +41,12 @@ bandwidth: up to 10% here), so the two rows of a ratio must run beside the same 
 invocations in lockstep: started with the same arguments on different cores (`taskset -c 0 ...` and `taskset -c 1
 ...`, the same DIR), each row starts when every invocation of the pair has reached it, so every row runs beside
 the same row of the other invocation. `--merge` takes their --json files together: each adds its repeats.
+
+Drift: the machine's speed also drifts by a few percent over minutes, on all cores at once, so two rows run minutes
+apart differ by it. `--interleave TOKENS` runs the rows of a group (model, method, data set, checkpointing) at once,
+each in its own process, taking turns on the core: a row trains until it has done TOKENS real tokens, then hands
+on to the next (see ring); so every row is timed across the same minutes. A row's wait for its turn is in neither
+its CPU time nor its wall time. All of a group's rows are in memory together: the small model's only.
 """
 
 from __future__ import annotations
@@ -177,7 +183,7 @@ class Counting:
         return sum(self.batches[k]["real"] for k in self.timed(ends, warmup))
 
 
-def step_timer(counting_ref: list, warmup: int, min_tokens: int):
+def step_timer(counting_ref: list, warmup: int, min_tokens: int, turns: "Turns | None" = None):
     """Step ends (wall, CPU); stops training once the steps after the warm-up have seen min_tokens real tokens."""
     from transformers import TrainerCallback
 
@@ -195,15 +201,103 @@ def step_timer(counting_ref: list, warmup: int, min_tokens: int):
             self.ends.append(_now())
             if counting_ref[0].timed_tokens(self.ends, warmup) >= min_tokens:
                 control.should_training_stop = True
+            elif turns:
+                turns.step_end(counting_ref[0], len(self.ends) - 1)
 
     return Timer()
+
+
+_PAUSED = [0.0]  # wall seconds this process waited for its turn (--interleave): not the row's time
 
 
 def _now() -> tuple[float, float, int]:
     """(wall, this process's CPU time, graphs compiled so far): on a shared CPU the CPU time of a one-thread run is
     the work done, while wall time also counts the time other users' processes held the cores."""
     dynamo = sys.modules.get("torch._dynamo.utils")
-    return time.perf_counter(), time.process_time(), dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
+    return (time.perf_counter() - _PAUSED[0], time.process_time(),
+            dynamo.counters["stats"]["unique_graphs"] if dynamo else 0)
+
+
+class Turns:
+    """A row's side of --interleave: after a step, once it has trained `tokens` real tokens since its turn began, it
+    hands the core back to the ring and waits for its next turn (that wait is left out of its wall time)."""
+
+    def __init__(self, conn, tokens: int):
+        self.conn, self.tokens, self.since, self.count = conn, tokens, 0, 0
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.conn.recv()
+        self.count += 1
+        _PAUSED[0] += time.perf_counter() - start
+
+    def step_end(self, counting: "Counting", steps: int) -> None:
+        if sum(b["real"] for b in counting.batches[self.since:steps]) >= self.tokens:
+            self.since = steps
+            self.conn.send(("turn", steps))
+            self.wait()
+
+
+def _ring_child(conn, tokens: int, target, *args):
+    turns = Turns(conn, tokens)
+    turns.wait()  # the first turn: nothing (not even loading) runs beside the others
+    try:
+        conn.send(("ok", target(*args, turns=turns)))
+    except BaseException as e:  # report, so the ring goes on
+        import traceback
+
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+    conn.close()
+
+
+def ring(jobs: list[tuple[str, object, tuple]], tokens: int, barrier: "Barrier | None" = None, what: str = "",
+         timeout: float = 3600.0) -> dict[str, tuple[str, object]]:
+    """--interleave: each job (name, target, args) in a forked child, all alive at once and taking turns on the core,
+    `tokens` real tokens a turn, in order, until each has finished: every row sees the machine's speed over the
+    same minutes, so a drift of it cancels in their ratios. Returns name -> ("ok", result) or ("error", text).
+    With a barrier, every turn starts in lockstep with the other invocations' same turn."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    live = {}
+    for name, target, args in jobs:
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_ring_child, args=(theirs, tokens, target, *args))
+        proc.start()
+        theirs.close()
+        live[name] = (proc, mine)
+    out, turn = {}, 0
+    while live:
+        turn += 1
+        for name in list(live):
+            proc, conn = live[name]
+            if barrier:
+                barrier.wait(f"{what} {name}, turn {turn}")
+            conn.send("go")
+            msg = _receive(conn, proc, f"{what} {name}, turn {turn}", timeout)
+            if msg[0] != "turn":
+                out[name] = msg
+                conn.close()
+                proc.join(timeout=60)
+                del live[name]
+    return out
+
+
+def _receive(conn, proc, what: str, timeout: float) -> tuple:
+    start = time.monotonic()
+    while not conn.poll(60):
+        if not proc.is_alive() and not conn.poll(0):
+            return ("error", f"{what}: its process ended (exit code {proc.exitcode}) without a result")
+        waited = time.monotonic() - start
+        if waited > timeout:
+            proc.kill()
+            return ("error", f"{what}: no answer within {timeout:.0f} s; its process was killed")
+        print(f"waiting {waited:.0f} s for {what} to end", flush=True)
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(timeout=60)
+        return ("error", f"{what}: its process ended (exit code {proc.exitcode}) without a result")
 
 
 def _sync():
@@ -242,7 +336,8 @@ def ft_args(name: str, model_dir: Path, data: Path, work: Path, p: dict, steps: 
 
 
 def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path, p: dict, gpu: bool,
-               method: str = "full", min_tokens: int = 20_000, profile_step: bool = False) -> dict:
+               method: str = "full", min_tokens: int = 20_000, profile_step: bool = False,
+               turns: Turns | None = None) -> dict:
     import torch
 
     from finetune import config as C
@@ -266,7 +361,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     result: dict = {"config": name, "dataset": dataset, "method": method, "gradient_checkpointing": gc}
     profile = {} if profile_step else None
     counting_ref: list = [None]
-    timer = step_timer(counting_ref, warmup, min_tokens)
+    timer = step_timer(counting_ref, warmup, min_tokens, turns)
 
     if config.startswith("ft_"):
         from finetune.training.trainer import Trainer
@@ -336,6 +431,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
             ends.append(_now())
             if counting.timed_tokens(ends, warmup) >= min_tokens:
                 break
+            if turns:
+                turns.step_end(counting, len(ends) - 1)
 
     kept = counting.timed(ends, warmup)
     wall = [ends[k + 1][0] - ends[k][0] for k in kept]
@@ -357,6 +454,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     )
     if profile:
         result["profile"] = profile
+    if turns:
+        result["turns"] = turns.count
     return result
 
 
@@ -571,6 +670,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="run in lockstep with the other invocations given this folder: each row starts when all "
                          "have reached it (see Neighbours above)")
     ap.add_argument("--pair_size", type=int, default=2, help="how many invocations share --pair")
+    ap.add_argument("--interleave", type=int, default=None, metavar="TOKENS",
+                    help="run the rows of a group (model, method, data set, checkpointing) at once, taking turns of "
+                         "TOKENS real tokens on the core (see Drift above); all are in memory together")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="render one table from the --json files of invocations run side by side (e.g. one per "
                          "core), then exit")
@@ -623,25 +725,24 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods or p["methods"]:
                 for ds in args.datasets:
                     for gc in args.gc or p.get("gc", ("off", "on")):
-                        for config in row_order(args.configs or p.get("configs", CONFIGS), repeat):
-                            row = config + ("+gc" if gc == "on" else "")
-                            profile = repeat == 0 and config == "ft_packed" and gc == "off"
-                            if barrier:
-                                barrier.wait(f"{name} {method} {ds} {row}, repeat {repeat + 1}")
+                        rows = [(config + ("+gc" if gc == "on" else ""),
+                                 (ds, model_dir, data[ds], work / name, p, args.gpu, method, args.min_tokens,
+                                  repeat == 0 and config == "ft_packed" and gc == "off"))
+                                for config in row_order(args.configs or p.get("configs", CONFIGS), repeat)]
+                        where = f"{name} {method} {ds}"
+                        if args.interleave:
                             t0 = time.time()
-                            status, payload = fork_run(_child, row, ds, model_dir, data[ds], work / name, p, args.gpu,
-                                                       method, args.min_tokens, profile)
-                            tag = {"model": name, "repeat": repeat}
-                            if status != "ok":
-                                print(f"{name} {method} {ds} {row}: FAILED: {payload}", flush=True)
-                                results.append({**tag, "config": row, "dataset": ds, "method": method,
-                                                "error": payload.splitlines()[0]})
-                                continue
-                            results.append({**tag, **payload})
-                            print(f"[{repeat + 1}/{args.repeats}] {name:8s} {method:4s} {ds:6s} {row:22s} "
-                                  f"{payload['tokens_per_s']:8.0f} tok/s  {payload['real_tokens']:7,} tokens  "
-                                  f"{payload['steps']:3d} steps  peak {payload['peak_mb']:.0f} MB  "
-                                  f"({time.time() - t0:.0f}s)", flush=True)
+                            done = ring([(row, run_config, (row, *rest)) for row, rest in rows], args.interleave,
+                                        barrier, f"{where}, repeat {repeat + 1}:")
+                            for row, _ in rows:
+                                _report_row(results, (name, method, ds), repeat, args.repeats, row, done[row], t0)
+                            continue
+                        for row, rest in rows:
+                            if barrier:
+                                barrier.wait(f"{where} {row}, repeat {repeat + 1}")
+                            t0 = time.time()
+                            outcome = fork_run(_child, row, *rest)
+                            _report_row(results, (name, method, ds), repeat, args.repeats, row, outcome, t0)
     if barrier:
         barrier.wait("the last GEMM peak")
     if not args.gpu:
@@ -658,6 +759,20 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(saved)
     if not args.no_write:
         write_results(report)
+
+
+def _report_row(results: list, group: tuple, repeat: int, repeats: int, row: str, outcome: tuple, t0: float) -> None:
+    model, method, ds = group
+    status, payload = outcome
+    tag = {"model": model, "repeat": repeat}
+    if status != "ok":
+        print(f"{model} {method} {ds} {row}: FAILED: {payload}", flush=True)
+        results.append({**tag, "config": row, "dataset": ds, "method": method, "error": payload.splitlines()[0]})
+        return
+    results.append({**tag, **payload})
+    print(f"[{repeat + 1}/{repeats}] {model:8s} {method:4s} {ds:6s} {row:22s} {payload['tokens_per_s']:8.0f} tok/s  "
+          f"{payload['real_tokens']:7,} tokens  {payload['steps']:3d} steps  peak {payload['peak_mb']:.0f} MB  "
+          f"({time.time() - t0:.0f}s)", flush=True)
 
 
 def row_order(configs, repeat: int) -> list[str]:

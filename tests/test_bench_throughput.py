@@ -170,6 +170,44 @@ def test_headline_rows_run_next_to_each_other():
     assert T.row_order(["trl_default", "ft_packed"], 1) == ["ft_packed", "trl_default"]
 
 
+def _job(name: str, steps: int, log: str, fail_at: int | None = None, pause: float = 0.0, turns=None) -> dict:
+    """A stand-in row: `steps` steps of 100 real tokens, each logged in order."""
+    start, batches = T._now()[0], []
+    for k in range(steps):
+        if k == fail_at:
+            raise ValueError("a broken row")
+        time.sleep(pause)
+        with open(log, "a") as f:
+            f.write(f"{name}{k} ")
+        batches.append({"real": 100})
+        turns.step_end(SimpleNamespace(batches=batches), k + 1)
+    return {"name": name, "turns": turns.count, "wall": T._now()[0] - start}
+
+
+def test_interleaved_rows_take_turns(tmp_path):
+    """--interleave: the rows run in turns of `tokens` real tokens, in order, until each ends; one that fails is
+    reported and the others go on."""
+    log = str(tmp_path / "log")
+    out = T.ring([("a", _job, ("a", 4, log)), ("b", _job, ("b", 2, log)), ("c", _job, ("c", 3, log, 1))], 200,
+                 timeout=60)
+    assert Path(log).read_text().split() == ["a0", "a1", "b0", "b1", "c0", "a2", "a3"]
+    assert out["a"] == ("ok", {"name": "a", "turns": 3, "wall": pytest.approx(out["a"][1]["wall"])})
+    assert out["b"][0] == "ok" and out["b"][1]["turns"] == 2
+    assert out["c"][0] == "error" and "ValueError: a broken row" in out["c"][1]
+
+
+def test_the_wait_for_a_turn_is_not_timed(tmp_path):
+    """Two rows of 3 x 0.2 s steps, a turn each step: each waits ~0.6 s for the other, which its wall time leaves
+    out (CPU time has no waits to leave out)."""
+    log = str(tmp_path / "log")
+    start = time.perf_counter()
+    out = T.ring([(n, _job, (n, 3, log, None, 0.2)) for n in "ab"], 100, timeout=60)
+    assert time.perf_counter() - start > 1.2
+    for name in "ab":
+        assert out[name][0] == "ok" and out[name][1]["turns"] == 4
+        assert 0.55 < out[name][1]["wall"] < 0.9, out
+
+
 def test_model_flops_count_the_job():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -205,6 +243,13 @@ def test_tiny_grid_runs(tmp_path, one_thread):
     assert by["trl_packing_rows"]["efficiency"] < 1 == by["trl_packing"]["efficiency"]
     assert by["ft_packed+gc"]["gradient_checkpointing"] and not by["ft_packed"]["gradient_checkpointing"]
     assert set(by["ft_packed"]["profile"]["groups_ms"]) >= {"matmul", "optimizer"}
+    # Interleaved (--interleave), the same rows do the same work, in turns.
+    ring = T.ring([(n, T.run_config, (n, "mixed", model_dir, data["mixed"], tmp_path, p, False, "full", 600))
+                   for n in ("ft_packed", "bare")], 150, timeout=600)
+    for name in ("ft_packed", "bare"):
+        status, r = ring[name]
+        assert status == "ok" and r["turns"] >= 4, ring
+        assert (r["real_tokens"], r["steps"]) == (by[name]["real_tokens"], by[name]["steps"])
     info = dict(cpu="cpu", cores=2, torch="t", transformers="t", trl="t", python="3")
     rows = [{**r, "model": "tiny", "repeat": 0} for r in results]
     gemm = {"peak": 1e10, "shapes": {}}
