@@ -911,6 +911,8 @@ def render(results, models, info, dev, gemm, peaks, runs, args) -> str:
              + ("one invocation" if len(runs) == 1 else f"{len(runs)} invocations merged with `--merge`, "
                 + ("those given the same `--pair` folder in lockstep, one per core"
                    if any("--pair" in run["argv"] for run in runs) else "run side by side on the cores"))
+             + ("; where the command has `--interleave`, the rows of a group took turns on the core"
+                if any("--interleave" in run["argv"] for run in runs) else "")
              + "; its docstring says what each row runs and how it is timed).", ""]
     for run in runs:
         cmd = " ".join([".venv/bin/python", "bench/throughput.py", *run["argv"][1:]])
