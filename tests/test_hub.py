@@ -65,11 +65,33 @@ def hub(tmp_path_factory):
     return root, model, data, hf_home
 
 
+def start(argv: list[str], environ: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=environ)
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Independent commands started together (each process is mostly single-threaded imports: two cores run two at
+    once), each awaited to its end; any still running at the timeout, or on any way out, is killed."""
+    try:
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def cli_start(hf_home: Path, *argv: str) -> subprocess.Popen:
+    return start(list(argv), env(**hf_env(hf_home), HF_HUB_OFFLINE="1", FINETUNE_CACHE=str(hf_home.parent / "ft-cache")))
+
+
 def cli(hf_home: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "finetune.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=env(**hf_env(hf_home), HF_HUB_OFFLINE="1", FINETUNE_CACHE=str(hf_home.parent / "ft-cache")),
-    )
+    return finish(cli_start(hf_home, *argv), timeout=timeout)[0]
 
 
 TRAIN_FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
@@ -133,9 +155,9 @@ def test_lora_on_a_repo_id_then_export_and_generate(hub, tmp_path):
             "--output_dir", str(merged))
     assert r.returncode == 0, r.stderr
     args = ["--prompt", "count: red cat dog", "--max_new_tokens", "6", "--chat", "--with_ids"]
-    with_adapter = cli(hub[3], "generate", "--model_name_or_path", REPO_ID, "--model_revision", "v1",
-                       "--adapter", str(out), *args)
-    from_merged = cli(hub[3], "generate", "--model_name_or_path", str(merged), *args)
+    with_adapter, from_merged = finish(
+        cli_start(hub[3], "generate", "--model_name_or_path", REPO_ID, "--model_revision", "v1", "--adapter", str(out), *args),
+        cli_start(hub[3], "generate", "--model_name_or_path", str(merged), *args))
     assert with_adapter.returncode == 0, with_adapter.stderr
     assert with_adapter.stdout == from_merged.stdout and "completion_ids" in from_merged.stdout
 
@@ -167,13 +189,14 @@ def test_missing_repo_offline_names_hf_hub_offline_and_the_cache(hub, tmp_path):
 def test_generate_and_plan_take_the_repo_id(hub):
     """generate on the repo id prints what generate on the folder prints; plan reads only config.json."""
     args = ["--prompt", "reverse: red cat", "--max_new_tokens", "5", "--chat", "--with_ids"]
-    by_id = cli(hub[3], "generate", "--model_name_or_path", REPO_ID, *args)
-    by_folder = cli(hub[3], "generate", "--model_name_or_path", str(hub[1]), *args)
+    plan_args = ["--devices_per_node", "1", "--device_memory", "8GB", "--host_memory", "16GB"]
+    by_id, by_folder, p_id, p_folder = finish(
+        cli_start(hub[3], "generate", "--model_name_or_path", REPO_ID, *args),
+        cli_start(hub[3], "generate", "--model_name_or_path", str(hub[1]), *args),
+        cli_start(hub[3], "plan", "--model_name_or_path", REPO_ID, *plan_args),
+        cli_start(hub[3], "plan", "--model_name_or_path", str(hub[1]), *plan_args))
     assert by_id.returncode == 0, by_id.stderr
     assert by_id.stdout == by_folder.stdout and "completion_ids" in by_id.stdout
-    plan_args = ["--devices_per_node", "1", "--device_memory", "8GB", "--host_memory", "16GB"]
-    p_id = cli(hub[3], "plan", "--model_name_or_path", REPO_ID, *plan_args)
-    p_folder = cli(hub[3], "plan", "--model_name_or_path", str(hub[1]), *plan_args)
     assert p_id.returncode == 0, p_id.stderr
     assert p_id.stdout == p_folder.stdout
 
@@ -244,15 +267,16 @@ def test_hub_dataset_errors(hub, tmp_path):
     root, model, data, hf_home = hub
     cache_dataset(hf_home, DATA_ID, data, DATA_COMMIT)
     base = ["train", "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), *TRAIN_FLAGS]
-    missing = cli(hf_home, *base, "--dataset", "tinyorg/no-data")
+    other = "d" * 40
+    missing, wrong_rev, split = finish(
+        cli_start(hf_home, *base, "--dataset", "tinyorg/no-data"),
+        cli_start(hf_home, *base, "--dataset", DATA_ID, "--dataset_revision", other),
+        cli_start(hf_home, *base, "--dataset", DATA_ID, "--dataset_split", "test"))
     assert missing.returncode == 2, missing.stderr
     assert (f"--dataset tinyorg/no-data: not in the datasets cache ({hf_home / 'datasets'}) and HF_HUB_OFFLINE=1 "
             "forbids downloading") in missing.stderr
-    other = "d" * 40
-    wrong_rev = cli(hf_home, *base, "--dataset", DATA_ID, "--dataset_revision", other)
     assert wrong_rev.returncode == 2, wrong_rev.stderr
     assert f"--dataset_revision {other}: the cache holds {DATA_ID} at {DATA_COMMIT} only" in wrong_rev.stderr
-    split = cli(hf_home, *base, "--dataset", DATA_ID, "--dataset_split", "test")
     assert split.returncode == 2 and "--dataset tinyorg/tiny-chat: " in split.stderr and "split" in split.stderr.lower()
 
 
@@ -305,14 +329,13 @@ def fake_hub():
     thread.join(10)
 
 
-def online(fake_hub, tmp_path, *argv: str, token: str | None = None) -> subprocess.CompletedProcess:
+def online_start(fake_hub, tmp_path, *argv: str, token: str | None = None) -> subprocess.Popen:
     e = env(**hf_env(tmp_path / "hf_home"), HF_HUB_OFFLINE="0", HF_ENDPOINT=fake_hub[0],
             HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10", FINETUNE_CACHE=str(tmp_path / "ft-cache"))
     e.pop("HF_TOKEN", None)
     if token:
         e["HF_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=180, env=e)
+    return start(list(argv), e)
 
 
 def test_server_errors_are_one_line_fixes(hub, fake_hub, tmp_path):
@@ -320,22 +343,24 @@ def test_server_errors_are_one_line_fixes(hub, fake_hub, tmp_path):
     code (no output folder); the requests went to the loopback server only."""
     data = str(hub[2])
     train_args = ["--dataset", data, "--output_dir", str(tmp_path / "out")]
-    gated = online(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/gated", *train_args)
+    gated, with_token, missing, revision, plan = finish(
+        online_start(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/gated", *train_args),
+        online_start(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/gated", *train_args, token="hf_x"),
+        online_start(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/nothing", *train_args),
+        online_start(fake_hub, tmp_path, "train", "--model_name_or_path", REPO_ID, "--model_revision", "v9", *train_args),
+        # plan fetches config.json alone (hf_hub_download): the same mapping
+        online_start(fake_hub, tmp_path, "plan", "--model_name_or_path", "tinyorg/gated", "--devices_per_node", "1"),
+        timeout=180)
     assert gated.returncode == 2, gated.stderr
     assert ("--model_name_or_path tinyorg/gated: a gated repository; accept its terms at "
             "https://huggingface.co/tinyorg/gated, then set HF_TOKEN (or run `hf auth login`)") in gated.stderr
-    with_token = online(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/gated", *train_args, token="hf_x")
     assert with_token.returncode == 2 and "a gated repository and your token has no access" in with_token.stderr
-    missing = online(fake_hub, tmp_path, "train", "--model_name_or_path", "tinyorg/nothing", *train_args)
     assert missing.returncode == 2, missing.stderr
     assert ("--model_name_or_path tinyorg/nothing: no such repository on the Hub (check the spelling; if it is "
             "private, set HF_TOKEN), or give a local folder") in missing.stderr
-    revision = online(fake_hub, tmp_path, "train", "--model_name_or_path", REPO_ID, "--model_revision", "v9", *train_args)
     assert revision.returncode == 2, revision.stderr
     assert (f"--model_revision v9: no such branch, tag or commit in {REPO_ID}; check the name at "
             f"https://huggingface.co/{REPO_ID}") in revision.stderr
-    # plan fetches config.json alone (hf_hub_download): the same mapping
-    plan = online(fake_hub, tmp_path, "plan", "--model_name_or_path", "tinyorg/gated", "--devices_per_node", "1")
     assert plan.returncode == 2 and "tinyorg/gated: a gated repository" in plan.stderr, plan.stderr
     for r in (gated, with_token, missing, revision, plan):
         assert "Traceback" not in r.stderr
@@ -346,10 +371,10 @@ def test_server_errors_are_one_line_fixes(hub, fake_hub, tmp_path):
 
 def test_server_errors_for_data_sets(hub, fake_hub, tmp_path):
     base = ["train", "--model_name_or_path", str(hub[1]), "--output_dir", str(tmp_path / "out"), *TRAIN_FLAGS]
-    gated = online(fake_hub, tmp_path, *base, "--dataset", "tinyorg/gated")
+    gated, missing = finish(online_start(fake_hub, tmp_path, *base, "--dataset", "tinyorg/gated"),
+                            online_start(fake_hub, tmp_path, *base, "--dataset", "tinyorg/nothing"), timeout=180)
     assert gated.returncode == 2, gated.stderr
     assert "--dataset tinyorg/gated: Dataset 'tinyorg/gated' is a gated dataset on the Hub" in gated.stderr
     assert "set HF_TOKEN" in gated.stderr
-    missing = online(fake_hub, tmp_path, *base, "--dataset", "tinyorg/nothing")
     assert missing.returncode == 2, missing.stderr
     assert "--dataset tinyorg/nothing: Dataset 'tinyorg/nothing' doesn't exist on the Hub" in missing.stderr
