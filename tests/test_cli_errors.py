@@ -56,6 +56,32 @@ def in_a_process(how: str, args: list, tmp_path: Path) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=cwd, env=_environ(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
 
 
+def in_processes(how: str, argvs: list[list], tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """Independent commands as in_a_process, started together (each process is mostly single-threaded imports: two
+    cores run two at once) and each awaited to its end; anything still running at TIMEOUT, or on any way out, is
+    killed."""
+    procs = []
+    try:
+        for args in argvs:
+            args = [str(a) for a in args]
+            if how == "cli":
+                cmd, cwd = [_finetune_script(), "train", *args], tmp_path
+            else:
+                cmd, cwd = [sys.executable, SCRIPTS[how], *args], REPO
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=_environ(tmp_path), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
 def in_this_process(how: str, args: list, tmp_path: Path, monkeypatch, capfd) -> subprocess.CompletedProcess:
     """The same entry points, run here: exit status from SystemExit, and an uncaught exception printed as the
     interpreter would (a traceback on stderr, status 1)."""

@@ -23,7 +23,7 @@ import pytest
 from finetune.models import tiny
 from finetune.training import checkpoint
 from launch import matrix
-from test_cli_errors import assert_user_error
+from test_cli_errors import assert_user_error, in_processes
 from test_cli_errors import run as entry  # noqa: F401  (the fixture: in this process, or (slow) a real process)
 
 
@@ -52,6 +52,25 @@ def run(entry):
         return proc
 
     return run_one
+
+
+@pytest.fixture
+def run_each(run, request, tmp_path):
+    """Runs that are independent of each other and must each leave the output folder as it was (refusals): in this
+    process one after another, `unchanged()` checked after each; in real processes (slow) started together, each
+    awaited, `unchanged()` checked once they have all exited."""
+    def each(how, argvs, unchanged):
+        if request.node.callspec.params.get("entry") == "process":
+            procs = in_processes(how, argvs, tmp_path)
+            assert unchanged()
+            return procs
+        procs = []
+        for argv in argvs:
+            procs.append(run(how, argv))
+            assert unchanged(), argv
+        return procs
+
+    return each
 
 
 PATHS = ("cli", "loop", "sft")
@@ -116,7 +135,7 @@ def test_latest_on_a_finished_run_does_nothing(how, job, run):
 
 
 @pytest.mark.parametrize("how, entry", where("cli"), indirect=["entry"])
-def test_another_runs_outputs_are_refused(how, job, run, tmp_path):
+def test_another_runs_outputs_are_refused(how, job, run, run_each, tmp_path):
     out = job["out"]
     assert run(how, args(job)).returncode == 0
     before = snapshot(out)
@@ -126,13 +145,12 @@ def test_another_runs_outputs_are_refused(how, job, run, tmp_path):
         (dict(model=other_model), "holds a final model of another run (it was trained on another model)"),
         (dict(extra=["--lr_scheduler_type", "cosine"]), "(it was trained on other training flags)"),
     ]
-    for change, message in cases:
-        for resume in ([], ["--resume_from_checkpoint", "latest"]):
-            extra = change.get("extra", []) + resume
-            proc = run(how, args(job, *extra, model=change.get("model"), data=change.get("data")))
-            assert_user_error(proc, f"finetune: --output_dir {out} {message}" if "model" in message
-                              else message, "Use a new --output_dir, or --overwrite_output_dir")
-            assert snapshot(out) == before, change
+    runs = [(args(job, *change.get("extra", []), *resume, model=change.get("model"), data=change.get("data")), message)
+            for change, message in cases for resume in ([], ["--resume_from_checkpoint", "latest"])]
+    procs = run_each(how, [argv for argv, _ in runs], lambda: snapshot(out) == before)
+    for proc, (_, message) in zip(procs, runs):
+        assert_user_error(proc, f"finetune: --output_dir {out} {message}" if "model" in message
+                          else message, "Use a new --output_dir, or --overwrite_output_dir")
     # Checkpoints alone (no final model) of another run: refused too.
     only_checkpoints = tmp_path / "only-checkpoints"
     only_checkpoints.mkdir()
