@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -344,22 +345,28 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     run(command_for(full), timeout=600).check()
     resumed.mkdir()
     shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
-    result = run(command_for(resumed), timeout=600).check()
+    before = _files(full)
+    # Then three jobs that do not depend on each other, side by side (most of a 2-rank job on 2 cores is start-up
+    # and waiting): the resume from the copied checkpoint; the finished job re-run as it was started; another
+    # run's data into the finished job's folder.
+    other = tiny.write_jsonl(root / "other.jsonl", tiny.synthetic_records(12, seed=8))
+    refused_cmd = command_for(full)
+    refused_cmd[refused_cmd.index("--dataset") + 1] = str(other)
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(run, cmd, timeout=timeout)
+                for cmd, timeout in ((command_for(resumed), 600), (command_for(full), 600), (refused_cmd, 300))]
+        result, again, refused = (job.result() for job in jobs)
+    result.check()
     assert f"resume: from {resumed / 'checkpoint-4'}" in result.output, result.output[-3000:]
     expected, got = losses(full), losses(resumed)
     assert len(expected) == len(got) == 8, (expected, got)
     diff = max(abs(a - b) for a, b in zip(expected, got))
     assert diff <= 1e-6, f"{path}: resumed at step 4 (epoch 1) vs uninterrupted: max |diff| {diff}\n{expected}\n{got}"
     # The finished job, re-run as it was started: nothing to do, on every rank, not a byte rewritten.
-    before = _files(full)
-    again = run(command_for(full), timeout=600).check()
+    again.check()
     assert "already holds this run's final model (global_step 8); nothing to do" in again.output, again.output[-3000:]
     assert _files(full) == before
     # Another run's data into that folder: refused on every rank before training (one message, exit 2, no rank left).
-    other = tiny.write_jsonl(root / "other.jsonl", tiny.synthetic_records(12, seed=8))
-    cmd = command_for(full)
-    cmd[cmd.index("--dataset") + 1] = str(other)
-    refused = run(cmd, timeout=300)
     assert refused.returncode != 0, refused.output[-3000:]  # each rank exits 2; the launcher reports a failure
     assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
                                 "data)") == 1, refused.output[-3000:]
