@@ -32,6 +32,25 @@ def fake_versions(monkeypatch, **versions: str) -> None:
     monkeypatch.setattr(metadata, "version", version)
 
 
+def side_by_side(cmds: list[list[str]], timeout: float, **kw) -> list[subprocess.CompletedProcess]:
+    """Independent fresh interpreters started together (each is mostly single-threaded imports: two cores run two
+    at once), each awaited to its end; anything still running at the timeout, or on any way out, is killed."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw))
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
 def test_inside_the_tested_ranges_says_nothing(monkeypatch):
     fake_versions(monkeypatch, deepspeed="0.19.9", bitsandbytes="0.50.0", transformers="5.23.4")
     out = io.StringIO()
@@ -112,26 +131,34 @@ def test_without_nvme_offload_nothing_is_refused(monkeypatch, tmp_path):
     checkpoint.restore_after_load(SimpleNamespace(optimizer=None), tmp_path)  # no optimizer: nothing to restore
 
 
-@pytest.mark.slow  # 7-10 s each: a fresh interpreter importing the training stack
-@pytest.mark.parametrize("entry", [
+ENTRY_POINTS = [
     [sys.executable, "-m", "finetune.cli", "train", "--help"],
     [sys.executable, str(REPO / "finetune" / "train.py"), "--help"],
     [sys.executable, str(REPO / "finetune" / "loop.py"), "--help"],
     [sys.executable, str(REPO / "scripts" / "sft.py"), "--help"],
-])
-def test_every_entry_point_checks_versions(entry):
-    """A real process with deepspeed's installed version faked (the lookup is patched before the entry point runs)."""
-    code = ("import importlib.metadata as m, runpy, sys; v = m.version; "
-            "m.version = lambda name, v=v: '0.99.0' if name == 'deepspeed' else v(name); ")
-    if entry[1] == "-m":
-        code += f"sys.argv = ['finetune', *{entry[3:]!r}]; from finetune.cli import main; main()"
-    else:
-        code += f"sys.argv = [{entry[1]!r}, *{entry[2:]!r}]; runpy.run_path({entry[1]!r}, run_name='__main__')"
+]
+
+
+@pytest.mark.slow  # 7-10 s each: a fresh interpreter importing the training stack (the four run side by side)
+def test_every_entry_point_checks_versions():
+    """A real process per entry point with deepspeed's installed version faked (the lookup is patched before the
+    entry point runs)."""
+    codes = []
+    for entry in ENTRY_POINTS:
+        code = ("import importlib.metadata as m, runpy, sys; v = m.version; "
+                "m.version = lambda name, v=v: '0.99.0' if name == 'deepspeed' else v(name); ")
+        if entry[1] == "-m":
+            code += f"sys.argv = ['finetune', *{entry[3:]!r}]; from finetune.cli import main; main()"
+        else:
+            code += f"sys.argv = [{entry[1]!r}, *{entry[2:]!r}]; runpy.run_path({entry[1]!r}, run_name='__main__')"
+        codes.append(code)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("finetune: warning: deepspeed 0.99.0 is outside the range") == 1, proc.stderr[-3000:]
+    procs = side_by_side([[sys.executable, "-c", code] for code in codes], timeout=180, env=env)
+    for entry, proc in zip(ENTRY_POINTS, procs):
+        assert proc.returncode == 0, (entry, proc.stderr[-3000:])
+        assert proc.stderr.count("finetune: warning: deepspeed 0.99.0 is outside the range") == 1, \
+            (entry, proc.stderr[-3000:])
 
 
 def test_collective_deprecations_silenced_and_nothing_else():
@@ -156,28 +183,32 @@ def test_bitsandbytes_hub_kernel_notice_is_quiet():
     def stderr_of(code):
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
 
-    quiet = stderr_of("import finetune, bitsandbytes")
+    # The first two side by side: with finetune, and whether this CPU is one where bitsandbytes looks for the kernel.
+    with_finetune, avx = side_by_side([[sys.executable, "-c", "import finetune, bitsandbytes"],
+                                       [sys.executable, "-c", "from bitsandbytes.functional import has_avx512bf16; "
+                                        "print(bool(has_avx512bf16()))"]], timeout=120)
+    quiet = with_finetune.stderr
     assert "kernels-community" not in quiet, quiet
     # The control: where bitsandbytes looks for the Hub kernel (AVX512-BF16 CPUs), it says so without finetune.
-    if "True" in subprocess.run([sys.executable, "-c", "from bitsandbytes.functional import has_avx512bf16; "
-                                 "print(bool(has_avx512bf16()))"],
-                                capture_output=True, text=True, timeout=120).stdout:
+    if "True" in avx.stdout:
         assert "kernels-community" in stderr_of("import bitsandbytes")
 
 
-@pytest.mark.parametrize("module", ["finetune.convert.export", "finetune.inference.generate", "finetune.training.core"])
-def test_no_deepspeed_accelerator_warning_on_a_cpu_machine(module):
-    import subprocess
+def test_no_deepspeed_accelerator_warning_on_a_cpu_machine():
+    """finetune.convert.export, finetune.inference.generate, finetune.training.core: each imported with deepspeed in a
+    fresh interpreter (the three side by side), without DS_ACCELERATOR set."""
     import sys
 
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("DeepSpeed finds CUDA here and says nothing")
+    modules = ["finetune.convert.export", "finetune.inference.generate", "finetune.training.core"]
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    err = subprocess.run([sys.executable, "-c", f"import {module}, deepspeed"], capture_output=True, text=True,
-                         env=env, timeout=120).stderr
-    assert "Setting accelerator to CPU" not in err, err
+    procs = side_by_side([[sys.executable, "-c", f"import {module}, deepspeed"] for module in modules], timeout=120,
+                         env=env)
+    for module, proc in zip(modules, procs):
+        assert "Setting accelerator to CPU" not in proc.stderr, (module, proc.stderr)
 
 
 SHM_WORKER = """
