@@ -280,6 +280,16 @@ def _flags(setup, name, *extra):
     ]
 
 
+def side_by_side(runs: dict[str, list[str]]) -> dict:
+    """name -> Result of one-process runs that do not depend on each other, two at a time, one thread each (the
+    two cores; the data cache is shared under its lock, as ranks and nodes share it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {name: pool.submit(run, cmd, timeout=300, OMP_NUM_THREADS="1") for name, cmd in runs.items()}
+        return {name: job.result() for name, job in jobs.items()}
+
+
 @pytest.mark.slow
 def test_three_paths_agree_with_packing(paths_setup):
     runs = {
@@ -290,8 +300,8 @@ def test_three_paths_agree_with_packing(paths_setup):
         "eager": [sys.executable, TRAIN, *_flags(paths_setup, "eager", "--packing", "--attn_implementation", "eager")],
     }
     results = {}
-    for name, cmd in runs.items():
-        result = run(cmd, timeout=300, OMP_NUM_THREADS="2").check()
+    for name, result in side_by_side(runs).items():
+        result.check()
         assert re.search(r"packing: 96 records into \d+ rows of 192 tokens .*efficiency", result.output), result.output[-3000:]
         assert "packed rows x 192" in result.output
         assert ("attention: sdpa, each packed record attending to itself only" in result.output) == (name != "eager")
@@ -306,9 +316,9 @@ def test_three_paths_agree_with_packing(paths_setup):
 @pytest.mark.slow
 def test_padding_free_matches_padded(paths_setup):
     """Padding-free keeps the padded run's records per step, so its losses are the padded run's."""
-    padded = run([sys.executable, TRAIN, *_flags(paths_setup, "padded")], timeout=300, OMP_NUM_THREADS="2").check()
-    flat = run([sys.executable, TRAIN, *_flags(paths_setup, "flat", "--padding_free")], timeout=300,
-               OMP_NUM_THREADS="2").check()
+    done = side_by_side({"padded": [sys.executable, TRAIN, *_flags(paths_setup, "padded")],
+                         "flat": [sys.executable, TRAIN, *_flags(paths_setup, "flat", "--padding_free")]})
+    padded, flat = done["padded"].check(), done["flat"].check()
     assert "padding-free" in flat.output and "padding-free" not in padded.output
     a, b = losses(paths_setup[0] / "padded"), losses(paths_setup[0] / "flat")
     assert len(a) == len(b) == STEPS
