@@ -4,6 +4,7 @@ the saved adapter reloads with PeftModel.from_pretrained to the same logits."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,20 +20,25 @@ def lora_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     model = tiny.build(root / "model", style="llama3")
     data = tiny.write_jsonl(root / "data.jsonl", tiny.synthetic_records(48, seed=3, fmt="alpaca"))
-    outs = {}
-    for name, kind, config_file, preset, nproc, micro in [
-        ("single", "python", None, "ddp", 1, 8),
-        ("zero3_offload", "accelerate", "accelerate_configs/zero3.yaml", "zero3", 2, 4),
-    ]:
+    outs, jobs = {}, {}
+    # The two runs are independent: side by side (the data cache is shared under its lock, as ranks share it).
+    with ThreadPoolExecutor(2) as pool:
+        for name, kind, config_file, preset, nproc, micro in [
+            ("single", "python", None, "ddp", 1, 8),
+            ("zero3_offload", "accelerate", "accelerate_configs/zero3.yaml", "zero3", 2, 4),
+        ]:
+            cmd = launcher(kind, nproc, config_file) + [
+                "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data),
+                "--output_dir", str(root / name), "--dataset_cache_dir", str(root / "cache"), "--use_peft",
+                "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0", "--max_steps", "12",
+                "--per_device_train_batch_size", str(micro), "--learning_rate", "1e-2", "--seed", "5",
+                "--gradient_checkpointing", "--disable_tqdm", "true",
+            ]
+            jobs[name, nproc] = pool.submit(run, cmd, timeout=600)
+        done = {key: job.result() for key, job in jobs.items()}
+    for (name, nproc), result in done.items():
         out = root / name
-        cmd = launcher(kind, nproc, config_file) + [
-            "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data),
-            "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"), "--use_peft",
-            "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0", "--max_steps", "12",
-            "--per_device_train_batch_size", str(micro), "--learning_rate", "1e-2", "--seed", "5",
-            "--gradient_checkpointing", "--disable_tqdm", "true",
-        ]
-        result = run(cmd, timeout=600).check()
+        result.check()
         assert f"x {nproc} processes = global batch 8" in result.output
         # The save was checked before commit (under ZeRO-3 against the gathered weights).
         assert f"verified adapter {out / '.staging-final'}" in result.output and "logits max diff" in result.output
