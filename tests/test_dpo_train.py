@@ -6,6 +6,7 @@ import copy
 import json
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -330,11 +331,26 @@ def test_two_processes_equal_one(multi, same_runs, path, preset, flags):
 
     outputs: dict[str, str] = {}
     name = f"{path}-{preset}-{len(flags)}"
-    nvme = ("--nvme_path", str(root / f"{name}-nvme")) if preset == "zero3_nvme" else ()
-    one = history(f"{name}-1", [sys.executable, script], micro=2, extra=nvme)
-    two = history(f"{name}-2", launcher("accelerate", 2, script=script), micro=1, extra=nvme)
+    # Each job swaps to its own folder under ZeRO-Infinity.
+    nvme = lambda job: ("--nvme_path", str(root / f"{name}-{job}-nvme")) if preset == "zero3_nvme" else ()  # noqa: E731
+    partitioned_copy = (preset.startswith("zero3") and not flags[:1] == ("--use_peft",)
+                        and "--precompute_ref_log_probs" not in flags)
+    runs = {"one": (f"{name}-1", [sys.executable, script], 2, preset, nvme("1")),
+            "two": (f"{name}-2", launcher("accelerate", 2, script=script), 1, preset, nvme("2"))}
+    if partitioned_copy:
+        runs["plain"] = (f"{name}-ddp", [sys.executable, script], 2, "ddp", ())
+    if "--precompute_ref_log_probs" in flags:
+        # One after the other, as before: both runs read and write the cached reference log-probabilities.
+        done = {job: history(*args) for job, args in runs.items()}
+    else:
+        # Independent jobs side by side (each its own output and swap folder; the data cache is shared under its
+        # lock, as ranks share it).
+        with ThreadPoolExecutor(len(runs)) as pool:
+            jobs = {job: pool.submit(history, *args) for job, args in runs.items()}
+            done = {job: future.result() for job, future in jobs.items()}
+    one, two = done["one"], done["two"]
     assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
-    if preset.startswith("zero3") and not flags[:1] == ("--use_peft",) and "--precompute_ref_log_probs" not in flags:
+    if partitioned_copy:
         # The frozen reference is partitioned: rank 0 holds about half of it (rank 0 prints it).
         shares = [tuple(int(x.replace(",", "")) for x in m) for m in
                   re.findall(r"partitioned by ZeRO-3 like the policy \(([\d,]+) of its ([\d,]+) parameters",
@@ -342,7 +358,7 @@ def test_two_processes_equal_one(multi, same_runs, path, preset, flags):
         assert len(shares) == 1 and all(0.45 < held / total < 0.55 for held, total in shares), shares
         # and it scores as the plain frozen copy does (one process, DDP preset: a deepcopy; the optimizers differ,
         # DeepSpeed's CPU Adam against torch's AdamW, hence the presets' bound).
-        plain = history(f"{name}-ddp", [sys.executable, script], micro=2, config="ddp")
+        plain = done["plain"]
         for a, b in zip(one, plain):
             for k in ("loss", "rewards/margins", "logps/rejected"):
                 assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, plain)
