@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -223,8 +224,11 @@ def relative(a: float, b: float) -> float:
 @pytest.mark.parametrize("path, preset", matrix([(p, c) for c in PRESETS for p in PATHS],
                                                 [("trainer", "zero3"), ("loop", "zero2"), ("sft", "zero3")]))
 def test_non_default_flags_match_the_one_process_trainer(path, preset, job):
-    ref = reference(job, preset)
-    got = history(job, f"{path}-{preset}", PATHS[path]() + ["--config", preset], micro=2)
+    # The one-process reference (made once per preset) and the 2-process run are independent: side by side.
+    with ThreadPoolExecutor(2) as pool:
+        ref = pool.submit(reference, job, preset)
+        got = pool.submit(history, job, f"{path}-{preset}", PATHS[path]() + ["--config", preset], micro=2)
+        ref, got = ref.result(), got.result()
     ref_logs, got_logs = [e for e in ref if "loss" in e], [e for e in got if "loss" in e]
     # One entry per window of 2 steps; the schedule is the one asked for (min_lr_rate lifts its tail well above
     # plain cosine's) and the run trains.
