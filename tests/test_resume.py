@@ -239,17 +239,23 @@ def runs(setup, report):
             return cache[path, size]
         root = setup[0]
         ref = root / f"{path}-{size}-zero3"
-        start = time.time()
-        run(command(setup, path, ref, "zero3", size=size), timeout=600).check()
-        ref_s = time.time() - start
         out = root / f"{path}-{size}-nvme"
         cmd = command(setup, path, out, "zero3_nvme", "--resume_from_checkpoint", "latest", size=size)
-        start = time.time()
-        # Rank 1 stops itself at the end of the step after checkpoint-3 (mid-epoch) and is killed there: on a
-        # loaded machine a harness that only watched for checkpoint-3 came too late for this 2 s run.
-        killed = run_and_kill_rank(cmd, out / f"checkpoint-{KILL_AFTER}" / checkpoint.MARKER, rank=1, timeout=600,
-                                   stop_at=(KILL_AFTER + 1, 0.0))
-        killed_s = time.time() - start
+
+        def timed(fn, *args, **kw):
+            start = time.time()
+            return fn(*args, **kw), time.time() - start
+
+        # The uninterrupted run and the killed one do not depend on each other: side by side (each its own port,
+        # folder and left-behind check; the data cache is shared under its lock, as ranks share it).
+        with ThreadPoolExecutor(2) as pool:
+            reference = pool.submit(timed, run, command(setup, path, ref, "zero3", size=size), timeout=600)
+            # Rank 1 stops itself at the end of the step after checkpoint-3 (mid-epoch) and is killed there: on a
+            # loaded machine a harness that only watched for checkpoint-3 came too late for this 2 s run.
+            killing = pool.submit(timed, run_and_kill_rank, cmd, out / f"checkpoint-{KILL_AFTER}" / checkpoint.MARKER,
+                                  rank=1, timeout=600, stop_at=(KILL_AFTER + 1, 0.0))
+            (reference_result, ref_s), (killed, killed_s) = reference.result(), killing.result()
+        reference_result.check()
         start = time.time()
         resumed = run(cmd, timeout=600).check()
         report[f"{path}-{size}"] = {"reference_s": ref_s, "killed_s": killed_s, "resumed_s": time.time() - start,
