@@ -208,11 +208,12 @@ def test_plan_fetches_config_json_only(hub, tmp_path):
     only_config.mkdir()
     shutil.copy(hub[1] / "config.json", only_config / "config.json")
     add_snapshot(hf_home, REPO_ID, only_config, COMMIT, {"main": COMMIT})
-    r = cli(hf_home, "plan", "--model_name_or_path", REPO_ID, "--devices_per_node", "1", "--device_memory", "8GB",
-            "--host_memory", "16GB")
+    r, t = finish(cli_start(hf_home, "plan", "--model_name_or_path", REPO_ID, "--devices_per_node", "1",
+                            "--device_memory", "8GB", "--host_memory", "16GB"),
+                  cli_start(hf_home, "train", "--model_name_or_path", REPO_ID, "--dataset", str(hub[2]),
+                            "--output_dir", str(tmp_path / "o")))
     assert r.returncode == 0, r.stderr
     # ...while training needs the weights and the tokenizer, and says the snapshot has no weights.
-    t = cli(hf_home, "train", "--model_name_or_path", REPO_ID, "--dataset", str(hub[2]), "--output_dir", str(tmp_path / "o"))
     assert t.returncode == 2 and "no weights (*.safetensors)" in t.stderr, t.stderr
 
 
