@@ -326,6 +326,39 @@ def run(cmd: list[str], timeout: float = 300, cwd: Path = REPO, **extra_env: str
         return Result(job.returncode, job.output)
 
 
+def finish(*procs: subprocess.Popen, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Independent processes started together (each is mostly single-threaded imports: two cores run two at once),
+    each awaited to its end (stdout and stderr piped); any still running at the timeout, or on any way out, is killed."""
+    try:
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        _kill(procs)
+
+
+def side_by_side(cmds: list[list[str]], timeout: float = 300, **popen_kw) -> list[subprocess.CompletedProcess]:
+    """`cmds` started together (Popen keywords: cwd, env), then `finish`ed; if one fails to start, the others are
+    killed."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw))
+    except BaseException:
+        _kill(procs)
+        raise
+    return finish(*procs, timeout=timeout)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 def shm_left(cmd: list[str]) -> list[str]:
     """DeepSpeed shared-memory buffers of the job on `cmd`'s --master_port still in /dev/shm (removed here)."""
     if "--master_port" not in cmd:

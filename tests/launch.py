@@ -2,8 +2,8 @@
 
 from finetune.testing import (  # noqa: F401
     ALLOWED_WARNINGS, BIN, LOOP, REPO, SFT, TRAIN, Job, Killed, Result, deepspeed_launcher, env, eval_entries,
-    eval_losses, free_port, launcher, losses, node_launcher, rank_pids, run, run_and_kill_rank, run_nodes,
-    run_nodes_and_kill_rank, tiny_job, unexpected_warnings, write_hostfile,
+    eval_losses, finish, free_port, launcher, losses, node_launcher, rank_pids, run, run_and_kill_rank, run_nodes,
+    run_nodes_and_kill_rank, side_by_side, tiny_job, unexpected_warnings, write_hostfile,
 )
 
 import os

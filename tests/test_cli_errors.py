@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import matrix
+from launch import matrix, side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
@@ -45,41 +45,26 @@ def _environ(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _command(how: str, args: list, tmp_path: Path) -> tuple[list[str], Path]:
+    """(command line, working folder) of entry point `how` on `args`."""
+    args = [str(a) for a in args]
+    if how == "cli":
+        return [_finetune_script(), "train", *args], tmp_path
+    return [sys.executable, SCRIPTS[how], *args], REPO
+
+
 def in_a_process(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
     """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo;
     'loop' and 'sft' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
-    args = [str(a) for a in args]
-    if how == "cli":
-        cmd, cwd = [_finetune_script(), "train", *args], tmp_path
-    else:
-        cmd, cwd = [sys.executable, SCRIPTS[how], *args], REPO
+    cmd, cwd = _command(how, args, tmp_path)
     return subprocess.run(cmd, cwd=cwd, env=_environ(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def in_processes(how: str, argvs: list[list], tmp_path: Path) -> list[subprocess.CompletedProcess]:
-    """Independent commands as in_a_process, started together (each process is mostly single-threaded imports: two
-    cores run two at once) and each awaited to its end; anything still running at TIMEOUT, or on any way out, is
-    killed."""
-    procs = []
-    try:
-        for args in argvs:
-            args = [str(a) for a in args]
-            if how == "cli":
-                cmd, cwd = [_finetune_script(), "train", *args], tmp_path
-            else:
-                cmd, cwd = [sys.executable, SCRIPTS[how], *args], REPO
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=_environ(tmp_path), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    """Independent commands as in_a_process, started together and each awaited to its end (anything still running
+    at TIMEOUT, or on any way out, is killed)."""
+    cwd = _command(how, [], tmp_path)[1]
+    return side_by_side([_command(how, args, tmp_path)[0] for args in argvs], TIMEOUT, cwd=cwd, env=_environ(tmp_path))
 
 
 def in_this_process(how: str, args: list, tmp_path: Path, monkeypatch, capfd) -> subprocess.CompletedProcess:

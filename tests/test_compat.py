@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from finetune import compat
+from finetune.testing import side_by_side
 from finetune.training import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,25 +31,6 @@ def fake_versions(monkeypatch, **versions: str) -> None:
         return inside[name]
 
     monkeypatch.setattr(metadata, "version", version)
-
-
-def side_by_side(cmds: list[list[str]], timeout: float, **kw) -> list[subprocess.CompletedProcess]:
-    """Independent fresh interpreters started together (each is mostly single-threaded imports: two cores run two
-    at once), each awaited to its end; anything still running at the timeout, or on any way out, is killed."""
-    procs = []
-    try:
-        for cmd in cmds:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
 
 
 def test_inside_the_tested_ranges_says_nothing(monkeypatch):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, TRAIN, env, launcher, losses, run, tiny_job
+from tests.launch import REPO, TRAIN, env, finish, launcher, losses, run, tiny_job
 
 # Every test here runs the real commands in processes (HF_HOME and HF_ENDPOINT are read when huggingface_hub loads).
 pytestmark = pytest.mark.slow
@@ -68,22 +68,6 @@ def hub(tmp_path_factory):
 def start(argv: list[str], environ: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=environ)
-
-
-def finish(*procs: subprocess.Popen, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """Independent commands started together (each process is mostly single-threaded imports: two cores run two at
-    once), each awaited to its end; any still running at the timeout, or on any way out, is killed."""
-    try:
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 def cli_start(hf_home: Path, *argv: str) -> subprocess.Popen:
