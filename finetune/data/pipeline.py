@@ -166,29 +166,8 @@ def first_record(ds, prefix: str | None) -> tuple[dict, str]:
     return _record(ds[:1], 0, 0, prefix)
 
 
-_INHERITED: dict[int, "Tokenize"] = {}  # map functions running now, which forked workers hold already
-
-
-def _inherited(parent: int, key: int) -> "Tokenize":
-    fn = _INHERITED.get(key) if parent in (os.getpid(), os.getppid()) else None
-    if fn is None:
-        raise RuntimeError(f"the data preparation's map function was sent by reference to a process that did not "
-                           f"fork from process {parent} while it ran")
-    return fn
-
-
 class Tokenize:
     """The batched map function: records in, their examples out (with a status and trained-token count each)."""
-
-    def __reduce_ex__(self, protocol):
-        # datasets sends the function to each worker pickled, tokenizer included: 0.05 s to write per shard in this
-        # process, 0.12 s to read in each worker (SmolLM2's), a sixth of 10k conversations' work on 2 processes.
-        # A worker its Pool forked during the map holds this very object already.
-        import multiprocess
-
-        if _INHERITED.get(id(self)) is self and multiprocess.get_start_method() == "fork":
-            return _inherited, (os.getpid(), id(self))
-        return super().__reduce_ex__(protocol)
 
     def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None,
                  sources: tuple[str, ...] = ()):
@@ -242,6 +221,22 @@ def _features():
     })
 
 
+def map_records(ds, fn, work: Path, *, num_proc: int, features, what: str):
+    """The batched map of a source's records into `work`: on one process, or on forked ones (finetune.data.forked)
+    when each gets MIN_RECORDS_PER_PROC records or more."""
+    from finetune.data import forked
+
+    procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
+    desc = f"tokenizing {what} ({procs} process{'es' if procs > 1 else ''})"
+    kw = dict(batch_size=200, remove_columns=ds.column_names, features=features, load_from_cache_file=False)
+    fingerprint = work.name.replace(".", "_")  # given, so datasets never hashes (pickles) the function and tokenizer
+    if procs == 1:
+        return ds.map(fn, with_indices=True, batched=True, cache_file_name=str(work / "map.arrow"),
+                      new_fingerprint=fingerprint, desc=desc, **kw)
+    files = [str(work / f"map_{r:05d}_of_{procs:05d}.arrow") for r in range(procs)]
+    return forked.map_shards(ds, fn, procs=procs, files=files, fingerprint=fingerprint, desc=desc, **kw)
+
+
 def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str):
     """Read, validate and tokenize one source into `work/final` (see commit). Returns its DataStats."""
     ds, prefix = source_dataset(cfg, hub, work)
@@ -250,18 +245,9 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
         fmt = P.detect_format(*first_record(ds, prefix))
     if fmt in P.CHAT_FORMATS:
         P.require_chat_template(tokenizer, fmt, str(name))
-    procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
     fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
                   tuple(f["filename"] for f in ds.cache_files))
-    _INHERITED[id(fn)] = fn
-    try:
-        mapped = ds.map(
-            fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names, features=_features(),
-            num_proc=procs if procs > 1 else None, cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
-            new_fingerprint=work.name.replace(".", "_"), desc=f"tokenizing {name} ({procs} process{'es' if procs > 1 else ''})",
-        )
-    finally:
-        del _INHERITED[id(fn)]
+    mapped = map_records(ds, fn, work, num_proc=num_proc, features=_features(), what=name)
     # datasets opens the map's output memory-mapped, and reading its stream in touches pages (about 40% of the file:
     # 320 MB at 1M conversations) that would stay in RSS; the training reads them again as it needs them.
     files = [f["filename"] for f in mapped.cache_files]

@@ -253,13 +253,8 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     from finetune.data import pipeline
 
     ds, prefix = pipeline.source_dataset(cfg, hub, work)
-    procs = max(1, min(num_proc, len(ds) // pipeline.MIN_RECORDS_PER_PROC))
     fn = TokenizePairs(tokenizer, cfg.max_seq_length, cfg.drop_long_sequences, prefix)
-    mapped = ds.map(fn, with_indices=True, batched=True, batch_size=200, remove_columns=ds.column_names,
-                    features=_features(), num_proc=procs if procs > 1 else None,
-                    cache_file_name=str(work / "map.arrow"), load_from_cache_file=False,
-                    new_fingerprint=work.name.replace(".", "_"),
-                    desc=f"tokenizing pairs of {name} ({procs} process{'es' if procs > 1 else ''})")
+    mapped = pipeline.map_records(ds, fn, work, num_proc=num_proc, features=_features(), what=f"pairs of {name}")
     table = mapped.data
     dropped = table.column("_dropped").to_numpy().astype(bool)
     p_cut = table.column("_prompt_cut").to_numpy().astype(bool)
