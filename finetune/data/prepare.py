@@ -897,7 +897,7 @@ class DataStats:
             f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
             f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
             + (f"\nnotice: the chat template rewrites earlier turns (as Qwen3's drops their reasoning), so "
-               f"{self.split_records} conversations became {self.split_examples} examples, one per assistant turn, "
+               f"{self.split_records} conversation{'s' if self.split_records != 1 else ''} became {self.split_examples} examples, one per assistant turn, "
                "each in the context the template renders at inference" if self.split_records else "")
             + self.end_warning()
             + (f"\npacking: {self.examples} records into {self.packed_rows} rows of {self.max_seq_length} tokens "
