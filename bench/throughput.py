@@ -8,7 +8,7 @@ loop, like with like, on a small random Llama and on SmolLM2-135M (LoRA and full
 Rows (each in a forked child: modules imported once, peak memory per row):
 
 - ft_padded / ft_packed / ft_padding_free: finetune/train.py's pipeline (config.parse -> prepare_dataset ->
-  load_model -> the chunked loss -> per-record attention on packed rows -> finetune.training.trainer.Trainer with
+  load_model -> the chunked loss -> per-record attention on packed rows -> finetune.training.hf_trainer.Trainer with
   make_collator), flags as a user types them; ft_packed_compiled: ft_packed with --torch_compile;
   ft_packed_unchunked: with --loss_chunk_size 0 (transformers' own loss);
 - trl_default: TRL's SFTTrainer on the same records; trl_packing: `packing=True` in the layout TRL picks for it
@@ -364,7 +364,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     timer = step_timer(counting_ref, warmup, min_tokens, turns)
 
     if config.startswith("ft_"):
-        from finetune.training.trainer import Trainer
+        from finetune.training.hf_trainer import Trainer
 
         core.install_loss(model, cfg)
         result["per_record_attention"] = attention.enable(model, cfg)
@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers  # noqa: F401
     import trl  # noqa: F401
 
-    import finetune.training.trainer  # noqa: F401
+    import finetune.training.hf_trainer  # noqa: F401
 
     attn = "sdpa"
     if args.gpu:

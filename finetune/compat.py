@@ -8,7 +8,7 @@ FINETUNE_ALLOW_UNTESTED=1 to run it anyway. torch's JIT-extension build lock (gu
 DeepSpeed 0.19.8 uses it) is not version-checked: should torch rename that file, the guard finds no lock and
 changes nothing.
 
-Also relied on, outside this module: finetune.training.trainer overrides transformers.Trainer's private
+Also relied on, outside this module: finetune.training.hf_trainer overrides transformers.Trainer's private
 `_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
 finetune.training.loss relies on a causal LM's forward calling its output embeddings once on the final hidden
 states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss).
@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 ALLOW_UNTESTED = "FINETUNE_ALLOW_UNTESTED"
 
@@ -547,7 +548,42 @@ def quiet_collective_deprecations() -> None:
 def default_deepspeed_accelerator() -> None:
     """DeepSpeed 0.19 warns at import, on every rank, when it finds no accelerator and falls back to its CPU one
     ("Setting accelerator to CPU"). On a machine with none of the devices it looks for, name the CPU accelerator
-    (DS_ACCELERATOR=cpu, DeepSpeed's own setting): the same choice, without the warning. A user's value is kept."""
+    (DS_ACCELERATOR=cpu, DeepSpeed's own setting): the same choice, without the warning. A user's value is kept.
+    Decided just before DeepSpeed is first imported: the check imports torch, which a command stopping at a flag
+    mistake never needs."""
+    if "DS_ACCELERATOR" not in os.environ:
+        before_deepspeed(_choose_deepspeed_accelerator)
+
+
+def before_deepspeed(action: Callable[[], None]) -> None:
+    """Run `action` once, just before DeepSpeed is first imported or looked for (transformers and accelerate look
+    for it as they are imported), or now if it has been imported."""
+    if "deepspeed" in sys.modules:
+        action()
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _BeforeDeepSpeed)), None)
+    if finder is None:
+        finder = _BeforeDeepSpeed()
+        sys.meta_path.insert(0, finder)
+    if action not in finder.actions:
+        finder.actions.append(action)
+
+
+class _BeforeDeepSpeed:
+    """A meta path finder that finds nothing: it runs its actions at the first look-up of `deepspeed`."""
+
+    def __init__(self):
+        self.actions: list[Callable[[], None]] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "deepspeed" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            for action in self.actions:
+                action()
+        return None
+
+
+def _choose_deepspeed_accelerator() -> None:
     import importlib.util
 
     if "DS_ACCELERATOR" in os.environ or importlib.util.find_spec("deepspeed") is None:

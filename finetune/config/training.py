@@ -365,14 +365,15 @@ def _training_field_defaults(cls) -> dict[str, Any]:
 
 def command(prog: str = "finetune train", extra: dict[str, type] | None = None, description: str | None = None) -> Command:
     """The training flags: LaunchConfig, ModelConfig, DataConfig and TrainingArguments (its `deepspeed` field is
-    --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections."""
-    from transformers import TrainingArguments
+    --config's alias here, so DeepSpeed's own `--deepspeed ds.json` works), plus a command's `extra` sections.
+    TrainingArguments' flags come from finetune.config.hf_fields: a mistake is reported before torch is imported."""
+    from finetune.config.hf_fields import training_arguments
 
     sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "evaluation": EvalConfig,
                 "objective": ObjectiveConfig}
     # A command's own flags come before TrainingArguments' (a name in both is the command's).
     sections.update(extra or {})
-    sections["training"] = TrainingArguments
+    sections["training"] = training_arguments()
     return Command(
         prog, sections,
         description=description or "Fine-tune a Llama-style causal LM. Flags: defaults < --recipe YAML < command line.",
@@ -767,6 +768,8 @@ _FLASH = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3 
 def attn_problems(name: str | None, flag: str = "attn_implementation") -> list[str]:
     """An attention kernel transformers does not know, or a flash kernel that cannot run here."""
     if not name or "/" in name:  # a Hub kernel (org/repo): transformers fetches and checks it
+        return []
+    if name in ("sdpa", "eager"):  # transformers' own, always known: no need to import it (seconds) to ask
         return []
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

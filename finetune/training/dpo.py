@@ -468,7 +468,7 @@ def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options
 def make_trainer(cfg, model, tokenizer, train: Pairs, held_out: Pairs | None, resume, callbacks):
     """The Trainer path's trainer for --method dpo."""
     from finetune.data.preference import PairCollator
-    from finetune.training.trainer import Trainer
+    from finetune.training.hf_trainer import Trainer
 
     class PreferenceTrainer(Trainer):
         """compute_loss and the pair count of the global batch are DPO's; the rest is the Trainer path's."""

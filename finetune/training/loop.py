@@ -12,25 +12,26 @@ log_history to the Trainer's.
 
 from __future__ import annotations
 
-import torch
-
 from finetune import config as C
 from finetune.data.prepare import make_collator
-from finetune.data.sampler import distributed_dataloader
 from finetune.training import checkpoint, core, evaluate
 from finetune.training.outputs import plan_or_exit, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
-    from accelerate import Accelerator
-    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
-
     # Config (TrainingArguments built first, so that ZeRO-3 loads the weights partitioned).
     core.start_run()  # no rank outlives its launcher; no silent wait
     cfg = C.load_or_exit(argv, prog="finetune loop")
     args = cfg.training
     plan_or_exit(cfg)
     core.check_flags_or_exit(cfg, "finetune/loop.py")
+    # Only now torch and accelerate (seconds): a flag mistake is reported without them.
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
+
+    from finetune.data.sampler import distributed_dataloader
+
     accum = args.gradient_accumulation_steps
     accelerator = Accelerator(
         # Sync by our count of micro-batches, not by the end of the dataloader: each step's micro-batches are

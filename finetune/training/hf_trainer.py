@@ -1,0 +1,96 @@
+"""The HF Trainer with the Trainer path's narrow overrides (finetune.training.trainer's main builds it): data in
+DistributedSampler order, resumable step checkpoints, the token-normalized evaluation. Its own module because it
+imports transformers' Trainer (torch, peft: seconds), which `finetune train` imports only once its flags are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from finetune import compat
+from finetune.data.sampler import distributed_dataloader
+from finetune.training import checkpoint, core, evaluate
+from finetune.training.outputs import saving
+
+
+class Trainer(transformers.Trainer):
+    def get_train_dataloader(self):
+        args = self.args
+        loader = distributed_dataloader(
+            self.train_dataset, self.data_collator, world=self.accelerator.num_processes,
+            batch_size=self._train_batch_size, shuffle=True,
+            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+        )
+        self._batch_order = loader.batch_sampler
+        return self.accelerator.prepare(loader)
+
+    def _run_epoch(self, *args, epoch: int, **kwargs):
+        # A mid-epoch resume wraps the prepared loader in accelerate's skip_first_batches: its SkipBatchSampler
+        # hides our batch order from the set_epoch calls that follow, which would then replay epoch 0's order in
+        # any later epoch. Set the epoch on the order itself; it is read only when the epoch's iterator is made.
+        self._batch_order.set_epoch(epoch)
+        if self.state.global_step >= self.state.max_steps:
+            # Resumed from the checkpoint of the last step (the final save did not finish): nothing is left to train,
+            # and the Trainer would run one step past max_steps before it checks.
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Under DeepSpeed the engine steps the LR schedule inside backward(), before the Trainer reads the learning
+        # rate to log: it would log the next step's. Keep the one this step uses (what it logs without DeepSpeed).
+        if self.is_deepspeed_enabled:
+            self._step_learning_rate = super()._get_learning_rate()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_learning_rate(self) -> float:
+        lr = getattr(self, "_step_learning_rate", None)
+        return super()._get_learning_rate() if lr is None else lr
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        # finetune.training.evaluate instead of evaluation_loop, whose loss is a mean of batch means over a
+        # DistributedSampler-padded set: the token-normalized loss of the whole set, as on the other two paths.
+        # Logged, and handed to the callbacks (early stopping), as Trainer.evaluate does.
+        eval_set = self.eval_set if eval_dataset is None else dataclasses.replace(self.eval_set, dataset=eval_dataset)
+        synced = self.zero_stage() == 3 and self.accelerator.num_processes > 1
+        metrics = evaluate.evaluate(self.model_wrapped, self.accelerator.unwrap_model(self.model), eval_set,
+                                    self.args.device, synced_gpus=synced, prefix=metric_key_prefix)
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def zero_stage(self) -> int:
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
+
+    def _save_checkpoint(self, model, trial):
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with saving(folder, f"checkpoint {os.path.basename(folder)}", partial=Path(folder)):
+            super()._save_checkpoint(model, trial)
+            checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
+                                     zero_stage=self.zero_stage(), global_step=self.state.global_step,
+                                     fingerprint=getattr(self, "fingerprint", None))
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is not None:  # under ZeRO-1/2 accelerate hands over clones: tie lm_head to the embeddings again
+            state_dict = compat.retie_state_dict(self.accelerator.unwrap_model(self.model), state_dict)
+        super()._save(output_dir, state_dict)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
+        # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).
+        super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if checkpoint_dir is not None and self.is_deepspeed_enabled:
+            checkpoint.restore_after_load(self.model_wrapped, checkpoint_dir)
+
+
+class StopPoint(transformers.TrainerCallback):
+    """core.stop_point at the Trainer's step end (before its log, evaluate and save, as in the other paths)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        core.stop_point(state.global_step)
