@@ -692,3 +692,121 @@ def test_remembered_sandbox_checks_still_refuse(tiny_chatml, body):
     for _ in range(2):
         assert ChatRenderer(tok)(conversation) == tok.apply_chat_template(conversation, tokenize=False) == (
             "user:hi False user hi True|assistant:yo False assistant yo True|")
+
+
+# ----------------------------------------------------------------------------------------------
+# One rendering per conversation (finetune/data/one_pass.py) where the template's syntax shows it is enough.
+
+LOOK_AHEAD = {  # ChatML-like templates, each with one thing that makes a prefix's rendering differ from the whole's
+    "loop.last": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if loop.last %}[end]{% endif %}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}",
+    "loop.length": "{% for m in messages %}<{{ m.role }}|{{ loop.length }}>{{ m.content }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant|>{% endif %}",
+    "loop.revindex": "{% for m in messages %}<{{ m.role }}|{{ loop.revindex }}>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant|>{% endif %}",
+    "loop.nextitem": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if loop.nextitem is undefined %}!{% endif %}\n"
+                     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    "messages|length": "{% for m in messages %}<{{ m.role }}|{{ messages|length }}>{{ m.content }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant|>{% endif %}",
+    "messages[-1]": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m is sameas messages[-1] %}!{% endif %}\n"
+                    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    "prompt in loop": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if add_generation_prompt %}~{% endif %}\n"
+                      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    "scan before": "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.n = ns.n + 1 %}"
+                   "{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}|{{ ns.n }}>{{ m.content }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant|>{% endif %}",
+    "prompt from the loop": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}<{{ m.role }}>"
+                            "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant|{{ ns.n }}>{% endif %}",
+    "text after": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}(eot)",
+}
+LOOKS_BACK = {  # what one rendering may serve: state carried forward, messages[0], a nested loop's own loop.last
+    "carried": "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+               "{% if loop.first and messages[0].role != 'system' %}<system>default\n{% endif %}"
+               "<{{ m.role }}>{{ m.content }}|{{ ns.n }}|{{ loop.index0 }}|"
+               "{% for w in (m.content or '').split(' ') %}{{ w[:1] }}{% if not loop.last %},{% endif %}{% endfor %}\n"
+               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+}
+
+
+def _layouts(tok, conversations, tools=None):
+    """(one_pass_layout, layout_by_prefixes or the error it raises) of each conversation."""
+    from finetune.data.prepare import ChatRenderer, layout_by_prefixes
+
+    renderer, out = ChatRenderer(tok), []
+    for conversation in conversations:
+        fast = renderer.one_pass_layout(conversation, tools)
+        try:
+            slow = layout_by_prefixes(renderer, conversation, "r:1", tools)
+        except DataError as e:
+            slow = str(e)
+        out.append((fast, slow))
+    return out
+
+
+ONE_PASS_CONVERSATIONS = REFERENCE_CONVERSATIONS + [
+    [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d e"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "x y"}, {"role": "assistant", "content": "z"},
+     {"role": "user", "content": "w"}],
+]
+
+
+@pytest.mark.parametrize("case", ["chatml_tiny", "llama3_tiny", "llama3_trl", "mistral", "looks_back",
+                                  pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_one_rendering_gives_the_layout_of_the_per_prefix_renderings(case, request, tok_chatml, tiny_llama3, sentencepiece_dir):
+    """Templates whose syntax shows each message's text depends on earlier messages only: the layout (the rendering
+    and each assistant turn's span) from one rendering equals the one from each turn's two renderings, for every
+    conversation the per-prefix path accepts; the others (a template's own error, a first turn by the assistant)
+    are left to it."""
+    from conftest import MISTRAL_TEMPLATE
+
+    tok = {
+        "chatml_tiny": lambda: tok_chatml,
+        "llama3_tiny": lambda: _tok(tiny_llama3),
+        "llama3_trl": lambda: _tok(tiny_llama3, chat_template=str(_trl_template("llama3.jinja"))),
+        "mistral": lambda: _template_tok(sentencepiece_dir, MISTRAL_TEMPLATE),
+        "looks_back": lambda: _template_tok(sentencepiece_dir, LOOKS_BACK["carried"]),
+        "smollm2": lambda: _tok(request.getfixturevalue("smollm2_tok_dir")),
+    }[case]()
+    served = 0
+    for tools in (None, WEATHER_TOOLS):
+        for fast, slow in _layouts(tok, ONE_PASS_CONVERSATIONS, tools):
+            if fast is not None:
+                assert fast == slow and fast[0] is not None
+                served += 1
+    assert served >= 6
+
+
+@pytest.mark.parametrize("name", list(LOOK_AHEAD))
+def test_templates_that_look_ahead_are_rendered_per_prefix(name, tok_chatml, monkeypatch):
+    """Each of these templates is refused by the syntax check, so every conversation takes the per-prefix path. With
+    the check forced to pass, two of them give wrong layouts (a mask off by the look-ahead's text); the rendering's
+    own checks catch the others (a peek or a scan moves the marks; the prompt is not where a turn starts)."""
+    from finetune.data import one_pass
+    from finetune.data.prepare import _RENDER_TEMPLATES
+
+    tok = copy.copy(tok_chatml)
+    tok.chat_template = LOOK_AHEAD[name]
+    conversations = ONE_PASS_CONVERSATIONS[:2] + ONE_PASS_CONVERSATIONS[-2:]
+    assert all(fast is None for fast, _ in _layouts(tok, conversations))
+    monkeypatch.setattr(one_pass, "one_pass", lambda source, env: True)
+    _RENDER_TEMPLATES.clear()
+    forced = _layouts(tok, conversations)
+    if name in ("messages[-1]", "prompt in loop"):
+        assert all(fast is not None and fast != slow for fast, slow in forced)
+    else:
+        assert all(fast is None for fast, _ in forced)
+
+
+@pytest.mark.parametrize("name,expected", [("qwen3", False), ("qwen2_5", False), ("llama3_1.jinja", False),
+                                           ("gemma3.jinja", False), ("llama3.jinja", True), ("chatml", True)])
+def test_which_real_templates_take_one_rendering(name, expected, qwen3, qwen2_5, tok_chatml):
+    """Qwen3 scans the messages before its loop (history rewriting), Qwen2.5 and Llama-3.1 read the loop's end,
+    Gemma-3 slices the messages: each keeps the per-prefix renderings; Llama-3's and ChatML's take one."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from finetune.data import one_pass
+
+    source = {"qwen3": lambda: qwen3.chat_template, "qwen2_5": lambda: qwen2_5.chat_template,
+              "chatml": lambda: tok_chatml.chat_template}.get(name, lambda: _trl_template(name).read_text())()
+    assert one_pass.one_pass(source, ImmutableSandboxedEnvironment()) is expected

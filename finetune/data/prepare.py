@@ -426,6 +426,30 @@ class ChatRenderer:
 
         return render
 
+    def one_pass_layout(self, messages: list[dict], tools=None):
+        """chat_layout's (full, spans) from one rendering (finetune.data.one_pass), or None."""
+        from finetune.data import one_pass
+
+        tools = tools or None
+        if self.compile is None or not _plain_json(tools) or not _plain_messages(messages):
+            return None
+        try:
+            template, template_globals = self._template(tools)
+        except Exception:
+            return None
+        env = template.environment
+        if env.is_async or not one_pass.one_pass(self.tokenizer.get_chat_template(None, tools), env):
+            return None
+        seen = self.alias(messages) if any(not self.reasoning.isdisjoint(m) for m in messages) else messages
+        shared = {**template_globals, "tools": tools, "documents": None, **self.variables, "add_generation_prompt": True}
+
+        def pieces(marked):
+            merged = {**shared, "messages": marked}
+            return template.root_render_func(self.new_context(env, template.name, template.blocks, merged, True,
+                                                              template_globals))
+
+        return one_pass.layout(pieces, messages, seen)
+
     def _template(self, tools):
         """(compiled template, its globals as a dict) of the template apply_chat_template would pick."""
         source = self.tokenizer.get_chat_template(None, tools)
@@ -545,6 +569,12 @@ def chat_layout(tokenizer, messages: list[dict], where: str = "", tools=None, re
     with or without `{% generation %}` markers.
     """
     renderer = renderer or ChatRenderer(tokenizer)
+    found = renderer.one_pass_layout(messages, tools)
+    return found if found is not None else layout_by_prefixes(renderer, messages, where, tools)
+
+
+def layout_by_prefixes(renderer, messages: list[dict], where: str = "", tools=None):
+    """chat_layout from each assistant turn's renderings (its context, and through it)."""
     render = renderer.prefixes(messages, where, tools)
     turns = _turns(renderer, render, messages, where, tools)
     # A conversation ending with an assistant turn was just rendered whole, as that turn's `through`.
