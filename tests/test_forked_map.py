@@ -164,3 +164,31 @@ def test_workers_end_with_a_killed_parent(tmp_path):
                     os.kill(p, signal.SIGKILL)
             except (psutil.Error, ProcessLookupError):
                 pass
+
+
+@pytest.mark.slow
+def test_a_launched_rank_tokenizes_on_two_processes(tmp_path):
+    """accelerate launch, 2 ranks, 4,400 records: local rank 0 forks a worker (torch loaded, the process group up)
+    while rank 1 waits; training runs, and the cache holds the 2 processes' files with the rows a one-process
+    preparation gives."""
+    from types import SimpleNamespace
+
+    from finetune.config import DataConfig
+    from finetune.data import pipeline
+    from finetune.data.prepare import prepare_dataset
+    from finetune.models.load import load_tokenizer
+    from finetune.testing import TRAIN, launcher, losses, run, tiny_job
+
+    root, model, data = tiny_job(tmp_path, records=4400, seed=3)
+    out = run([*launcher("accelerate", 2, script=TRAIN), "--model_name_or_path", str(model), "--dataset", str(data),
+               "--output_dir", str(root / "out"), "--dataset_cache_dir", str(root / "cache"), "--max_steps", "2",
+               "--per_device_train_batch_size", "2", "--max_seq_length", "128", "--dataset_num_proc", "2"], timeout=300)
+    assert out.returncode == 0, out.output[-3000:]
+    assert "(2 processes)" in out.output and len(losses(root / "out")) == 2
+    entries = [p for p in (root / "cache").iterdir() if (p / "stats.json").is_file()]
+    assert len(entries) == 1 and sorted(p.name for p in entries[0].glob("data-*.arrow")) == ["data-00000.arrow", "data-00001.arrow"]
+    tok = load_tokenizer(SimpleNamespace(model_name_or_path=str(model), trust_remote_code=False))
+    one, _ = prepare_dataset(DataConfig(dataset=str(data), dataset_cache_dir=str(tmp_path / "one"), dataset_num_proc=1,
+                                        max_seq_length=128), tok, log=lambda *a: None)
+    launched = pipeline.load_final(entries[0])
+    assert launched["input_ids"] == one["input_ids"] and launched["labels"] == one["labels"] and len(one) == 4400
