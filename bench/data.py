@@ -166,6 +166,14 @@ def measure(kind: str, n: int, num_proc: int, work: Path) -> dict:
     return row
 
 
+def measure_together(kinds: list[str], n: int, num_proc: int, work: Path) -> list[dict]:
+    """measure() of each kind, all started at once (--pair)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        return list(pool.map(lambda kind: measure(kind, n, num_proc, work), kinds))
+
+
 def _rss_anon(pid: int) -> int:
     """Resident anonymous memory: RSS without the file pages (the memory-mapped Arrow files, reclaimable)."""
     try:
@@ -248,6 +256,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="the whole grid again, interleaved; ratios are taken within a repeat, the table gives medians")
     ap.add_argument("--kinds", nargs="+", default=["finetune", "plain"], choices=["finetune", "plain"])
+    ap.add_argument("--pair", action="store_true",
+                    help="one-process runs of both kinds at the same time, one per core: their CPU ratio is then taken "
+                         "over the same seconds, so a drift of the machine's speed cancels")
     ap.add_argument("--child", choices=["finetune", "plain"])
     ap.add_argument("--num_proc", type=int, default=1)
     ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
@@ -275,9 +286,9 @@ def main(argv=None) -> None:
     for repeat in range(a.repeats):
         for n in a.sizes:
             for p in sorted(procs, reverse=True):
-                for kind in a.kinds:
-                    row = measure(kind, n, p, work)
-                    row.update(load_avg_1m=os.getloadavg()[0], repeat=repeat)
+                together = a.pair and p == 1 and len(a.kinds) > 1
+                for row in measure_together(a.kinds, n, p, work) if together else (measure(k, n, p, work) for k in a.kinds):
+                    row.update(load_avg_1m=os.getloadavg()[0], repeat=repeat, paired=together)
                     rows.append(row)
                     with open(a.out, "a") as f:
                         f.write(json.dumps(row) + "\n")

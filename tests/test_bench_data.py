@@ -31,3 +31,22 @@ def test_ratios_within_repeats_then_median_and_range():
     # Rows of a run without --repeats are one repeat.
     old = [{k: v for k, v in r.items() if k != "repeat"} for r in rows if r["repeat"] == 0]
     assert "finetune CPU / plain CPU = 1.20\n" in D.ratios(old) + "\n"
+
+
+def test_pair_starts_the_kinds_together(monkeypatch):
+    """--pair: the one-process runs of both kinds overlap in time (their CPU ratio is taken over the same seconds)."""
+    import time
+
+    spans = {}
+
+    def fake(kind, n, num_proc, work):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans[kind] = (t0, time.monotonic())
+        return {"kind": kind}
+
+    monkeypatch.setattr(D, "measure", fake)
+    rows = D.measure_together(["finetune", "plain"], 10, 1, None)
+    assert [r["kind"] for r in rows] == ["finetune", "plain"]
+    (a0, a1), (b0, b1) = spans["finetune"], spans["plain"]
+    assert a0 < b1 and b0 < a1  # they overlapped
