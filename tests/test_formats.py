@@ -783,14 +783,14 @@ def test_templates_that_look_ahead_are_rendered_per_prefix(name, tok_chatml, mon
     the check forced to pass, two of them give wrong layouts (a mask off by the look-ahead's text); the rendering's
     own checks catch the others (a peek or a scan moves the marks; the prompt is not where a turn starts)."""
     from finetune.data import one_pass
-    from finetune.data.prepare import _RENDER_TEMPLATES
+    from finetune.data import prepare as prepare_module
 
     tok = copy.copy(tok_chatml)
     tok.chat_template = LOOK_AHEAD[name]
     conversations = ONE_PASS_CONVERSATIONS[:2] + ONE_PASS_CONVERSATIONS[-2:]
     assert all(fast is None for fast, _ in _layouts(tok, conversations))
     monkeypatch.setattr(one_pass, "one_pass", lambda source, env: True)
-    _RENDER_TEMPLATES.clear()
+    monkeypatch.setattr(prepare_module, "_RENDER_TEMPLATES", {})  # compiled again under the forced check, then restored
     forced = _layouts(tok, conversations)
     if name in ("messages[-1]", "prompt in loop"):
         assert all(fast is not None and fast != slow for fast, slow in forced)

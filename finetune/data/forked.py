@@ -67,10 +67,14 @@ def map_shards(ds, fn, *, procs: int, files: list[str], fingerprint: str, desc: 
                 workers[r] = _fork(lambda r=r: run(r))
             # Made after the forks: tqdm's monitor thread must not be running while a process forks.
             bar = hf_tqdm(total=len(ds), unit=" examples", desc=desc)
+
+            def update():
+                bar.update(done() - bar.n)
+
             try:
                 with _own_bar_off():
-                    first = run(0, lambda: bar.update(done() - bar.n))
-                errors = _await(workers, lambda: bar.update(done() - bar.n), done, len(ds))
+                    first = run(0, update)
+                errors = _await(workers, update, done, len(ds))
             finally:
                 bar.close()
         finally:

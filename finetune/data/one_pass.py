@@ -18,20 +18,16 @@ from jinja2 import nodes
 # What `loop` of the message loop may be asked for: values that look back only, the same in a prefix's rendering.
 BACKWARD = frozenset({"first", "index", "index0", "previtem", "changed", "cycle", "depth", "depth0"})
 UNSEEN = (nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport, nodes.Block)
-_CHECKED: dict[str, bool] = {}  # template source -> one_pass
 
 
 def one_pass(source: str, env) -> bool:
     """The template `source` renders message j from messages 0..j (and variables) only, and outside its one loop
-    over `messages` writes nothing that depends on them; the generation prompt is all it writes after the loop."""
-    known = _CHECKED.get(source)
-    if known is None:
-        try:
-            known = _check(env.parse(source))
-        except Exception:  # a template jinja cannot parse: the per-prefix path reports it
-            known = False
-        _CHECKED[source] = known
-    return known
+    over `messages` writes nothing that depends on them; the generation prompt is all it writes after the loop.
+    (prepare.ChatRenderer keeps the answer with the compiled template.)"""
+    try:
+        return _check(env.parse(source))
+    except Exception:  # a template jinja cannot parse: the per-prefix path reports it
+        return False
 
 
 def _check(tree: nodes.Template) -> bool:

@@ -404,19 +404,15 @@ class ChatRenderer:
         """render(n, add_generation_prompt=False): the conversation's first n messages rendered; a template error is a
         DataError naming `where`."""
         tools = tools or None
-        fast = self.compile is not None and _plain_json(tools) and _plain_messages(messages)
-        # Reasoning under its other names is copied to the names templates read, as apply_chat_template does.
-        seen = self.alias(messages) if fast and any(not self.reasoning.isdisjoint(m) for m in messages) else messages
         try:
-            template, template_globals = self._template(tools) if fast else (None, None)
+            compiled = self._compiled(messages, tools)
         except Exception as e:
             raise _rejected(where, e) from None
-        # What every rendering of this conversation shares: the template's globals, then the variables.
-        shared = {**template_globals, "tools": tools, "documents": None, **self.variables} if fast else None
 
         def render(n: int, add_generation_prompt: bool = False) -> str:
             try:
-                if fast:
+                if compiled is not None:
+                    template, template_globals, _, seen, shared = compiled
                     return self._render_compiled(template, template_globals, {
                         **shared, "messages": seen[:n], "add_generation_prompt": add_generation_prompt})
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -430,28 +426,36 @@ class ChatRenderer:
         """chat_layout's (full, spans) from one rendering (finetune.data.one_pass), or None."""
         from finetune.data import one_pass
 
-        tools = tools or None
-        if self.compile is None or not _plain_json(tools) or not _plain_messages(messages):
-            return None
         try:
-            template, template_globals = self._template(tools)
-        except Exception:
+            compiled = self._compiled(messages, tools or None)
+        except Exception:  # the per-prefix path reports it
             return None
-        env = template.environment
-        if env.is_async or not one_pass.one_pass(self.tokenizer.get_chat_template(None, tools), env):
+        if compiled is None or not compiled[2]:
             return None
-        seen = self.alias(messages) if any(not self.reasoning.isdisjoint(m) for m in messages) else messages
-        shared = {**template_globals, "tools": tools, "documents": None, **self.variables, "add_generation_prompt": True}
+        template, template_globals, _, seen, shared = compiled
 
         def pieces(marked):
-            merged = {**shared, "messages": marked}
-            return template.root_render_func(self.new_context(env, template.name, template.blocks, merged, True,
-                                                              template_globals))
+            variables = {**shared, "messages": marked, "add_generation_prompt": True}
+            return template.root_render_func(self._context(template, template_globals, variables))
 
         return one_pass.layout(pieces, messages, seen)
 
+    def _compiled(self, messages: list[dict], tools):
+        """(template, its globals, whether one rendering lays a conversation out, the messages as the template reads
+        them, what every rendering of them shares), or None where apply_chat_template itself renders them."""
+        if self.compile is None or not _plain_json(tools) or not _plain_messages(messages):
+            return None
+        template, template_globals, single = self._template(tools)
+        # Reasoning under its other names is copied to the names templates read, as apply_chat_template does.
+        seen = self.alias(messages) if any(not self.reasoning.isdisjoint(m) for m in messages) else messages
+        # The template's globals, then the variables.
+        shared = {**template_globals, "tools": tools, "documents": None, **self.variables}
+        return template, template_globals, single, seen, shared
+
     def _template(self, tools):
-        """(compiled template, its globals as a dict) of the template apply_chat_template would pick."""
+        """(compiled template, its globals as a dict, one_pass) of the template apply_chat_template would pick."""
+        from finetune.data import one_pass
+
         source = self.tokenizer.get_chat_template(None, tools)
         found = self.templates.get(source) or _RENDER_TEMPLATES.get(source)
         if found is None:
@@ -467,9 +471,14 @@ class ChatRenderer:
                 env.is_safe_attribute = _per_type(env.is_safe_attribute)
                 env.getattr = _known_getattr(env)
                 template = env.from_string(source)
-            found = _RENDER_TEMPLATES[source] = (template, dict(template.globals))
+            # Whether one rendering gives a conversation's layout: decided once per template (finetune.data.one_pass).
+            single = not template.environment.is_async and one_pass.one_pass(source, template.environment)
+            found = _RENDER_TEMPLATES[source] = (template, dict(template.globals), single)
         self.templates[source] = found
         return found
+
+    def _context(self, template, template_globals: dict, merged: dict):
+        return self.new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
 
     def _render_compiled(self, template, template_globals: dict, merged: dict) -> str:
         """template.render(variables), given the template's globals as a plain dict and `merged`, the globals updated
@@ -477,9 +486,8 @@ class ChatRenderer:
         about as much as rendering a two-exchange chat."""
         if template.environment.is_async:
             return template.render(merged)  # the globals given again as variables: the same values
-        context = self.new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
         try:
-            return template.environment.concat(template.root_render_func(context))
+            return template.environment.concat(template.root_render_func(self._context(template, template_globals, merged)))
         except Exception:
             template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
@@ -488,7 +496,7 @@ def _rejected(where: str, error: Exception) -> DataError:
     return DataError(f"{where}: the tokenizer's chat template rejected this conversation: {error}")
 
 
-_RENDER_TEMPLATES: dict = {}  # source -> (template, globals): a renderer is made per map batch, compiled once
+_RENDER_TEMPLATES: dict = {}  # source -> (template, globals, one_pass): a renderer is made per map batch, compiled once
 
 
 def _per_type(check):
