@@ -554,3 +554,25 @@ def test_resolved_records_every_finetune_key(out):
     for key in C.TRAINING_DEFAULTS:
         assert key in resolved, key
     assert resolved["config"] == "ddp" and "recipe" not in resolved
+
+
+def test_only_rank_0_reports_at_once(monkeypatch, capsys):
+    """A launched rank other than 0 gives rank 0 time to print (its launcher would SIGTERM rank 0 on the first exit),
+    then reports the problems itself: a problem only that rank sees is still printed."""
+    import time
+
+    from finetune.config import parser
+
+    error = C.ConfigError(["--config zero2 disagrees"])
+    monkeypatch.setattr(parser, "PEER_REPORT_GRACE_S", 0.3)
+    for rank, world, printed, waited in (("0", "2", "finetune: 1 configuration problem(s):", False),
+                                         ("1", "2", "rank 1: finetune: 1 configuration problem(s):", True),
+                                         ("0", "1", "finetune: 1 configuration problem(s):", False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            parser.exit_with_problems(error)
+        assert e.value.code == 2
+        assert (time.monotonic() - start >= 0.3) == waited
+        assert capsys.readouterr().err.splitlines()[0] == printed
