@@ -225,3 +225,42 @@ def test_resume_after_a_lost_final_save_trains_no_extra_step(how, job, run):
     assert "resume: from" in proc.stderr
     assert global_step(out) == 3
     assert losses(out) == pytest.approx(expected, abs=1e-6)
+
+
+GUARD = """
+import datetime, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+from finetune import config as C
+from finetune.training import outputs
+rank = dist.get_rank()
+cfg = C.parse(sys.argv[1:] + ["--output_dir", os.environ[f"OUT{rank}"]])
+print(f"rank {rank}: guard returned {outputs.guard_output_dir(cfg)}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_output_folders_take_the_same_way(job, tmp_path):
+    """Rank 0 may create --output_dir (eval_split.json) before rank 1 has looked at it: the check must be collective
+    on every rank whatever it finds. Before, a rank that found no folder skipped the collective and the other waited
+    in it for ever (a ZeRO-3 run hung in CI). Here each rank gets its own folder: rank 0's does not exist."""
+    from launch import launcher, run
+
+    script = tmp_path / "guard.py"
+    script.write_text(GUARD)
+    common = [str(a) for a in args(job)[:2] + args(job)[2:4]]  # the model and the data
+    empty, other, missing = tmp_path / "empty", tmp_path / "other", tmp_path / "missing"
+    empty.mkdir()
+    other.mkdir()
+    (other / "config.json").write_text("{}")  # another run's final model: it records no fingerprint
+    for out1, extra, ok, expected in (
+            (empty, [], True, "guard returned None"),
+            (other, [], False, f"--output_dir {missing} holds"),  # rank 0 reports what rank 1 found; every rank stops
+            (other, ["--overwrite_output_dir"], True, "guard returned None")):
+        result = run(launcher("torchrun", 2, script=str(script)) + common + extra, timeout=150,
+                     OUT0=str(missing), OUT1=str(out1))
+        assert (result.returncode == 0) == ok, result.output[-3000:]
+        assert expected in result.output, result.output[-3000:]
+        if ok:
+            assert "rank 0: guard returned None" in result.output and "rank 1: guard returned None" in result.output

@@ -205,30 +205,32 @@ def guard_output_dir(cfg) -> int | None:
     args, out = cfg.training, Path(cfg.training.output_dir)
     ours = run_fingerprint(cfg)
     cfg.fingerprint = ours
-    if not out.is_dir():
-        return None
-    foreign, stale = [], []
-    for folder in sorted(p for p in out.iterdir() if p.is_dir() and checkpoint._STEP.match(p.name)):
-        if checkpoint.problem(folder) is not None:
-            stale.append(folder)
-            continue
-        why = _differs(ours, checkpoint.read_meta(folder).get("fingerprint"))
-        if why:
-            foreign.append((folder, why))
-    final = next((out / n for n in _COMMIT_LAST if (out / n).is_file()), None)
-    final_why = _differs(ours, saved_fingerprint(out)) if final is not None else ""
-    if final_why:
-        foreign.insert(0, (out, final_why))
+    foreign, stale, final, final_why = [], [], None, ""
+    # No early return before the collective below: a rank that finds no folder yet must still join it, since
+    # another rank may look after rank 0 has created the folder (a hang seen in a ZeRO-3 run).
+    if out.is_dir():
+        for folder in sorted(p for p in out.iterdir() if p.is_dir() and checkpoint._STEP.match(p.name)):
+            if checkpoint.problem(folder) is not None:
+                stale.append(folder)
+                continue
+            why = _differs(ours, checkpoint.read_meta(folder).get("fingerprint"))
+            if why:
+                foreign.append((folder, why))
+        final = next((out / n for n in _COMMIT_LAST if (out / n).is_file()), None)
+        final_why = _differs(ours, saved_fingerprint(out)) if final is not None else ""
+        if final_why:
+            foreign.insert(0, (out, final_why))
     overwrite = cfg.launch.overwrite_output_dir
     # Collective (every rank has looked before rank 0 removes anything): nodes without a shared filesystem see
-    # different folders, and what any rank finds stops every rank.
+    # different folders, and what any rank finds stops every rank. What follows branches on the gathered view only,
+    # so every rank takes the same branch.
     seen = [f for f in checkpoint.gather(foreign[0] if foreign else None) if f is not None]
     if seen and not overwrite:
         where, why = seen[0]
         what = "a final model" if where == out else f"the checkpoint {where.name}"
         exit_with(f"--output_dir {out} holds {what} of another run ({why}); a run never writes over or resumes "
                   "another run's outputs. Use a new --output_dir, or --overwrite_output_dir to replace them")
-    if foreign and overwrite:
+    if seen and overwrite:
         if is_rank0():
             for folder, _ in foreign:
                 if folder != out:
