@@ -44,7 +44,8 @@ TESTED: dict[str, Tested] = {
     "bitsandbytes": Tested(
         ">=0.50,<0.51",
         "4-bit training on CPUs with AVX512-BF16: the guard against bitsandbytes' inference-only weight repacking "
-        "(without it LoRA silently stops learning) and the exact-layout comparison when a 4-bit save is verified",
+        "(without it LoRA silently stops learning) and the exact-layout comparison when a 4-bit save is verified; "
+        "its import deferred to first use (defer_bitsandbytes_import)",
     ),
     "transformers": Tested(
         ">=5.23,<5.25",
@@ -335,6 +336,47 @@ def quiet_bnb_cpu_kernel_notice() -> None:
 
 # bitsandbytes logs its per-call CPU warnings under this (private) module's logger.
 BNB_WARNINGS_LOGGER = "bitsandbytes.autograd._functions"
+
+
+# peft 0.21 imports bitsandbytes at `import peft` (peft/helpers.py), and transformers 5.24 imports peft with its
+# TrainingArguments: every process paid bitsandbytes 0.50's import (it compiles its default ops with torch.compile
+# at import; 1.5-2 s of a 7-9 s start on 2 CPU cores) though only 4-bit/8-bit models and bnb optimizers use it.
+# Until then `bitsandbytes` is a stand-in module: the import succeeds, find_spec and metadata still see the package,
+# and the first attribute read (bnb.nn, bnb.optim, __version__, a submodule import reading __path__) imports it for
+# real. __name__, __file__ and __spec__ are answered without the import, since torch and inspect read them while
+# scanning every loaded module.
+
+
+class _Deferred(type(sys)):
+    def __getattr__(self, name: str):
+        return getattr(_import_deferred(self), name)
+
+
+def _import_deferred(stand_in):
+    import importlib
+
+    name = stand_in.__name__
+    if sys.modules.get(name) is stand_in:
+        del sys.modules[name]
+    real = importlib.import_module(name)
+    stand_in.__dict__.update(real.__dict__)  # later reads through the stand-in (peft's `bnb`) find it here
+    return real
+
+
+def defer_bitsandbytes_import() -> bool:
+    """Install the stand-in unless bitsandbytes is already imported or not installed; True if installed."""
+    import importlib.util
+
+    if "bitsandbytes" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or spec.origin is None:
+        return False
+    stand_in = _Deferred("bitsandbytes")
+    stand_in.__file__, stand_in.__spec__, stand_in.__loader__ = spec.origin, spec, spec.loader
+    stand_in.__package__ = "bitsandbytes"
+    sys.modules["bitsandbytes"] = stand_in
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

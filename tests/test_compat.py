@@ -353,3 +353,36 @@ def test_released_pages_of_a_read_only_map_leave_rss_and_read_back_the_same(tmp_
     assert compat.release_mapped_pages([path]) == 0
     assert c[0:5] == b"hello"
     c.close()
+
+
+DEFERRED = """
+import importlib.util, sys, time
+import finetune
+from transformers import Trainer, TrainingArguments
+from transformers.utils import is_bitsandbytes_available
+import peft
+from peft.helpers import bnb
+print("deferred:", type(sys.modules["bitsandbytes"]).__name__, "bitsandbytes.nn" in sys.modules)
+print("seen:", importlib.util.find_spec("bitsandbytes") is not None, is_bitsandbytes_available())
+if sys.argv[1] == "attribute":
+    layer = bnb.nn.Linear4bit
+else:
+    import bitsandbytes.nn
+    layer = sys.modules["bitsandbytes.nn"].Linear4bit
+real = sys.modules["bitsandbytes"]
+print("loaded:", type(real).__name__, real.__version__, layer is real.nn.Linear4bit is bnb.nn.Linear4bit)
+"""
+
+
+@pytest.mark.parametrize("first_use", ["attribute", "submodule"])
+def test_bitsandbytes_is_imported_at_first_use(first_use):
+    """Importing transformers' Trainer and peft leaves bitsandbytes unimported (1.5-2 s of every start), while the
+    package is still seen as installed; its first use, an attribute or a submodule import, imports it for real, and
+    peft's module-level `bnb` then reads the real classes."""
+    proc = subprocess.run([sys.executable, "-c", DEFERRED, first_use], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "deferred: _Deferred False"
+    assert lines[1] == "seen: True True"
+    assert lines[2] == f"loaded: module {metadata.version('bitsandbytes')} True"
