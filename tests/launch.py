@@ -9,7 +9,7 @@ from finetune.testing import (  # noqa: F401
 import os
 
 # CI runs a cover of each test matrix that uses `matrix` (every path, launcher, signal and preset at least once);
-# FINETUNE_FULL_MATRIX=1 runs every combination (about 10 more minutes on 2 cores).
+# FINETUNE_FULL_MATRIX=1 runs every combination (about 12 more minutes on 2 cores).
 FULL_MATRIX = os.environ.get("FINETUNE_FULL_MATRIX") == "1"
 
 

@@ -374,15 +374,16 @@ print("loaded:", type(real).__name__, real.__version__, layer is real.nn.Linear4
 """
 
 
-@pytest.mark.parametrize("first_use", ["attribute", "submodule"])
-def test_bitsandbytes_is_imported_at_first_use(first_use):
+def test_bitsandbytes_is_imported_at_first_use():
     """Importing transformers' Trainer and peft leaves bitsandbytes unimported (1.5-2 s of every start), while the
     package is still seen as installed; its first use, an attribute or a submodule import, imports it for real, and
     peft's module-level `bnb` then reads the real classes."""
-    proc = subprocess.run([sys.executable, "-c", DEFERRED, first_use], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "deferred: _Deferred False"
-    assert lines[1] == "seen: True True"
-    assert lines[2] == f"loaded: module {metadata.version('bitsandbytes')} True"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = side_by_side([[sys.executable, "-c", DEFERRED, first_use] for first_use in ("attribute", "submodule")],
+                         timeout=120, env=env)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stdout.splitlines()
+        assert lines[0] == "deferred: _Deferred False"
+        assert lines[1] == "seen: True True"
+        assert lines[2] == f"loaded: module {metadata.version('bitsandbytes')} True"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import TRAIN, launcher, run, tiny_job
+from launch import TRAIN, launcher, matrix, run, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,9 @@ def saves(job):
     return get
 
 
-@pytest.mark.parametrize("preset", PRESETS[1:])
+# CI: one preset per way a save is gathered (ZeRO-2: the module's own weights; ZeRO-3 with parameters swapped to disk:
+# the partitions gathered), every preset with FINETUNE_FULL_MATRIX=1.
+@pytest.mark.parametrize("preset", matrix(PRESETS[1:], ["zero2", "zero3_nvme"]))
 def test_saved_model_keeps_the_tie(preset, saves):
     from transformers import AutoModelForCausalLM
 
