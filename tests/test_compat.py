@@ -356,7 +356,7 @@ def test_released_pages_of_a_read_only_map_leave_rss_and_read_back_the_same(tmp_
 
 
 DEFERRED = """
-import importlib.util, sys, time
+import importlib.util, sys
 import finetune
 from transformers import Trainer, TrainingArguments
 from transformers.utils import is_bitsandbytes_available

@@ -222,8 +222,8 @@ def guard_output_dir(cfg) -> int | None:
             foreign.insert(0, (out, final_why))
     overwrite = cfg.launch.overwrite_output_dir
     # Collective (every rank has looked before rank 0 removes anything): nodes without a shared filesystem see
-    # different folders, and what any rank finds stops every rank. What follows branches on the gathered view only,
-    # so every rank takes the same branch.
+    # different folders, and what any rank finds stops every rank. The branches below that exit or reach a barrier
+    # follow the gathered view, so every rank takes the same one.
     seen = [f for f in checkpoint.gather(foreign[0] if foreign else None) if f is not None]
     if seen and not overwrite:
         where, why = seen[0]
