@@ -252,13 +252,15 @@ def _ring_child(conn, tokens: int, target, *args):
 
 def ring(jobs: list[tuple[str, object, tuple]], tokens: int, barrier: "Barrier | None" = None, what: str = "",
          timeout: float = 3600.0) -> dict[str, tuple[str, object]]:
-    """--interleave: each job (name, target, args) in a forked child, all alive at once and taking turns on the core,
+    """--interleave: each job (name, target, args) in a child process, all alive at once and taking turns on the core,
     `tokens` real tokens a turn, in order, until each has finished: every row sees the machine's speed over the
     same minutes, so a drift of it cancels in their ratios. Returns name -> ("ok", result) or ("error", text).
     With a barrier, every turn starts in lockstep with the other invocations' same turn."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    # Spawned, not forked: a fork of a process with other threads (pytest-xdist's worker, torch's OpenMP pool once
+    # used) can deadlock or crash in the child. Start-up is not timed: the first turn waits for every child.
+    ctx = mp.get_context("spawn")
     live = {}
     for name, target, args in jobs:
         mine, theirs = ctx.Pipe()

@@ -40,6 +40,27 @@ def _guarded_exit(code):
 os._exit = _guarded_exit
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core this process may use, at most one per 4 GiB of memory (a worker's heaviest test
+    runs two ranks of SmolLM2), at most 8."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, psutil.virtual_memory().total // 2**32, 8))
+
+
+def pytest_collection_modifyitems(config, items):
+    # With parallel workers (-n, --dist loadfile), each file runs whole on one worker, handed out in collection
+    # order: the files with the most multi-process (slow) tests go first, and the in-process ones fill the end
+    # instead of a long file running alone there. Every worker sorts alike; a run without workers keeps file order.
+    if not hasattr(config, "workerinput"):
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
+
+
 def pytest_terminal_summary(terminalreporter):
     if not FULL_MATRIX:
         terminalreporter.write_line("matrices run as their CI cover; FINETUNE_FULL_MATRIX=1 runs every combination "

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 QUICKSTART = "bash scripts/setup.sh && .venv/bin/finetune quickstart"
-TESTS = "bash scripts/setup.sh && .venv/bin/python -m pytest -q tests"
+TESTS = "bash scripts/setup.sh && .venv/bin/python -m pytest -q -n auto --dist loadfile tests"
 MAX_WORDS = 950
 
 # [text](target) and ![alt](target); the target ends at whitespace (an optional "title" follows) or ")".
