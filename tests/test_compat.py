@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -387,3 +388,39 @@ def test_bitsandbytes_is_imported_at_first_use():
         assert lines[0] == "deferred: _Deferred False"
         assert lines[1] == "seen: True True"
         assert lines[2] == f"loaded: module {metadata.version('bitsandbytes')} True"
+
+
+CPU_INFO = """
+import json, sys
+runs = []
+sys.addaudithook(lambda event, args: runs.append(1) if event == "subprocess.Popen" and "cpuinfo" in str(args[1]) else None)
+if sys.argv[1] == "cached":
+    from finetune import compat
+    compat.cache_cpu_info()
+    compat.cache_cpu_info()
+import cpuinfo
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+flags = [(b.cpu_arch(), b.simd_width()) for b in (CPUAdamBuilder(), ShareMemCommBuilder())]
+mine = cpuinfo.get_cpu_info()
+mine["flags"].append("changed by a caller")
+info = cpuinfo.get_cpu_info()
+print(json.dumps({"runs": len(runs), "flags": flags, "info": info}))
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_asks_for_the_cpu_once_per_process():
+    """DeepSpeed's op builders ask py-cpuinfo for the CPU twice per op (a Python process each time); with
+    compat.cache_cpu_info, one process answers every call, with the same compile flags and a copy per caller."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    plain, cached = (json.loads(p.stdout.splitlines()[-1]) for p in _ok(side_by_side(
+        [[sys.executable, "-c", CPU_INFO, mode] for mode in ("plain", "cached")], timeout=180, env=env)))
+    assert plain["runs"] == 6 and cached["runs"] == 1, (plain["runs"], cached["runs"])
+    assert cached["flags"] == plain["flags"] and plain["flags"][0][0].startswith("-m")
+    assert cached["info"] == plain["info"] and "changed by a caller" not in cached["info"]["flags"]
+
+
+def _ok(procs):
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return procs

@@ -530,18 +530,24 @@ def wants_help(argv: list[str], passthrough: bool = False) -> bool:
     return "-h" in argv or "--help" in argv
 
 
-# How long a launched rank other than 0 waits for rank 0 to report the same problems before it reports them itself.
+# How long a launched rank that does not print an error every rank shares waits before it exits: a rank that exits
+# at once makes its launcher SIGTERM the rest, the printing rank included, possibly before that one has printed.
 PEER_REPORT_GRACE_S = 10.0
+
+
+def give_the_reporting_rank_time() -> None:
+    """Wait PEER_REPORT_GRACE_S under a launcher (the printing rank's exit ends the wait: the launcher stops us)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(PEER_REPORT_GRACE_S)
 
 
 def exit_with_problems(error: ConfigError) -> typing.NoReturn:
     # Every rank finds the same problems (no rank waits on a collective), so all exit and rank 0 prints. The other
-    # ranks give rank 0 time to print first: a rank that exits at once makes its launcher SIGTERM the rest, rank 0
-    # included, which the checks before the heavy imports (0.2 s) let happen before rank 0 has printed anything.
-    # Rank 0's exit ends their wait (the launcher stops them); a problem only this rank sees is printed by it.
+    # ranks give rank 0 time to print first (the checks before the heavy imports take 0.2 s, so ranks are seconds
+    # apart here); a problem only this rank sees is then printed by it.
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(PEER_REPORT_GRACE_S)
+        give_the_reporting_rank_time()
         print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
     elif rank == 0:
         print(str(error), file=sys.stderr, flush=True)

@@ -113,11 +113,13 @@ def start_run() -> None:
     which on SIGINT/SIGTERM exits without stopping the ranks), instead of training on or waiting 30 minutes in the
     rendezvous; and it prints what the rank waits for (the rendezvous, a collective) once a wait passes 30 s.
     DeepSpeed's JIT-built ops get this virtualenv's folder and a build lock that survives no dead builder
-    (finetune.compat.guard_extension_builds), set up before DeepSpeed is imported (the guard imports torch, which a
-    run stopping at a flag mistake does without)."""
+    (finetune.compat.guard_extension_builds), and the CPU is described to DeepSpeed's op builders once per process
+    (compat.cache_cpu_info), both set up before DeepSpeed is imported (the guard imports torch, which a run stopping
+    at a flag mistake does without)."""
     global _watchdog
 
     compat.before_deepspeed(compat.guard_extension_builds)
+    compat.before_deepspeed(compat.cache_cpu_info)
     if _watchdog is None and ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ):
         _watchdog = Watchdog(launcher_chain())
         _watchdog.start()

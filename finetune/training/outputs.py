@@ -30,9 +30,14 @@ def rank0_print(*args, **kwargs) -> None:
 
 def exit_with(message: str) -> NoReturn:
     # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit. One
-    # line per node (its local rank 0): each node's launcher output says why its ranks stopped.
+    # line per node (its local rank 0): each node's launcher output says why its ranks stopped. The others give it
+    # time to print before their exit makes the launcher stop it.
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(f"finetune: {message}", file=sys.stderr, flush=True)
+    else:
+        from finetune.config.parser import give_the_reporting_rank_time
+
+        give_the_reporting_rank_time()
     raise SystemExit(2)
 
 
