@@ -36,11 +36,24 @@ def _map(ds, fn, tmp_path, procs, **kw):
                              remove_columns=["x"], features=FEATURES, load_from_cache_file=False, **kw)
 
 
+_EARLIER: set[int] = set()  # children this process had before the test (a multiprocessing resource tracker)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    _EARLIER.clear()
+    _EARLIER.update(c.pid for c in psutil.Process().children())
+
+
 def _no_children():
+    """The children the test left (its workers), after up to 10 s for them to end."""
+    def left():
+        return [c for c in psutil.Process().children() if c.pid not in _EARLIER]
+
     deadline = time.time() + 10
-    while psutil.Process().children() and time.time() < deadline:
+    while left() and time.time() < deadline:
         time.sleep(0.05)
-    return psutil.Process().children()
+    return left()
 
 
 @pytest.mark.parametrize("procs", [2, 3])
