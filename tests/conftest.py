@@ -55,10 +55,13 @@ def pytest_collection_modifyitems(config, items):
     # instead of a long file running alone there. Every worker sorts alike; a run without workers keeps file order.
     if not hasattr(config, "workerinput"):
         return
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
     slow: dict[str, int] = {}
     for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
+        slow[file(item)] = slow.get(file(item), 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[file(item)])  # stable: a file's tests keep their order
 
 
 def pytest_terminal_summary(terminalreporter):
