@@ -413,14 +413,10 @@ def test_deepspeed_asks_for_the_cpu_once_per_process():
     """DeepSpeed's op builders ask py-cpuinfo for the CPU twice per op (a Python process each time); with
     compat.cache_cpu_info, one process answers every call, with the same compile flags and a copy per caller."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
-    plain, cached = (json.loads(p.stdout.splitlines()[-1]) for p in _ok(side_by_side(
-        [[sys.executable, "-c", CPU_INFO, mode] for mode in ("plain", "cached")], timeout=180, env=env)))
+    procs = side_by_side([[sys.executable, "-c", CPU_INFO, mode] for mode in ("plain", "cached")], timeout=180, env=env)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, cached = (json.loads(proc.stdout.splitlines()[-1]) for proc in procs)
     assert plain["runs"] == 6 and cached["runs"] == 1, (plain["runs"], cached["runs"])
     assert cached["flags"] == plain["flags"] and plain["flags"][0][0].startswith("-m")
     assert cached["info"] == plain["info"] and "changed by a caller" not in cached["info"]["flags"]
-
-
-def _ok(procs):
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return procs
