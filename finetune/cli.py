@@ -18,10 +18,11 @@ COMMANDS = {
 }
 # The commands that run finetune's workarounds for other libraries' internals (finetune.compat).
 CHECKS_VERSIONS = ("train", "loop", "sft", "generate", "export", "quickstart")
+TRAINING = ("train", "loop", "sft")
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    program, argv = argv is None, sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-V", "--version"):
         from finetune import __version__
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     from finetune.compat import run_rank
 
-    run_rank(module.main, argv[1:])  # a launched rank ends without the interpreter shutdown, where it can abort
+    # A training command run as the program (argv from the command line, not a caller) ends without the interpreter
+    # shutdown once done, as a launched rank does (finetune.compat).
+    run_rank(module.main, argv[1:], own_process=program and argv[0] in TRAINING)
 
 
 if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it

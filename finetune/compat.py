@@ -429,7 +429,8 @@ def offload_hooks(model):
 # Here: (1) each virtualenv gets its own extensions folder (unless TORCH_EXTENSIONS_DIR is set); (2) every build
 # or load of an op runs under a kernel file lock (flock) beside its folder, which dies with its holder and records
 # who holds it, so a process that waits says for whom; (3) under that lock, a `lock` file that no process has
-# open and no compiler is working in is a dead build's: it is removed, with a message, and the op is built again.
+# open and no compiler is working in is a dead build's: it is removed, with a message, and the op is built again;
+# (4) the ops are compiled without debug information (without_debug_info).
 
 BUILD_WAIT_REPORT = 30.0  # seconds: how long any wait here stays silent
 
@@ -461,12 +462,22 @@ def guard_extension_builds() -> None:
     original = ext.load
 
     def load(name, *args, **kwargs):
+        if kwargs.get("extra_cflags"):
+            kwargs["extra_cflags"] = without_debug_info(kwargs["extra_cflags"])
         with build_lock(name):
             return original(name, *args, **kwargs)
 
     load._finetune_guarded = True
     load.__wrapped__ = original
     ext.load = load
+
+
+def without_debug_info(cflags: list[str]) -> list[str]:
+    """DeepSpeed 0.19.8 compiles its CPU ops with -g (OpBuilder.cxx_args): debug information for every template of
+    torch's headers, which no user reads, costs a quarter of the compile (one async_io source: 41 s with -g, 31 s
+    without, on this project's 2-core CI machine; a cold build of cpu_adam, shm_comm and async_io took 634 s of CPU).
+    The same flags with -g0 last."""
+    return [f for f in cflags if f != "-g"] + ["-g0"]
 
 
 def cache_cpu_info() -> None:
@@ -671,15 +682,18 @@ def _choose_deepspeed_accelerator() -> None:
 # without an active exception", SIGABRT, the launcher then exits non-zero). Seen on the engine and Trainer paths,
 # about 1 run in 4 of tests/test_resume.py's mid-epoch engine case, never in 14 runs of its command outside pytest;
 # which library's thread it is was not found; also a rank that raised SystemExit(0) with nothing to do (a finished
-# run resumed with `latest`, CI 2026-11-26). A launched rank that succeeded therefore ends without the shutdown,
-# however its main ends (run_rank).
+# run resumed with `latest`, CI 2026-11-26). And a one-process run, not launched (`python finetune/loop.py --config
+# zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in 29 runs of its command
+# here). A training process whose work is done therefore ends without the shutdown, however its main ends
+# (run_rank): a launched rank, and the process of a training entry point (own_process).
 
 
-def exit_launched_rank(code: int = 0) -> None:
-    """End a launched rank (LOCAL_RANK set by its launcher) whose work is done: flush, then os._exit. Any other
-    process returns: `python finetune/train.py`, and a test running an entry point in-process, set LOCAL_RANK
-    themselves (a world of one), so what counts is the environment the process started with."""
-    if not launched_by_launcher():
+def end_finished_process(code: int = 0, own_process: bool = False) -> None:
+    """End the process, its work done: flush, then os._exit. Only a rank its launcher started (LOCAL_RANK set at
+    start) or an entry point's own process (own_process, and the process started with the arguments in sys.argv)
+    ends; any other caller returns. A test running an entry point in-process sets LOCAL_RANK and sys.argv itself, so
+    what counts is the environment and command line the process started with."""
+    if not ((own_process and started_with_sys_argv()) or launched_by_launcher()):
         return
     import logging
 
@@ -692,17 +706,32 @@ def exit_launched_rank(code: int = 0) -> None:
     os._exit(code)
 
 
-def run_rank(main, *args) -> None:
-    """Run an entry point's main(*args); a launched rank that succeeded then ends by exit_launched_rank, whether main
-    returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing rank keeps the
-    usual way out: ending at once would let its launcher stop local rank 0 before that rank printed the error."""
+def run_rank(main, *args, own_process: bool = False) -> None:
+    """Run an entry point's main(*args); a launched rank, or the entry point's own process (own_process: the
+    training scripts' `__main__`, `finetune train|loop|sft`), that succeeded then ends by end_finished_process, whether
+    main returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing process
+    keeps the usual way out: ending at once would let its launcher stop local rank 0 before that rank printed the
+    error."""
     try:
         main(*args)
     except SystemExit as e:
         if e.code in (None, 0):
-            exit_launched_rank(0)
+            end_finished_process(0, own_process)
         raise
-    exit_launched_rank(0)
+    end_finished_process(0, own_process)
+
+
+def started_with_sys_argv() -> bool:
+    """The command line this process started with (/proc/self/cmdline) ends with sys.argv[1:], so the entry point
+    reading sys.argv is the program (`python finetune/train.py ARGS`, `finetune train ARGS`, `python -m
+    finetune.cli train ARGS`); False where that cannot be read."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            started = f.read().split(b"\0")[:-1]
+    except OSError:
+        return False
+    args = [os.fsencode(a) for a in sys.argv[1:]]
+    return len(started) > len(args) and started[len(started) - len(args):] == args
 
 
 def launched_by_launcher() -> bool:

@@ -55,6 +55,8 @@ def env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
         # Two ranks on two cores: more threads per rank only oversubscribes (3x slower).
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1",
+        # A process that gets SIGABRT (Job.abort, on a timeout) prints every thread's Python stack first.
+        PYTHONFAULTHANDLER="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
@@ -145,9 +147,11 @@ def unexpected_warnings(output: str, allowed: dict[str, str] = ALLOWED_WARNINGS)
 
 
 def _default_sigint() -> None:
+    import resource
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # Job.abort's SIGABRT writes no core file
 
 
 @dataclass
@@ -273,6 +277,32 @@ class Job:
         except subprocess.TimeoutExpired:
             pass
 
+    def abort(self, grace: float = 2.0) -> None:
+        """On a timeout: make every process of the job print its threads' Python stacks into the output (SIGABRT;
+        PYTHONFAULTHANDLER is set by env()), then kill what is left and read the output to its end. All are stopped
+        first, then woken one at a time, ranks before launchers: none reacts to another's end before its own dump,
+        and the dumps do not interleave."""
+        import psutil
+
+        self.watch()
+        procs = sorted(self.alive(), key=lambda p: -p.pid) + ([self.root] if self.proc.poll() is None else [])
+        for sig in (signal.SIGSTOP, signal.SIGABRT):
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.Error:
+                    pass
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                continue
+            deadline = time.monotonic() + grace
+            while _running(p) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.kill()
+        self.drain()
+
     def drain(self, seconds: float = DRAIN) -> bool:
         """Wait at most `seconds` for the output pipe to close: True if everything was read."""
         self._reader.join(seconds)
@@ -313,9 +343,8 @@ def run(cmd: list[str], timeout: float = 300, cwd: Path = REPO, **extra_env: str
     """
     with Job(cmd, cwd, env(**extra_env)) as job:
         if not job.wait(timeout):
-            job.kill()
-            job.drain()
-            raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{job.output[-6000:]}")
+            job.abort()
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{job.output[-12000:]}")
         left = job.finish()
         if left:
             raise AssertionError(f"{' '.join(cmd)} exited ({job.returncode}) leaving {len(left)} process(es) running "
@@ -447,9 +476,8 @@ def run_and_kill_rank(cmd: list[str], when: Path | None, rank: int = 1, timeout:
         os.kill(ranks[rank], signal.SIGKILL)
         killed_at = time.time()
         if not job.wait(exit_bound):
-            job.kill()
-            job.drain()
-            raise AssertionError(f"still running {exit_bound}s after rank {rank} was killed\n{job.output[-6000:]}")
+            job.abort()
+            raise AssertionError(f"still running {exit_bound}s after rank {rank} was killed\n{job.output[-12000:]}")
         exit_seconds = time.time() - killed_at
         survivors = job.finish()
         return Killed(job.returncode, job.output, exit_seconds, survivors, at_kill)

@@ -19,4 +19,4 @@ from finetune.training.engine import main
 
 if __name__ == "__main__":
     check_versions()
-    run_rank(main)  # a launched rank ends without the interpreter shutdown, where it can abort (finetune.compat)
+    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.compat)

@@ -127,6 +127,23 @@ def test_another_programs_live_build_is_waited_for_then_its_dead_lock_removed(ex
     assert said[-1].startswith(f"removed the stale build lock {lock}: no process holds it")
 
 
+def test_ops_are_compiled_without_debug_information(ext_dir, monkeypatch):
+    """The guarded load hands torch DeepSpeed's flags (here cpu_adam's, -g among them) without -g and with -g0 last,
+    under the build lock."""
+    import torch.utils.cpp_extension as ext
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    calls = []
+    monkeypatch.setattr(ext, "load", lambda name, *args, **kwargs: calls.append((name, kwargs)))
+    compat.guard_extension_builds()
+    flags = CPUAdamBuilder().cxx_args()
+    assert "-g" in flags and "-O3" in flags, flags
+    ext.load("cpu_adam", sources=["a.cpp"], extra_cflags=list(flags))
+    [(name, kwargs)] = calls
+    assert kwargs["extra_cflags"] == [f for f in flags if f != "-g"] + ["-g0"], kwargs
+    assert (ext_dir / ".cpu_adam.finetune-lock").exists()
+
+
 def test_each_virtualenv_gets_its_own_extensions_folder(monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     ours = compat.extensions_dir()
@@ -155,8 +172,13 @@ def test_deepspeed_op_load_with_a_planted_dead_lock(tmp_path):
     virtualenv's extensions folder, with a `lock` left by a dead build: DeepSpeed alone is still waiting after 20 s,
     silently; under finetune the lock is removed with a message and the op loads."""
     source = compat.extensions_dir() / "deepspeed_shm_comm"
-    if not (source / "deepspeed_shm_comm.so").is_file():  # built here once (about a minute), then reused by every run
+    ninja = source / "build.ninja"
+    # Built here once (about a minute), then reused by every run; again if an earlier finetune built it otherwise.
+    if not (source / "deepspeed_shm_comm.so").is_file() or "-g0" not in ninja.read_text():
         testing.run([sys.executable, "-c", LOAD_SHM, "guarded"], timeout=600).check()
+    # Built through the guard: its flags end with -g0 (compat.without_debug_info).
+    cflags = next(line for line in ninja.read_text().splitlines() if line.startswith("cflags = ")).split()
+    assert cflags[-1] == "-g0" and "-O2" in cflags, cflags
     private = tmp_path / "ext"
     shutil.copytree(source, private / "deepspeed_shm_comm")
     (private / "deepspeed_shm_comm" / "lock").touch()

@@ -65,6 +65,37 @@ def test_a_rank_in_its_own_session_cannot_hang_run(tmp_path, launcher_lives, tim
     assert dead(pid), psutil.Process(pid).cmdline()
 
 
+# A launcher that hangs in its main thread and in a second thread, and a rank (its own session) that hangs too.
+HUNG = """
+import subprocess, sys, threading, time
+rank = subprocess.Popen([sys.executable, "-c", "import time\\ndef rank_waits_here():\\n    time.sleep(600)\\nrank_waits_here()"],
+                        start_new_session=True)
+def helper_thread_waits_here():
+    time.sleep(600)
+threading.Thread(target=helper_thread_waits_here, daemon=True).start()
+def launcher_waits_here():
+    rank.wait()
+print("started", flush=True)
+launcher_waits_here()
+"""
+
+
+def test_a_timeout_shows_where_each_process_waits(tmp_path):
+    """run's timeout: every process of the job prints its threads' Python stacks before it is killed, so a hang
+    seen once (in CI) says where it was."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="timed out after 4s") as e:
+        testing.run([sys.executable, str(script)], timeout=4, cwd=tmp_path)
+    text = str(e.value)
+    for frame in ("launcher_waits_here", "helper_thread_waits_here", "rank_waits_here"):
+        assert re.search(rf'File ".*", line \d+ in {frame}', text), text[-3000:]
+    assert text.index("rank_waits_here") < text.index("launcher_waits_here")  # ranks first: the launcher may end them
+    assert time.monotonic() - start < BOUND
+    assert not list(tmp_path.glob("core*"))
+
+
 def test_run_and_kill_rank_kills_the_rank_the_launcher_left(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(KILLABLE)

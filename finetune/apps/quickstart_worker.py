@@ -92,4 +92,4 @@ if __name__ == "__main__":
     else:
         from finetune.compat import run_rank
 
-        run_rank(main)  # a launched rank ends without the interpreter shutdown, where it can abort (finetune.compat)
+        run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.compat)
