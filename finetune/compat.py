@@ -475,7 +475,7 @@ def guard_extension_builds() -> None:
 def without_debug_info(cflags: list[str]) -> list[str]:
     """DeepSpeed 0.19.8 compiles its CPU ops with -g (OpBuilder.cxx_args): debug information for every template of
     torch's headers, which no user reads, costs a quarter of the compile (one async_io source: 41 s with -g, 31 s
-    without, on this project's 2-core CI machine; a cold build of cpu_adam, shm_comm and async_io took 634 s of CPU).
+    without, on 2 cores; a cold build of cpu_adam, shm_comm and async_io took 634 s of CPU).
     The same flags with -g0 last."""
     return [f for f in cflags if f != "-g"] + ["-g0"]
 

@@ -146,12 +146,13 @@ def unexpected_warnings(output: str, allowed: dict[str, str] = ALLOWED_WARNINGS)
             if _WARNING_LINE.search(line) and not any(name in line for name in allowed)]
 
 
-def _default_sigint() -> None:
+def _in_child() -> None:
+    """Run in a job's process before its command: SIGINT as a terminal gives it, and no core file (Job.abort)."""
     import resource
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # Job.abort's SIGABRT writes no core file
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 @dataclass
@@ -187,7 +188,7 @@ class Job:
         # SIGINT as a terminal gives it: a test run started in the background (`cmd &`, nohup) inherits SIGINT
         # ignored, and Python then never installs its handler, so the launcher would not see a Ctrl-C.
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_default_sigint)
+                                     start_new_session=True, preexec_fn=_in_child)
         self.root = psutil.Process(self.proc.pid)
         self.seen: dict[int, psutil.Process] = {}
         self._chunks: list[bytes] = []
