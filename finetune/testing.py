@@ -465,9 +465,8 @@ def run_and_kill_rank(cmd: list[str], when: Path | None, rank: int = 1, timeout:
         ready = when.exists if stop_at is None else (lambda: stopped_rank(job.proc.pid, rank) is not None)
         what = when if stop_at is None else f"rank {rank} stopped after step {stop_at[0]} (+{stop_at[1]} s)"
         if not job.wait(timeout, until=ready):
-            job.kill()
-            job.drain()
-            raise AssertionError(f"{what} did not happen in {timeout}s\n{job.output[-6000:]}")
+            job.abort()
+            raise AssertionError(f"{what} did not happen in {timeout}s\n{job.output[-12000:]}")
         if job.returncode is not None or (when is not None and not when.exists()):
             job.finish()
             raise AssertionError(f"exited ({job.returncode}) or {when} missing when {what}\n{job.output[-6000:]}")
@@ -527,9 +526,8 @@ def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout
     has exited, at most `bound` seconds. Whatever still runs then is killed and listed."""
     with Job(cmd, REPO, env(**extra_env)) as job:
         if not job.wait(timeout, until=lambda: ready in job.output):
-            job.kill()
-            job.drain()
-            raise AssertionError(f"{ready!r} did not appear in {timeout}s\n{job.output[-6000:]}")
+            job.abort()
+            raise AssertionError(f"{ready!r} did not appear in {timeout}s\n{job.output[-12000:]}")
         if job.returncode is not None:
             job.finish()
             raise AssertionError(f"exited ({job.returncode}) before the signal\n{job.output[-6000:]}")
