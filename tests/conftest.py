@@ -40,6 +40,27 @@ def _guarded_exit(code):
 os._exit = _guarded_exit
 
 
+# A world of one that a test starts in this process (a DeepSpeed preset's TrainingArguments sets RANK, MASTER_PORT
+# and starts a process group) outlives the test unless it runs under `isolated`: a later test's child process then
+# inherits RANK and binds the stale MASTER_PORT, which this process's store still holds (EADDRINUSE in CI, 2026-11-27).
+# Any test that leaves one fails here, named.
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_world():
+    before = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    yield
+    problems = [f"os.environ[{k!r}] = {os.environ.get(k)!r} (was {v!r})" for k, v in before.items()
+                if os.environ.get(k) != v]
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and before["RANK"] is None:
+        problems.append("a process group is still initialized")
+    if problems:
+        pytest.fail("this test left a world of one behind (run the entry point under the `isolated` fixture): "
+                    + "; ".join(problems), pytrace=False)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core this process may use, at most one per 4 GiB of memory (a worker's heaviest test
     runs two ranks of SmolLM2), at most 8."""

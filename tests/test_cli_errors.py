@@ -72,7 +72,9 @@ def in_this_process(how: str, args: list, tmp_path: Path, monkeypatch, capfd) ->
     interpreter would (a traceback on stderr, status 1)."""
     args = [str(a) for a in args]
     for key in LAUNCH_ENV:
-        monkeypatch.delenv(key, raising=False)
+        # Not monkeypatch.delenv: a second run here would record the first run's world of one, and monkeypatch's
+        # undo (after `isolated` restored the environment) would put it back for the tests after this one.
+        os.environ.pop(key, None)
     for key, value in _environ(tmp_path).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the launcher files set sys.path[0]
