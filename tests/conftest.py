@@ -22,6 +22,12 @@ from launch import FULL_MATRIX  # noqa: E402
 # cores): an optional extra, not in CI's `.[test,bench]`. Without it the file is not collected, and the session says so.
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 collect_ignore = [] if HAS_LLAMA_CPP else ["test_gguf_llamacpp.py"]
+# The CUDA checks (the chunked loss on a GPU, with and without Liger's kernel) run where there is a GPU; CI has none.
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    collect_ignore.append("test_cuda.py")
 
 
 # os._exit in the test process would end the session at once with the exit code it is given, the remaining tests
@@ -89,6 +95,9 @@ def pytest_terminal_summary(terminalreporter):
     if not FULL_MATRIX:
         terminalreporter.write_line("matrices run as their CI cover; FINETUNE_FULL_MATRIX=1 runs every combination "
                                     "(signals x launchers, presets x paths, output-folder cases x paths in processes)")
+    if not HAS_CUDA:
+        terminalreporter.write_line("tests/test_cuda.py not run: no CUDA device (on a GPU machine it runs with the rest; "
+                                    "with liger-kernel installed it checks Liger's loss too)")
     if not HAS_LLAMA_CPP:
         terminalreporter.write_line("tests/test_gguf_llamacpp.py not run: llama-cpp-python is not installed "
                                     "(pip install '.[llamacpp]', builds llama.cpp, 4-20 min; then pytest tests/test_gguf_llamacpp.py)")

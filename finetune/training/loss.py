@@ -43,6 +43,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # A 16-bit chunk's head gradient goes through one reused buffer and is added in place: `(g.t() @ h).float()`
+        # made a [vocab x hidden] 16-bit product and its fp32 copy per chunk, 6 bytes a head weight above the planner's
+        # count (measured on CPU, bf16: 375 MiB against 298 planned).
+        part = torch.empty(weight.shape, dtype=dtype, device=weight.device) if need_w and dtype != torch.float32 else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 # The previous chunk's logits (probs and g are views or copies of them) go before this chunk's come:
@@ -60,11 +64,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = probs.to(dtype)
                 if need_h:
                     torch.mm(g, w, out=grad_h[start:start + chunk])
-                if need_w:
-                    grad_w.addmm_(g.t(), h) if dtype == torch.float32 else grad_w.add_((g.t() @ h).float())
+                if need_w and part is None:
+                    grad_w.addmm_(g.t(), h)
+                elif need_w:
+                    grad_w.add_(torch.mm(g.t(), h, out=part))  # cast to fp32 element by element, no copy
         # Saved as tensors autograd keeps for backward (so saved-tensor hooks, offload and memory counts see them).
         ctx.has = (need_h, need_w)
-        ctx.save_for_backward(*[g for g in (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) if g is not None])
+        if grad_w is not None and weight.dtype != torch.float32:  # rounded into the buffer, not a new tensor
+            grad_w = part.copy_(grad_w) if part is not None and part.dtype == weight.dtype else grad_w.to(weight.dtype)
+        ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
         return total / denom
 
     @staticmethod

@@ -1,0 +1,162 @@
+"""On a CUDA GPU: the chunked loss (finetune.training.loss) against transformers' own loss, in fp32 and bf16 and
+through Liger's fused kernel where liger-kernel is installed, and its peak memory: one chunk of logits, never the
+[tokens x vocabulary] whole.
+
+Collected only where torch.cuda.is_available() (tests/conftest.py; CI has no GPU, and the CPU tests in
+test_loss.py hold the same logic). Self-contained, so it also runs as `pytest --noconftest tests/test_cuda.py` on a
+GPU machine without the test extras.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from finetune.training import loss as chunked
+
+if not torch.cuda.is_available():  # run by hand without a GPU: say so rather than fail on the first .cuda()
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+VOCAB, HIDDEN, ROWS, COLS = 32000, 256, 4, 256
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 matmuls in fp32 (not TF32), so an fp32 difference is the chunking's alone."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def model(tied: bool, dtype: torch.dtype, targets=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    m = LlamaForCausalLM(config).to("cuda", dtype).train()
+    if targets:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(3)
+        m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+        for name, p in m.named_parameters():  # B starts at zero: make LoRA's contribution (and its grads) real
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    return m
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (ROWS, COLS), generator=g)
+    labels = ids.clone()
+    labels[:, :20] = -100  # prompts
+    labels[ROWS - 1, COLS // 2:] = -100  # padding
+    return {"input_ids": ids.cuda(), "labels": labels.cuda()}
+
+
+def run(m, inputs, autocast: bool):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = m(**inputs, num_items_in_batch=torch.tensor(1000, device="cuda"))
+    (out.loss * 3.0).backward()  # an upstream gradient that is not 1 (the paths scale by world and accumulation)
+    return out.loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def differences(reference, got) -> tuple[float, dict[str, float]]:
+    (la, ga), (lb, gb) = reference, got
+    assert ga.keys() == gb.keys() and ga
+    rel = {}
+    for name in ga:
+        scale = ga[name].norm().item()
+        assert scale > 0, name  # every trainable tensor really gets a gradient
+        rel[name] = (ga[name] - gb[name]).norm().item() / scale
+    return abs(la.item() - lb.item()) / abs(la.item()), rel
+
+
+# (weights dtype, autocast, tied, LoRA targets, bound): fp32 differs by summation order only; bf16 by rounding, the
+# same arithmetic in another order (the stock loss' log-softmax backward against the chunk's softmax - one-hot).
+CASES = {
+    "fp32": (torch.float32, False, False, None, 1e-5),
+    "fp32_tied": (torch.float32, False, True, None, 1e-5),
+    "fp32_lora_lm_head": (torch.float32, False, False, ["q_proj", "lm_head"], 1e-5),  # the checkpointed chunks
+    "bf16_autocast": (torch.float32, True, False, None, 3e-2),  # on CPU, test_loss.py's tiny model: 0.85e-2 and 1.09e-2
+    "bf16_weights": (torch.bfloat16, False, False, None, 3e-2),
+}
+
+
+@pytest.mark.parametrize("engine", ["chunks"] + (["liger"] if HAS_LIGER else []))
+@pytest.mark.parametrize("case", CASES)
+def test_same_loss_and_gradients_on_cuda(case, engine, monkeypatch):
+    dtype, autocast, tied, targets, bound = CASES[case]
+    if engine == "chunks":  # our own autograd Function, also where liger-kernel is installed
+        monkeypatch.setattr(chunked, "_liger", lambda: None)
+    elif targets and "lm_head" in targets:
+        pytest.skip("Liger replaces only a plain linear head; a LoRA head runs the checkpointed chunks")
+    base = model(tied, dtype, targets)
+    other = copy.deepcopy(base)
+    assert chunked.install(other, 512)
+    used = []
+    if engine == "liger":  # the kernel really ran (and not the chunk loop)
+        real = chunked._liger
+        monkeypatch.setattr(chunked, "_liger", lambda: used.append(1) or real())
+    inputs = batch()
+    loss_rel, grad_rel = differences(run(base, inputs, autocast), run(other, inputs, autocast))
+    print(f"{case}/{engine}: loss {loss_rel:.2e}, worst gradient {max(grad_rel.values()):.2e} "
+          f"({max(grad_rel, key=grad_rel.get)})")
+    assert loss_rel <= bound, loss_rel
+    assert max(grad_rel.values()) <= (bound if engine == "chunks" else 5 * bound), grad_rel
+    assert bool(used) == (engine == "liger")
+
+
+def head_and_rows(dtype, tokens: int, vocab: int, hidden: int):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False).to("cuda", dtype)
+    head.__class__ = chunked._head_class(torch.nn.Linear)
+    hidden_states = torch.randn(1, tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, tokens), device="cuda")
+    return head, hidden_states, targets
+
+
+def peak_above_start(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_peak_memory_is_one_chunk_of_logits(dtype, monkeypatch):
+    """Llama-3's vocabulary (128,256), 8,192 trained tokens: the loss and its backward, peak CUDA memory above what
+    was allocated before, against the terms finetune.plan counts for the chunked loss (planner.activation_bytes)."""
+    monkeypatch.setattr(chunked, "_liger", lambda: None)
+    tokens, vocab, hidden, chunk = 8192, 128256, 2048, 1024
+    a, f32 = torch.finfo(dtype).bits // 8, 4
+    head, h, y = head_and_rows(dtype, tokens, vocab, hidden)
+
+    def chunked_step():
+        chunked.chunked_loss(head, head.forward, h, y, shift_labels=y, chunk=chunk).backward()
+
+    def stock_step():
+        F.cross_entropy(head(h).float().reshape(-1, vocab), y.reshape(-1), reduction="mean").backward()
+
+    got = peak_above_start(chunked_step)
+    head.weight.grad = h.grad = None
+    stock = peak_above_start(stock_step)
+    # The planner's terms: the trained rows (a gathered copy) and their gradient, the head weight's gradient (and its
+    # fp32 accumulator when 16-bit), one chunk of fp32 logits with the logsumexp temporary, their 16-bit copy.
+    planned = (2 * a * tokens * hidden + a * vocab * hidden + (f32 * vocab * hidden if a != f32 else 0)
+               + f32 * (chunk + chunked.LSE_ROWS) * vocab + (a * chunk * vocab if a != f32 else 0) + 8 * tokens)
+    logits = f32 * tokens * vocab
+    print(f"{dtype}: chunked peak {got / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB, "
+          f"stock {stock / 2**20:.0f} MiB (fp32 logits alone {logits / 2**20:.0f} MiB)")
+    assert got <= 1.1 * planned + 64 * 2**20, (got, planned)
+    assert got >= 0.8 * planned, (got, planned)  # the terms are really there: the count is not just loose
+    assert stock >= logits > 2 * got, (stock, logits, got)
