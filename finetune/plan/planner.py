@@ -678,6 +678,25 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     return per
 
 
+def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: int, chunk: int,
+                      trains_head: bool) -> int:
+    """Bytes the chunked loss (finetune.training.loss) holds at its peak, in the head (a, weight, grad: bytes per
+    activation, head weight and gradient element). Checked against CUDA's allocator on a GPU: tests/test_cuda.py."""
+    f32 = 4
+    # The trained rows' hidden states (a gathered copy) and their gradient; one chunk's fp32 logits, the logsumexp
+    # block over LSE_ROWS of them, and the chunk's 16-bit copy.
+    total = 2 * a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v + (a * chunk * v if a != f32 else 0)
+    if weight != a:
+        total += a * v * h  # fp32 weights under 16-bit autocast: the head weight cast for the chunks' GEMMs
+    if trains_head:
+        total += grad * v * h  # the head weight's gradient, kept for backward
+        if a != f32:
+            # Summed over the chunks in fp32: an fp32 accumulator beside a 16-bit kept gradient, or, where the kept
+            # gradient is that fp32 sum (autocast), the 16-bit buffer each chunk's product goes through.
+            total += f32 * v * h if grad != f32 else a * v * h
+    return total
+
+
 def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
     """Saved activations of one micro-batch, tensor class by tensor class, and the backward pass as stages."""
     b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1)
@@ -739,11 +758,10 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     saved = sum(detail.values())
     if chunk:
-        # In the head: the trained rows' hidden states, one chunk's fp32 logits (and their 16-bit copy), the
-        # logsumexp's temporary over LSE_ROWS of them, the head gradient's fp32 accumulator when the weights are 16-bit.
-        forward_peak = (saved + a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v
-                        + (a * chunk * v if a != f32 else 0)
-                        + (f32 * v * h if full and precision_of(job).grad != f32 else 0))
+        p = precision_of(job)
+        in_head = chunked_loss_peak(a, p.weight, p.grad, v, h, trained, chunk, trains_head=full)
+        forward_peak = (saved - detail["chunked loss: hidden-state gradient"]
+                        - detail["chunked loss: head weight gradient"] + in_head)
     elif job.pairs:
         # In logsumexp: the logits (16-bit: their fp32 copy is the saved input) and its fp32 exp temporary.
         forward_peak = saved + a * logit_rows * v + f32 * logit_rows * v

@@ -18,7 +18,7 @@ the whole global batch) when given, else the mean. Only training forwards with g
 generate get ordinary logits.
 
 On CUDA with liger-kernel installed, its fused linear cross-entropy kernel replaces the chunk loop for a plain head
-(`pip install finetune[liger]`; not run on this project's CPU machines).
+(`pip install finetune[liger]`; checked on a GPU by tests/test_cuda.py, which CI, without one, does not run).
 """
 
 from __future__ import annotations
