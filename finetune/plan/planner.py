@@ -652,13 +652,18 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
     per += f32 * h + f32  # norm2 input: the residual sum
     per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
-    per += a * r * len(targets)  # lora_A outputs, saved by lora_B
+    # On a 16-bit base peft keeps the adapters in fp32 (autocast_adapter_dtype) and each target casts its input to
+    # fp32: what the LoRA branch saves is fp32 (measured on a GPU, bench/memory_gpu.py: 2.5 GB more for a 1B model).
+    lora_elt = f32 if precision_of(job).name == "bf16" else a
+    per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
     in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": i}
     # Inputs of the frozen base linears that something keeps: y1 (q/k/v), y2 (gate/up), down's input.
     # o_proj's input is the attention output, saved already.
     kept = {"y1": False, "y2": False, "p": False}
     if dropout:
-        per += sum(_dropout_saved(job, in_features[t], a) for t in targets)
+        per += sum(_dropout_saved(job, in_features[t], lora_elt) for t in targets)
+    elif lora_elt != a:
+        per += lora_elt * sum(in_features[t] for t in targets)  # lora_A saves its own fp32 copy of its input
     else:
         # Without dropout lora_A saves its input itself: each norm output once, down's input.
         kept["y1"] = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
@@ -723,6 +728,12 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["decoder layers"] = sum(layer_saved)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
+    if precision_of(job).name == "fp32+autocast":
+        # Autocast casts each linear's fp32 weight to 16 bits for its GEMM, and the GEMM keeps that copy for backward
+        # (measured on a GPU, bench/memory_gpu.py; the rest of autocast's difference is not modelled, see RESULTS.md).
+        # Checkpointed, only the layer being recomputed holds them.
+        detail["autocast: 16-bit weight copies"] = (a * sum(o * n for o, n in sh.linear_shapes().values())
+                                                    * (1 if ckpt else sh.num_layers))
     full = not job.use_peft
     # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
     # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway; the chunked loss saves none).
