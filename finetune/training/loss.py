@@ -44,8 +44,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         # A 16-bit chunk's head gradient goes through one reused buffer and is added in place: `(g.t() @ h).float()`
-        # made a [vocab x hidden] 16-bit product and its fp32 copy per chunk, 6 bytes a head weight above the planner's
-        # count (measured on CPU, bf16: 375 MiB against 298 planned).
+        # made a [vocab x hidden] 16-bit product and its fp32 copy per chunk (on an H200, bf16 weights, a 128k x 2048
+        # head: 3,355 MiB at the peak before, 2,321 after; tests/test_cuda.py).
         part = torch.empty(weight.shape, dtype=dtype, device=weight.device) if need_w and dtype != torch.float32 else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
