@@ -23,15 +23,15 @@ def doc_files() -> list[Path]:
     return [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 
-def prose_lines(path: Path) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, with inline code spans removed."""
+def prose_lines(path: Path, keep_code: bool = False) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, with inline code spans removed (kept with keep_code)."""
     out, fenced = [], False
     for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
             continue
         if not fenced:
-            out.append((no, re.sub(r"`[^`]*`", "", line)))
+            out.append((no, line if keep_code else re.sub(r"`[^`]*`", "", line)))
     return out
 
 
@@ -42,7 +42,8 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    return {slug(line.lstrip("#")) for _, line in prose_lines(path) if re.match(r"#{1,6} ", line)}
+    # A heading's code span is part of its anchor on GitHub (its backticks are dropped as punctuation).
+    return {slug(line.lstrip("#")) for _, line in prose_lines(path, keep_code=True) if re.match(r"#{1,6} ", line)}
 
 
 def command_block() -> list[str]:
