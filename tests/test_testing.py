@@ -66,15 +66,20 @@ def test_a_rank_in_its_own_session_cannot_hang_run(tmp_path, launcher_lives, tim
 
 
 # A launcher that hangs in its main thread and in a second thread, and a rank (its own session) that hangs too.
+# The rank touches `ready` from inside its waiting function and the launcher waits for that file before it waits on
+# the rank: under load (the suite's other workers starting processes) the rank's interpreter could still be starting
+# when the bound came, and its stack then showed no rank_waits_here.
 HUNG = """
-import subprocess, sys, threading, time
-rank = subprocess.Popen([sys.executable, "-c", "import time\\ndef rank_waits_here():\\n    time.sleep(600)\\nrank_waits_here()"],
+import os, subprocess, sys, threading, time
+rank = subprocess.Popen([sys.executable, "-c", "import pathlib, time\\ndef rank_waits_here():\\n    pathlib.Path('ready').touch()\\n    time.sleep(600)\\nrank_waits_here()"],
                         start_new_session=True)
 def helper_thread_waits_here():
     time.sleep(600)
 threading.Thread(target=helper_thread_waits_here, daemon=True).start()
 def launcher_waits_here():
     rank.wait()
+while not os.path.exists("ready"):
+    time.sleep(0.01)
 print("started", flush=True)
 launcher_waits_here()
 """
@@ -86,13 +91,14 @@ def test_a_timeout_shows_where_each_process_waits(tmp_path):
     script = tmp_path / "hung.py"
     script.write_text(HUNG)
     start = time.monotonic()
-    with pytest.raises(AssertionError, match="timed out after 4s") as e:
-        testing.run([sys.executable, str(script)], timeout=4, cwd=tmp_path)
+    with pytest.raises(AssertionError, match="timed out after 8s") as e:
+        testing.run([sys.executable, str(script)], timeout=8, cwd=tmp_path)
     text = str(e.value)
+    assert "started" in text, text[-3000:]  # both processes were in their waiting functions when the bound came
     for frame in ("launcher_waits_here", "helper_thread_waits_here", "rank_waits_here"):
         assert re.search(rf'File ".*", line \d+ in {frame}', text), text[-3000:]
     assert text.index("rank_waits_here") < text.index("launcher_waits_here"), text[-3000:]  # ranks first
-    assert time.monotonic() - start < BOUND, (time.monotonic() - start, text[-3000:])
+    assert time.monotonic() - start < 8 + BOUND, (time.monotonic() - start, text[-3000:])
     assert not list(tmp_path.glob("core*")), list(tmp_path.glob("core*"))
 
 
