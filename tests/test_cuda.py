@@ -3,8 +3,8 @@ through Liger's fused kernel where liger-kernel is installed, and its peak memor
 [tokens x vocabulary] whole.
 
 Collected only where torch.cuda.is_available() (tests/conftest.py; CI has no GPU, and the CPU tests in
-test_loss.py hold the same logic). Self-contained, so it also runs as `pytest --noconftest tests/test_cuda.py` on a
-GPU machine without the test extras.
+test_loss.py hold the same logic). It needs no fixture of conftest, so it also runs as
+`pytest --noconftest tests/test_cuda.py` on a GPU machine without the test extras.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.training import loss as chunked
+from test_loss import differences, lora  # the CPU tests' comparison and LoRA setup
 
 if not torch.cuda.is_available():  # run by hand without a GPU: say so rather than fail on the first .cuda()
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -41,15 +42,7 @@ def model(tied: bool, dtype: torch.dtype, targets=None):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     m = LlamaForCausalLM(config).to("cuda", dtype).train()
-    if targets:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(3)
-        m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
-        for name, p in m.named_parameters():  # B starts at zero: make LoRA's contribution (and its grads) real
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.02)
-    return m
+    return lora(m, targets) if targets else m
 
 
 def batch():
@@ -66,17 +59,6 @@ def run(m, inputs, autocast: bool):
         out = m(**inputs, num_items_in_batch=torch.tensor(1000, device="cuda"))
     (out.loss * 3.0).backward()  # an upstream gradient that is not 1 (the paths scale by world and accumulation)
     return out.loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
-
-
-def differences(reference, got) -> tuple[float, dict[str, float]]:
-    (la, ga), (lb, gb) = reference, got
-    assert ga.keys() == gb.keys() and ga
-    rel = {}
-    for name in ga:
-        scale = ga[name].norm().item()
-        assert scale > 0, name  # every trainable tensor really gets a gradient
-        rel[name] = (ga[name] - gb[name]).norm().item() / scale
-    return abs(la.item() - lb.item()) / abs(la.item()), rel
 
 
 # (weights dtype, autocast, tied, LoRA targets, bound): fp32 differs by summation order only; bf16 by rounding, the

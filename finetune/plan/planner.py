@@ -330,6 +330,12 @@ class Precision:
     note: str
 
 
+def fp32_adapters(job: Job) -> bool:
+    """peft keeps the LoRA adapters in fp32 on a 16-bit base (autocast_adapter_dtype) and casts each target's input
+    to fp32: their states and what the LoRA branch saves are fp32 (measured on a GPU, bench/memory_gpu.py)."""
+    return job.use_peft and precision_of(job).name == "bf16"
+
+
 def precision_of(job: Job) -> Precision:
     """The bytes per element of each model state, for this job.
 
@@ -476,8 +482,8 @@ def model_states(job: Job, rank: int | None = None) -> StateBytes:
     if strat.stage == 0:
         numel = sum(t.numel for t in trainable)
         w, g, o = prec.weight, prec.grad, prec.optim
-        if job.use_peft and prec.name == "bf16":
-            w, g, o = 4, 4, 8  # peft keeps adapter weights in fp32 on a 16-bit base (autocast_adapter_dtype)
+        if fp32_adapters(job):
+            w, g, o = 4, 4, 8
         s.params = w * numel + sum(frozen_bytes)
         s.grads = g * numel
         s.optim = o * numel + step_bytes_per_tensor * len(trainable)
@@ -652,9 +658,7 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
     per += f32 * h + f32  # norm2 input: the residual sum
     per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
-    # On a 16-bit base peft keeps the adapters in fp32 (autocast_adapter_dtype) and each target casts its input to
-    # fp32: what the LoRA branch saves is fp32 (measured on a GPU, bench/memory_gpu.py: 2.5 GB more for a 1B model).
-    lora_elt = f32 if precision_of(job).name == "bf16" else a
+    lora_elt = f32 if fp32_adapters(job) else a  # a bf16-counted branch was 2.5 GB low for a 1B model (GPU)
     per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
     in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": i}
     # Inputs of the frozen base linears that something keeps: y1 (q/k/v), y2 (gate/up), down's input.
@@ -710,7 +714,8 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     s_len = job.seq_len
     t = b * s_len
     h, v, i = sh.hidden_size, sh.vocab_size, sh.intermediate_size
-    a = precision_of(job).act
+    prec = precision_of(job)
+    a = prec.act
     f32 = 4
     detail: dict[str, int] = {}
     # A padding mask reaches SDPA as a [b, 1, s, s] tensor in the activation dtype; each layer keeps its own copy
@@ -728,7 +733,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["decoder layers"] = sum(layer_saved)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
-    if precision_of(job).name == "fp32+autocast":
+    if prec.name == "fp32+autocast":
         # Autocast casts each linear's fp32 weight to 16 bits for its GEMM, and the GEMM keeps that copy for backward
         # (measured on a GPU, bench/memory_gpu.py; the rest of autocast's difference is not modelled, see RESULTS.md).
         # Checkpointed, only the layer being recomputed holds them.
@@ -745,7 +750,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     detail["final norm"] = f32 * t * h + f32 * t + (a * t * h if full else 0) + lm_head_input
     if full:
         detail["token ids (embedding)"] = 8 * t
-    head_grad = precision_of(job).grad * v * h if full else 0
+    head_grad = prec.grad * v * h if full else 0
     trained = t - b  # every position but each row's last, which has no next token: the worst case
     if chunk:
         # The chunked loss (finetune.training.loss) computes its gradients in forward and keeps them: the hidden
@@ -769,8 +774,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     saved = sum(detail.values())
     if chunk:
-        p = precision_of(job)
-        in_head = chunked_loss_peak(a, p.weight, p.grad, v, h, trained, chunk, trains_head=full)
+        in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full)
         forward_peak = (saved - detail["chunked loss: hidden-state gradient"]
                         - detail["chunked loss: head weight gradient"] + in_head)
     elif job.pairs:
