@@ -810,3 +810,91 @@ def test_which_real_templates_take_one_rendering(name, expected, qwen3, qwen2_5,
     source = {"qwen3": lambda: qwen3.chat_template, "qwen2_5": lambda: qwen2_5.chat_template,
               "chatml": lambda: tok_chatml.chat_template}.get(name, lambda: _trl_template(name).read_text())()
     assert one_pass.one_pass(source, ImmutableSandboxedEnvironment()) is expected
+
+
+# ----------------------------------------------------------------------------------------------
+# The format registry: a new format is one class and its registry line, nothing else.
+
+
+class PromptCompletion:
+    """A toy format registered only in the test below: {"prompt", "completion"} as one user and one assistant turn."""
+
+
+def _prompt_completion_format():
+    from finetune.data.errors import DataError as Error
+    from finetune.data.formats.base import Format, need_str
+
+    class Format_(Format):
+        name = "prompt_completion"
+        keys = "'prompt'+'completion'"
+        chat = True
+
+        def detects(self, record):
+            return "prompt" in record and "completion" in record
+
+        def validate(self, record, where):
+            need_str(record, "prompt", self.name, where)
+            need_str(record, "completion", self.name, where)
+            if not record["completion"]:
+                raise Error(f"{where}: field 'completion' is empty")
+
+        def conversation(self, record, where):
+            return [{"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["completion"]}], None
+
+    return Format_()
+
+
+def test_a_registered_format_is_detected_validated_and_tokenized(tok_chatml, tmp_path, cache_dir, monkeypatch):
+    from finetune import config as C
+    from finetune.data import formats
+
+    fmt = _prompt_completion_format()
+    monkeypatch.setitem(formats.FORMATS, fmt.name, fmt)
+    monkeypatch.setattr(formats, "DETECTION", (fmt.name, *formats.DETECTION))
+    records = [{"prompt": "copy: red cat", "completion": "red cat"}, {"prompt": "say hi", "completion": "hi"}]
+    path = write_jsonl(tmp_path / "pc.jsonl", records)
+    ds, stats = prepare_dataset(cfg_for(path, cache_dir), tok_chatml, log=quiet)
+    assert stats.format == "prompt_completion" and stats.examples == 2
+    for row, record in zip(ds, records):  # the same tokens and mask as the same conversation given as messages
+        as_messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+        assert (row["input_ids"], row["labels"]) == tokenize_record(tok_chatml, {"messages": as_messages}, "messages", True)
+    # Its own check, with the file and line, and the flag that names it.
+    bad = write_jsonl(tmp_path / "bad.jsonl", [records[0], {"prompt": "x", "completion": ""}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: field 'completion' is empty"):
+        prepare_dataset(cfg_for(bad, cache_dir), tok_chatml, log=quiet)
+    cfg = C.parse(["--model_name_or_path", "m", "--dataset", str(path), "--dataset_format", "prompt_completion"],
+                  check_paths=False)
+    assert cfg.data.dataset_format == "prompt_completion"
+    with pytest.raises(DataError, match=r"expected 'text', .* 'conversations' \(sharegpt\) or 'prompt'\+'completion'"):
+        formats.detect({"question": 1}, "q.jsonl:1")
+
+
+def _format_branches(source: str, known) -> list[int]:
+    """Lines of `source` that compare a format variable (a name with 'fmt' or 'format' in it) with a format's name."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            about_format = any("fmt" in ast.unparse(p) or "format" in ast.unparse(p) for p in parts)
+            if about_format and any(isinstance(c, ast.Constant) and c.value in known for p in parts for c in ast.walk(p)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_registry_is_the_one_list_of_formats():
+    """No module outside data/formats/ branches on a format's name: a new format touches no other file.
+    models/tiny.py's synthetic_records, which writes demo records in the format asked for, is the one exception."""
+    from finetune.data import formats
+
+    assert _format_branches('if fmt == "alpaca":\n    pass\nif cfg.dataset_format in ("text", "x"):\n    pass\n',
+                            formats.FORMATS) == [1, 3]
+    root = Path(__file__).resolve().parent.parent / "finetune"
+    found = []
+    for path in root.rglob("*.py"):
+        where = path.relative_to(root)
+        if "formats" not in where.parts and str(where) != "models/tiny.py":
+            found += [f"{where}:{n}" for n in _format_branches(path.read_text(), formats.FORMATS)]
+    assert not found, found

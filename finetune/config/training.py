@@ -19,6 +19,7 @@ from typing import Any
 from finetune.config.parser import (Command, ConfigError, Setting, convert, did_you_mean, exit_with_problems,  # noqa: F401
                                     read_recipe, wants_help)
 from finetune.config.parser import _plain
+from finetune.data import formats
 
 # Package data, so an installed finetune finds its presets; the repository's top-level ds_configs/ links here.
 DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "ds_configs"
@@ -35,7 +36,6 @@ PRESETS: dict[str, str | None] = {
 }
 NVME_PLACEHOLDER = "NVME_PATH"
 
-DATASET_FORMATS = ("auto", "text", "alpaca", "messages", "sharegpt")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -579,10 +579,11 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     problems += _check_nvme(launch)
     if model.torch_dtype not in DTYPES:
         problems.append(f"torch_dtype: '{model.torch_dtype}' is not one of {', '.join(DTYPES)}")
-    if data.dataset_format not in DATASET_FORMATS:
+    known_formats = ("auto", *formats.names())
+    if data.dataset_format not in known_formats:
         problems.append(
-            f"dataset_format: '{data.dataset_format}' is not one of {', '.join(DATASET_FORMATS)}"
-            f"{did_you_mean(data.dataset_format, list(DATASET_FORMATS))}"
+            f"dataset_format: '{data.dataset_format}' is not one of {', '.join(known_formats)}"
+            f"{did_you_mean(data.dataset_format, list(known_formats))}"
         )
     if data.dataset_weights is not None:
         n = len(data.datasets())

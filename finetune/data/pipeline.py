@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from finetune import compat
+from finetune.data import formats
 from finetune.data import prepare as P
 from finetune.data.prepare import IGNORE_INDEX, DataError, DataStats
 
@@ -243,7 +244,7 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     fmt = cfg.dataset_format
     if fmt == "auto":
         fmt = P.detect_format(*first_record(ds, prefix))
-    if fmt in P.CHAT_FORMATS:
+    if formats.get(fmt).chat:
         P.require_chat_template(tokenizer, fmt, str(name))
     fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
                   tuple(f["filename"] for f in ds.cache_files))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data import prepare as P
+from finetune.data.formats.base import record_tools
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
 FORMAT = "preference"
@@ -133,7 +134,7 @@ def tokenize_pair(tokenizer, record: dict, where: str = "") -> tuple[list[int], 
         r = tokenizer(rejected, add_special_tokens=False)["input_ids"] + eos
         return ids, c, list(c), r, list(r)
     P.require_chat_template(tokenizer, FORMAT, where)
-    tools = P._record_tools(record, where)
+    tools = record_tools(record, where)
     sides = []
     for key, completion in (("chosen", chosen), ("rejected", rejected)):
         sides.append(_completion(tokenizer, prompt + completion, len(prompt), f"{where} ({key})", tools))

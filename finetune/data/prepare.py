@@ -1,8 +1,6 @@
 """Local data files or Hub data sets (sources.py) -> validated records -> tokenized examples with loss masks -> padded batches.
 
-Formats: `text` ({"text"}), `alpaca` ({"instruction", "input"?, "output"}), `messages`
-({"messages": [{"role", "content", "tool_calls"?, "reasoning_content"?}, ...], "tools"?}) and `sharegpt`
-({"conversations": [{"from", "value"}, ...]}); the last two are rendered with the tokenizer's chat template.
+Record formats (text, alpaca, messages, sharegpt) are one module each in data/formats/, listed by its registry.
 A record becomes one example, or one per assistant turn where the template rewrites earlier turns
 (tokenize_examples, the per-record unit).
 """
@@ -11,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import difflib
 import hashlib
 import json
 import operator
@@ -23,24 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-IGNORE_INDEX = -100
+from finetune.data import formats
+from finetune.data.errors import DataError
+from finetune.data.formats.base import IGNORE_INDEX
+
 # Bump when tokenization changes, so stale caches are not reused.
 DATA_VERSION = "5"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts;
 # 5: the cache is the map's own files (layout.json), not a save_to_disk copy
-ROLES = ("system", "user", "assistant", "tool")
-# ShareGPT's speaker names -> chat roles.
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
-CHAT_FORMATS = ("messages", "sharegpt")
-ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_PROMPT_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-
-
-class DataError(Exception):
-    """A problem with the user's data: names the file, the line or row, and what is wrong."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,155 +166,15 @@ def read_hub_records(hub) -> tuple[list[dict], list[str]]:
 
 
 def detect_format(record: dict, where: str) -> str:
-    if "messages" in record:
-        return "messages"
-    if "conversations" in record:
-        return "sharegpt"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if "text" in record:
-        return "text"
-    raise DataError(
-        f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
-        "expected 'text', 'instruction'+'output' (alpaca), 'messages' or 'conversations' (sharegpt); or pass --dataset_format"
-    )
-
-
-def _did_you_mean(value: Any, valid) -> str:
-    close = difflib.get_close_matches(str(value), list(valid), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return formats.detect(record, where).name
 
 
 def validate_record(record: dict, fmt: str, where: str) -> None:
-    def need_str(key: str, optional: bool = False) -> None:
-        if key not in record or record[key] is None:
-            if optional:
-                return
-            raise DataError(f"{where}: missing field '{key}' (format {fmt})")
-        if not isinstance(record[key], str):
-            raise DataError(f"{where}: field '{key}' must be a string, got {type(record[key]).__name__}")
-
-    if fmt == "text":
-        need_str("text")
-        if not record["text"].strip():
-            raise DataError(f"{where}: field 'text' is empty")
-    elif fmt == "alpaca":
-        need_str("instruction")
-        need_str("input", optional=True)
-        need_str("output")
-    elif fmt == "messages":
-        _validate_messages(record, where)
-    elif fmt == "sharegpt":
-        _validate_sharegpt(record, where)
-    else:
-        raise DataError(f"unknown dataset format {fmt!r}")
-
-
-def _validate_messages(record: dict, where: str) -> None:
-    msgs = record.get("messages")
-    if msgs is None:
-        raise DataError(f"{where}: missing field 'messages' (format messages)")
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got {type(msgs).__name__}")
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in ROLES:
-            raise DataError(f"{where}: messages[{j}].role is {role!r}; expected one of {', '.join(ROLES)}{_did_you_mean(role, ROLES)}")
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if role != "assistant":
-                raise DataError(f"{where}: messages[{j}] has tool_calls but its role is {role!r}; only an assistant turn calls tools")
-            _validate_tool_calls(calls, f"{where}: messages[{j}].tool_calls")
-        content = m.get("content")
-        # An assistant turn that only calls tools may have no content (OpenAI writes null).
-        if not isinstance(content, str) and not (content is None and calls):
-            raise DataError(f"{where}: messages[{j}].content must be a string, got {type(content).__name__}")
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise DataError(f"{where}: messages[{j}].reasoning_content must be a string, got {type(reasoning).__name__}")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise DataError(f"{where}: no assistant message; nothing to train on")
-    _record_tools(record, where)
-
-
-def _validate_tool_calls(calls: Any, where: str) -> None:
-    if not isinstance(calls, list) or not calls:
-        raise DataError(f"{where} must be a non-empty list of {{\"type\": \"function\", \"function\": {{name, arguments}}}}")
-    for k, call in enumerate(calls):
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise DataError(f"{where}[{k}] must name its function: {{\"function\": {{\"name\": ..., \"arguments\": ...}}}}")
-        if not isinstance(fn.get("arguments"), (str, dict)):
-            raise DataError(f"{where}[{k}].arguments must be a JSON object or a JSON string, got {type(fn.get('arguments')).__name__}")
-
-
-def _record_tools(record: dict, where: str) -> list[dict] | None:
-    """The record's `tools` (function schemas the template renders into the prompt): a list, or JSON text of one."""
-    tools = record.get("tools")
-    if tools is None or tools == "":
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: field 'tools' is not valid JSON: {e.msg}") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DataError(f"{where}: field 'tools' must be a list of function schemas (objects), got {type(tools).__name__}")
-    return tools or None
-
-
-def _validate_sharegpt(record: dict, where: str) -> None:
-    turns = record.get("conversations")
-    if turns is None:
-        raise DataError(f"{where}: missing field 'conversations' (format sharegpt)")
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: field 'conversations' must be a non-empty list of {{from, value}}, got {type(turns).__name__}")
-    names = ", ".join(SHAREGPT_ROLES)
-    for j, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise DataError(f"{where}: conversations[{j}] must be an object with 'from' and 'value'")
-        speaker = t.get("from")
-        if speaker not in SHAREGPT_ROLES:
-            raise DataError(f"{where}: conversations[{j}].from is {speaker!r}; expected one of {names}"
-                            f"{_did_you_mean(speaker, SHAREGPT_ROLES)}")
-        if not isinstance(t.get("value"), str):
-            raise DataError(f"{where}: conversations[{j}].value must be a string, got {type(t.get('value')).__name__}")
-    if not any(t["from"] == "gpt" for t in turns):
-        raise DataError(f"{where}: no 'gpt' turn; nothing to train on")
-    if record.get("system") is not None and not isinstance(record["system"], str):
-        raise DataError(f"{where}: field 'system' must be a string, got {type(record['system']).__name__}")
-    _record_tools(record, where)
+    formats.get(fmt).validate(record, where)
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenization with loss masks.
-
-
-def alpaca_to_messages(record: dict) -> list[dict]:
-    prompt = record["instruction"]
-    if record.get("input"):
-        prompt = f"{prompt}\n\n{record['input']}"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-
-
-def sharegpt_to_messages(record: dict) -> list[dict]:
-    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-    return messages + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in record["conversations"]]
-
-
-def chat_messages(record: dict, fmt: str) -> list[dict]:
-    """A chat record's conversation as the template gets it. Keys holding null are left out (Arrow and Parquet give
-    every message every key, null where absent, and templates test `is defined`); a null content becomes ''."""
-    if fmt == "sharegpt":
-        return sharegpt_to_messages(record)
-    out = []
-    for m in record["messages"]:
-        m = {k: v for k, v in m.items() if v is not None}
-        m.setdefault("content", "")
-        out.append(m)
-    return out
 
 
 def require_chat_template(tokenizer, fmt: str, where: str) -> None:
@@ -820,36 +666,22 @@ def chat_examples(tokenizer, messages: list[dict], completion_only: bool, where:
 
 
 def _is_chat(tokenizer, fmt: str) -> bool:
-    return fmt in CHAT_FORMATS or (fmt == "alpaca" and bool(tokenizer.chat_template))
+    return formats.get(fmt).uses_template(tokenizer)
 
 
 def _conversation(tokenizer, record: dict, fmt: str, where: str) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) of a record rendered with the chat template."""
-    if fmt == "alpaca":
-        return alpaca_to_messages(record), None
-    require_chat_template(tokenizer, fmt, where)
-    return chat_messages(record, fmt), _record_tools(record, where)
+    if formats.get(fmt).chat:
+        require_chat_template(tokenizer, fmt, where)
+    return formats.get(fmt).conversation(record, where)
 
 
 def tokenize_examples(tokenizer, record: dict, fmt: str, completion_only: bool, where: str = "") -> list[tuple[list[int], list[int]]]:
     """The per-record unit: (input_ids, labels) pairs, one per record, or one per assistant turn of a conversation
     whose template rewrites earlier turns. A top-level function of its arguments only, so datasets.map workers run it."""
-    eos = tokenizer.eos_token_id
-    if fmt == "text":
-        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids = ids + [eos]
-        return [(ids, list(ids))]
     if _is_chat(tokenizer, fmt):
         return tokenize_many(tokenizer, [(record, where)], fmt, completion_only)[0]
-    if fmt == "alpaca":
-        template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
-        prompt = tokenizer(template.format(**{"input": "", **record}), add_special_tokens=True)["input_ids"]
-        # Tokenize the completion on its own so the prompt/completion boundary is a token boundary.
-        completion = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-        labels = ([IGNORE_INDEX] * len(prompt) if completion_only else list(prompt)) + completion
-        return [(prompt + completion, labels)]
-    raise DataError(f"unknown dataset format {fmt!r}")
+    return formats.get(fmt).examples(tokenizer, record, completion_only)
 
 
 def tokenize_many(tokenizer, records: Iterable[tuple[dict, str]], fmt: str, completion_only: bool) -> list[list[tuple[list[int], list[int]]]]:

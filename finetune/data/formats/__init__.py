@@ -1,0 +1,38 @@
+"""The record formats, one module each; this registry is the one place that lists them.
+
+A new format is a module with a `Format` subclass (formats/base.py), its line in FORMATS (the order users see) and
+its place in DETECTION (most specific keys first: the first format whose keys a record has names its format).
+"""
+
+from __future__ import annotations
+
+from finetune.data.errors import DataError
+from finetune.data.formats.alpaca import Alpaca
+from finetune.data.formats.base import Format
+from finetune.data.formats.messages import Messages
+from finetune.data.formats.sharegpt import ShareGPT
+from finetune.data.formats.text import Text
+
+FORMATS: dict[str, Format] = {f.name: f for f in (Text(), Alpaca(), Messages(), ShareGPT())}
+DETECTION = ("messages", "sharegpt", "alpaca", "text")
+
+
+def names() -> tuple[str, ...]:
+    return tuple(FORMATS)
+
+
+def get(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise DataError(f"unknown dataset format {name!r} (known: {', '.join(FORMATS)})") from None
+
+
+def detect(record: dict, where: str) -> Format:
+    for name in DETECTION:
+        if FORMATS[name].detects(record):
+            return FORMATS[name]
+    keys = [f.keys for f in FORMATS.values()]
+    keys = f"{', '.join(keys[:-1])} or {keys[-1]}"
+    raise DataError(f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
+                    f"expected {keys}; or pass --dataset_format")

@@ -1,0 +1,66 @@
+"""What a record format is: how it is recognised, checked and turned into a conversation or a training example."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+from finetune.data.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+def did_you_mean(value: Any, valid) -> str:
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def need_str(record: dict, key: str, fmt: str, where: str, optional: bool = False) -> None:
+    if key not in record or record[key] is None:
+        if optional:
+            return
+        raise DataError(f"{where}: missing field '{key}' (format {fmt})")
+    if not isinstance(record[key], str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(record[key]).__name__}")
+
+
+def record_tools(record: dict, where: str) -> list[dict] | None:
+    """The record's `tools` (function schemas the template renders into the prompt): a list, or JSON text of one."""
+    tools = record.get("tools")
+    if tools is None or tools == "":
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not valid JSON: {e.msg}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of function schemas (objects), got {type(tools).__name__}")
+    return tools or None
+
+
+class Format:
+    """One record format. `where` in every message is the record's file:line (or data set:row)."""
+
+    name: str = ""
+    keys: str = ""  # the keys that identify it, as the "cannot tell the format" message lists them
+    chat: bool = False  # always rendered with the tokenizer's chat template
+
+    def detects(self, record: dict) -> bool:
+        raise NotImplementedError
+
+    def validate(self, record: dict, where: str) -> None:
+        raise NotImplementedError
+
+    def uses_template(self, tokenizer) -> bool:
+        """Whether this tokenizer renders the record through its chat template (conversation) or not (examples)."""
+        return self.chat
+
+    def conversation(self, record: dict, where: str) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools) as the chat template gets them."""
+        raise NotImplementedError(f"format {self.name} is not rendered with a chat template")
+
+    def examples(self, tokenizer, record: dict, completion_only: bool) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, labels) without a chat template."""
+        raise NotImplementedError(f"format {self.name} is rendered with a chat template")
