@@ -80,7 +80,8 @@ def test_defaults(out):
     assert cfg.model.lora_r == 16 and cfg.model.use_peft is False
     assert cfg.model.lora_target_modules == ["all-linear"]
     assert cfg.data.max_seq_length == 1024 and cfg.data.completion_only_loss is True
-    assert cfg.launch.config == "ddp" and cfg.deepspeed_config is None
+    assert cfg.launch.config == "ddp" and cfg.preset == C.Preset("ddp", accelerate_config=cfg.preset.accelerate_config)
+    assert not cfg.preset.is_deepspeed and cfg.training.deepspeed is None
     assert cfg.sources == {"output_dir": "cli"}
 
 
@@ -294,19 +295,21 @@ def test_all_problems_in_one_error(tmp_path):
 
 @pytest.mark.parametrize("preset", [p for p in C.PRESETS if C.PRESETS[p]])
 def test_presets_resolve_to_existing_files(preset, out):
-    path = C.resolve_preset(preset)
+    path = C.preset.preset_file(preset)
     assert path == C.DS_CONFIG_DIR / C.PRESETS[preset] and path.is_file()
     extra = ["--nvme_path", str(Path(out) / "nvme")] if preset == "zero3_nvme" else []
     cfg = parse(["--config", preset, "--output_dir", out, *extra])
-    assert cfg.deepspeed_config == path
-    if preset == "zero3_nvme":  # the swap folder is filled into the config, so it is passed as a dict
+    assert cfg.preset.path == path
+    # TrainingArguments gets the preset's dict (the file is read once, by the preset), not the path.
+    assert cfg.training.deepspeed == cfg.preset.ds_config and cfg.training.deepspeed is not cfg.preset.ds_config
+    if preset == "zero3_nvme":  # the swap folder is filled in
         assert cfg.training.deepspeed["zero_optimization"]["offload_param"]["nvme_path"] == str((Path(out) / "nvme").resolve())
     else:
-        assert cfg.training.deepspeed == str(path)
+        assert cfg.training.deepspeed == json.loads(path.read_text())
 
 
 def test_preset_names():
-    assert C.PRESETS["ddp"] is None and C.resolve_preset("ddp") is None
+    assert C.PRESETS["ddp"] is None and C.preset.preset_file("ddp") is None
     assert C.PRESETS["zero3"] == "zero3_offload.json"
     assert C.PRESETS["zero3_no_offload"] == "zero3_no_offload.json"
     assert {p.name for p in C.DS_CONFIG_DIR.glob("*.json")} == {f for f in C.PRESETS.values() if f}
@@ -316,7 +319,7 @@ def test_json_path_config(tmp_path, out):
     ds = tmp_path / "my_ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}))
     cfg = parse(["--config", ds, "--output_dir", out])
-    assert cfg.deepspeed_config == ds and cfg.training.deepspeed == str(ds)
+    assert cfg.preset.path == ds and cfg.training.deepspeed == json.loads(ds.read_text())
     assert problems_of(["--config", tmp_path / "missing.json"]) == [f"--config {tmp_path / 'missing.json'}: no such DeepSpeed JSON file"]
     broken = tmp_path / "broken.json"
     broken.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}\n')
@@ -346,8 +349,8 @@ def test_deepspeed_flag_is_config(argv, config, training):
 
 def test_deepspeed_flag_is_config_end_to_end(tmp_path, out):
     cfg = parse(["--deepspeed", "zero2", "--output_dir", out])
-    assert cfg.launch.config == "zero2" and cfg.deepspeed_config == C.resolve_preset("zero2")
-    assert cfg.training.deepspeed == str(C.resolve_preset("zero2"))
+    assert cfg.launch.config == "zero2" and cfg.preset == C.Preset.named("zero2")
+    assert cfg.training.deepspeed == C.Preset.named("zero2").ds_config
     recipe = write(tmp_path / "recipe.yaml", "deepspeed: zero2\n")
     assert parse(["--recipe", recipe, "--output_dir", out]).launch.config == "zero2"
 
@@ -394,11 +397,11 @@ def test_ds_configs_leave_training_values_to_training_arguments(path):
 
 
 def test_zero3_preset_offloads_to_cpu():
-    zero = json.loads(C.resolve_preset("zero3").read_text())["zero_optimization"]
+    zero = json.loads(C.preset.preset_file("zero3").read_text())["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "cpu"
-    no_offload = json.loads(C.resolve_preset("zero3_no_offload").read_text())["zero_optimization"]
+    no_offload = json.loads(C.preset.preset_file("zero3_no_offload").read_text())["zero_optimization"]
     assert no_offload["stage"] == 3
     assert "offload_optimizer" not in no_offload and "offload_param" not in no_offload
 
@@ -530,7 +533,7 @@ def test_save_resolved_round_trip(tmp_path, out, model_dir):
 
     again = parse(["--recipe", saved], check_paths=True)
     assert again.resolved() == cfg.resolved()
-    assert again.deepspeed_config == cfg.deepspeed_config
+    assert again.preset == cfg.preset
     assert again.training.learning_rate == 2e-4 and again.training.max_steps == 7
     assert again.training.lr_scheduler_type == cfg.training.lr_scheduler_type
     assert again.model == cfg.model and again.data == cfg.data

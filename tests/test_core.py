@@ -99,7 +99,7 @@ def test_unsupported_optim_is_refused_by_name(module, script, tmp_path, tiny_cha
 def test_flags_a_path_cannot_honour_are_listed():
     def problems(sources=(), ds=None, **training):
         cfg = SimpleNamespace(training=SimpleNamespace(**training), sources={k: "cli" for k in sources},
-                              deepspeed_config=REPO / "ds_configs" / ds if ds else None)
+                              preset=C.Preset.named(str(REPO / "ds_configs" / ds) if ds else "ddp"))
         return core.refused_flags(cfg, "x.py")
 
     assert problems() == [] and problems(optim="sgd", save_strategy="steps", ds="zero2.json") == []
@@ -112,7 +112,7 @@ def test_flags_a_path_cannot_honour_are_listed():
         [problem] = problems(**{flag: value})
         assert flag in problem.split(":")[0], problem  # named
     # The loop compiles (prepare() with the Trainer's dynamo settings); the DeepSpeed engine script does not.
-    cfg = SimpleNamespace(training=SimpleNamespace(torch_compile=True), sources={}, deepspeed_config=None)
+    cfg = SimpleNamespace(training=SimpleNamespace(torch_compile=True), sources={}, preset=C.Preset("ddp"))
     assert core.refused_flags(cfg, "finetune/loop.py") == [] and core.refused_flags(cfg, "scripts/sft.py")
     # Evaluation, the best model and early stopping are the paths' own now (finetune.training.evaluate).
     assert problems(eval_strategy="steps", do_eval=True, load_best_model_at_end=True, save_strategy="steps") == []

@@ -62,12 +62,13 @@ def test_the_checkout_presets_are_the_package_presets(monkeypatch):
     for preset in ("zero2", "zero3"):
         accelerate = yaml.safe_load((REPO / "accelerate_configs" / f"{preset}.yaml").read_text())
         file = accelerate["deepspeed_config"]["deepspeed_config_file"]
-        assert Path(file).resolve() == C.resolve_preset(preset).resolve() == C.DS_CONFIG_DIR / C.PRESETS[preset]
-        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", file)
-        assert C._check_accelerate_agrees(C.LaunchConfig(config=preset), config_given=True) == []
+        assert Path(file).resolve() == C.Preset.named(preset).path.resolve() == C.DS_CONFIG_DIR / C.PRESETS[preset]
+        assert C.Preset.named(preset).accelerate_config.resolve() == (REPO / "accelerate_configs" / f"{preset}.yaml").resolve()
+        environ = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": file}
+        assert C.Preset.resolve(preset, environ=environ) == C.Preset.named(preset)
         other = "zero3" if preset == "zero2" else "zero2"
-        assert C._check_accelerate_agrees(C.LaunchConfig(config=other), config_given=True) != []
+        with pytest.raises(C.ConfigError):
+            C.Preset.resolve(other, environ=environ)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_every_module_and_preset_is_installed(installed, tmp_path):
             "from finetune.apps import quickstart as Q\n"
             f"assert Q.DEFAULT_TRAIN.is_file() and Q.DEFAULT_EVAL.is_file() and str(Q.DEFAULT_TRAIN).startswith({str(package)!r})\n"
             "from finetune import config as C\n"
-            "print(C.resolve_preset('zero3'))\n")
+            "print(C.Preset.named('zero3').path)\n")
     result = bounded([str(installed), "-c", code], cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.strip().splitlines()[-1] == str(package / "presets" / "ds_configs" / "zero3_offload.json")

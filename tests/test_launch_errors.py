@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from finetune import config as C
 from finetune.models import tiny
 from launch import launcher, run
 
@@ -35,16 +36,26 @@ def test_bad_record_stops_every_rank(model, tmp_path):
 
 
 def test_accelerate_config_and_preset_must_agree(model, tmp_path):
+    """The launcher's DeepSpeed file and --config name one preset, or the ranks stop at their flags (exit 2) with one
+    message naming both and the fix; the launcher never silently replaces the flag, nor the flag the launcher."""
     data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.synthetic_records(16, seed=2))
     common = ["--model_name_or_path", str(model), "--dataset", str(data), "--dataset_cache_dir", str(tmp_path / "c"),
               "--max_steps", "1", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]
     bad = run(launcher("accelerate", 2, "accelerate_configs/zero3.yaml") + common
               + ["--config", "zero2", "--output_dir", str(tmp_path / "bad")], timeout=180)
-    assert bad.returncode != 0
-    assert "--config zero2 disagrees with the accelerate config" in bad.output
+    assert bad.returncode != 0 and "exitcode: 2" in bad.output, bad.output[-3000:]  # the ranks' exit 2
+    assert ("--config zero2 disagrees with the accelerate config, which uses DeepSpeed file "
+            "ds_configs/zero3_offload.json: pass --config zero3 to train with that file, or launch with "
+            "accelerate_configs/zero2.yaml for --config zero2") in bad.output
 
-    # Without --config the accelerate file's DeepSpeed JSON is the preset in force, and it says so.
+    # --config left at its default (ddp) disagrees too: the flag is the one source of the preset.
+    default = run(launcher("accelerate", 2, "accelerate_configs/zero2.yaml") + common
+                  + ["--output_dir", str(tmp_path / "default")], timeout=180)
+    assert default.returncode != 0 and "exitcode: 2" in default.output, default.output[-3000:]  # the ranks' exit 2
+    assert "--config ddp (the default) disagrees with the accelerate config, which uses DeepSpeed file " \
+           "ds_configs/zero2.json: pass --config zero2 to train with that file" in default.output
+
     good = run(launcher("accelerate", 2, "accelerate_configs/zero2.yaml") + common
-               + ["--output_dir", str(tmp_path / "good")], timeout=300).check()
-    assert "parallelism: ds_configs/zero2.json" in good.output
+               + ["--config", "zero2", "--output_dir", str(tmp_path / "good")], timeout=300).check()
+    assert f"parallelism: zero2 ({C.DS_CONFIG_DIR / 'zero2.json'})" in good.output
     assert "x 2 processes = global batch 4" in good.output

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune.models import attention, tiny
-from finetune.config import DataConfig
+from finetune.config import DataConfig, Preset
 from finetune.data.prepare import IGNORE_INDEX, make_collator, prepare_dataset, tokenize_record
 from finetune.models.load import load_tokenizer
 from finetune.training.outputs import describe_run
@@ -241,7 +241,7 @@ def test_prepare_dataset_packs_and_reports(tiny_chatml, tmp_path, cache_dir):
     assert m and int(m.group(1)) == len(packed), stats.summary()
     assert float(m.group(2)) >= 90
     cfg = SimpleNamespace(
-        data=packed_cfg, launch=SimpleNamespace(config="ddp"), deepspeed_config=None,
+        data=packed_cfg, launch=SimpleNamespace(config="ddp"), preset=Preset("ddp"),
         training=SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2, world_size=1, device="cpu"))
     line = describe_run(cfg, stats, torch.nn.Linear(2, 2))
     assert "tokens/step: 8 packed rows x 256 = 2048 slots; about" in line and "packing efficiency" in line

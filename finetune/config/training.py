@@ -8,10 +8,11 @@ module adds the sections, presets, validation and the TrainingArguments built fr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,33 +20,11 @@ from typing import Any
 from finetune.config.parser import (Command, ConfigError, Setting, convert, did_you_mean, exit_with_problems,  # noqa: F401
                                     read_recipe, wants_help)
 from finetune.config.parser import _plain
+from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Preset, nvme_problems, same_file  # noqa: F401
+from finetune.config.preset import value_problems
 from finetune.data import formats
 
-# Package data, so an installed finetune finds its presets; the repository's top-level ds_configs/ links here.
-DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "ds_configs"
-
-# Parallelism presets: the name a user types -> the DeepSpeed JSON it stands for (None = plain DDP).
-# `zero3` means ZeRO-3 with parameters and optimizer offloaded to CPU, the preset that fits the most.
-PRESETS: dict[str, str | None] = {
-    "ddp": None,
-    "zero1": "zero1.json",
-    "zero2": "zero2.json",
-    "zero3": "zero3_offload.json",
-    "zero3_no_offload": "zero3_no_offload.json",
-    "zero3_nvme": "zero3_nvme.json",  # ZeRO-Infinity: parameters and optimizer states swapped to --nvme_path
-}
-NVME_PLACEHOLDER = "NVME_PATH"
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _same_ds_config(a: str, b: str) -> bool:
-    """Do two --config / --deepspeed values name the same DeepSpeed configuration (a preset or its file)?"""
-    def where(name: str) -> str:
-        path = resolve_preset(str(name))
-        return str(path.resolve()) if path is not None else str(name)
-
-    return where(a) == where(b)
 
 
 # Field metadata for every --config flag that takes a preset: DeepSpeed's own `--deepspeed FILE` and
@@ -53,7 +32,7 @@ def _same_ds_config(a: str, b: str) -> bool:
 # switch names nothing), and two spellings naming different configurations are refused.
 CONFIG_ALIASES: dict[str, Any] = {
     "aliases": ("deepspeed", "deepspeed_config"), "bare_aliases_ignored": True,
-    "same": _same_ds_config, "conflict": "these name different DeepSpeed configurations",
+    "same": same_file, "conflict": "these name different DeepSpeed configurations",
 }
 
 
@@ -303,7 +282,7 @@ class FinetuneConfig:
     data: DataConfig
     launch: LaunchConfig
     training: Any  # transformers.TrainingArguments
-    deepspeed_config: Path | None
+    preset: Preset  # the parallelism: --config resolved once (finetune.config.preset)
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
     fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
     evaluation: EvalConfig = field(default_factory=EvalConfig)
@@ -385,14 +364,15 @@ def help_text(prog: str = "finetune train") -> str:
     return command(prog).help()
 
 
-def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train") -> FinetuneConfig:
+def load_or_exit(argv: list[str] | None = None, prog: str = "finetune train", *,
+                 before_arguments: Callable[[Preset], None] | None = None) -> FinetuneConfig:
     """parse() for a training entry point: --help prints the flags; a ConfigError exits 2 with every problem."""
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         print(help_text(prog))
         raise SystemExit(0)
     try:
-        return parse(argv)
+        return parse(argv, before_arguments=before_arguments)
     except ConfigError as e:
         exit_with_problems(e)
 
@@ -422,25 +402,31 @@ def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", 
     return model, data, launch, training, sources, problems, extras
 
 
-def parse(argv: list[str] | None = None, *, check_paths: bool = True) -> FinetuneConfig:
-    """Parse and validate. Raises ConfigError listing every problem found."""
+def parse(argv: list[str] | None = None, *, check_paths: bool = True,
+          before_arguments: Callable[[Preset], None] | None = None) -> FinetuneConfig:
+    """Parse and validate. Raises ConfigError listing every problem found.
+
+    `before_arguments(preset)` runs once everything is valid, just before TrainingArguments is built: the training
+    paths start their process group there (finetune.training.core.start), which a DeepSpeed preset needs first."""
     model, data, launch, training_values, sources, problems, extras = parse_sections(argv)
     evaluation = extras["evaluation"]
-    # Before validate: under `accelerate launch --config_file zero3.yaml` the preset comes from that file.
-    problems += _check_accelerate_agrees(launch, "config" in sources)
-    problems += validate(model, data, launch, training_values, check_paths=check_paths)
+    # The preset, once per process: --config, which the launcher's environment (accelerate's) must agree with.
+    preset, more = resolve_preset(launch, given="config" in sources, environ=os.environ)
+    problems += more
+    problems += validate(model, data, launch, training_values, check_paths=check_paths, preset=preset)
     problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths,
                                     method=extras["objective"].method)
     problems += validate_method(extras["objective"], data, training_values, evaluation)
-    ds_path = resolve_preset(launch.config)
 
     training = None
     if not problems:
-        training, more = build_training_arguments(training_values, ds_path, launch.nvme_path)
+        if before_arguments is not None:
+            before_arguments(preset)
+        training, more = build_training_arguments(training_values, preset)
         problems += more
     if problems:
         raise ConfigError(problems)
-    return FinetuneConfig(model, data, launch, training, ds_path, sources, evaluation=evaluation,
+    return FinetuneConfig(model, data, launch, training, preset, sources, evaluation=evaluation,
                           objective=extras["objective"])
 
 
@@ -536,47 +522,22 @@ def load_metric(spec: str):
     return fn
 
 
-def _check_accelerate_agrees(launch: LaunchConfig, config_given: bool) -> list[str]:
-    """`accelerate launch --config_file accelerate_configs/zero3.yaml` names a DeepSpeed file too; the two must agree.
-
-    Without --config, the accelerate file's DeepSpeed JSON is used, so the preset in force is never a guess.
-    """
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return []
-    launcher_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not launcher_file or launcher_file.lower() == "none":
-        return ["accelerate launch was configured for DeepSpeed without a deepspeed_config_file; "
-                "use accelerate_configs/zero2.yaml or zero3.yaml, or pass --config"]
-    if not config_given:
-        launch.config = launcher_file
-        return []
-    ours = resolve_preset(launch.config)
-    if ours is None or Path(ours).resolve() != Path(launcher_file).resolve():
-        return [
-            f"--config {launch.config} disagrees with the accelerate config, which uses DeepSpeed file {launcher_file}; "
-            "pair them (accelerate_configs/zero2.yaml with --config zero2, zero3.yaml with --config zero3) or drop --config"
-        ]
-    return []
+def resolve_preset(launch: LaunchConfig, *, given: bool = True,
+                   environ: Mapping[str, str] | None = None) -> tuple[Preset | None, list[str]]:
+    """(the Preset of --config, []) or (None, its problems); `environ` is the launcher's to agree with (None: none)."""
+    try:
+        return Preset.resolve(launch.config, launch.nvme_path, given=given, environ=environ), []
+    except ConfigError as e:
+        return None, e.problems
 
 
-def resolve_preset(name: str) -> Path | None:
-    if name in PRESETS:
-        file = PRESETS[name]
-        return DS_CONFIG_DIR / file if file else None
-    return Path(name)
-
-
-def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, training: dict[str, Any], *, check_paths: bool) -> list[str]:
-    """Every semantic check on the parsed values; returns all problems at once."""
+def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, training: dict[str, Any], *, check_paths: bool,
+             preset: Preset | None) -> list[str]:
+    """Every semantic check on the parsed values; returns all problems at once. `preset` is resolve_preset's (None:
+    it has problems of its own, reported by resolve_preset)."""
     problems = []
-    if launch.config not in PRESETS and not launch.config.endswith(".json"):
-        problems.append(
-            f"--config: unknown preset '{launch.config}'{did_you_mean(launch.config, list(PRESETS))} "
-            f"(presets: {', '.join(PRESETS)}; or give a path to a DeepSpeed .json)"
-        )
-    elif launch.config not in PRESETS:
-        problems += _check_ds_json(Path(launch.config))
-    problems += _check_nvme(launch)
+    if preset is not None:
+        problems += nvme_problems(preset, launch.nvme_path)
     if model.torch_dtype not in DTYPES:
         problems.append(f"torch_dtype: '{model.torch_dtype}' is not one of {', '.join(DTYPES)}")
     known_formats = ("auto", *formats.names())
@@ -603,7 +564,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append(f"lora_dropout: must be in [0, 1), got {model.lora_dropout}")
     from finetune.models import quant
 
-    zero3 = quant.is_quantized(model) and (launch.config.startswith("zero3") or zero_stage_of(launch.config) == 3)
+    zero3 = quant.is_quantized(model) and preset is not None and preset.zero3
     problems += quant.problems(model, training=True, zero3=zero3, config=launch.config)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if key in training and training[key] < 1:
@@ -611,8 +572,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     if training.get("learning_rate", 1.0) < 0:
         problems.append(f"learning_rate: must not be negative, got {training['learning_rate']}")
     problems += attn_problems(model.attn_implementation)
-    if launch.config not in PRESETS and launch.config.endswith(".json") and not problems:
-        problems += _check_ds_values(Path(launch.config), training)
+    if preset is not None and preset.is_deepspeed and launch.config not in PRESETS and not problems:
+        problems += value_problems(preset, training)
     if check_paths:
         if not model.model_name_or_path:
             problems.append("model_name_or_path: required (a local model folder)")
@@ -665,42 +626,6 @@ def chat_template_problems(path: str) -> list[str]:
     if not text.strip():
         return [f"chat_template: {path}: the file is empty"]
     return []
-
-
-def zero_stage_of(config: str) -> int | None:
-    """The ZeRO stage of a preset or DeepSpeed JSON (0 for ddp); None if the file cannot be read."""
-    path = resolve_preset(config)
-    if path is None:
-        return 0
-    try:
-        return int(json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-
-
-def uses_nvme(ds_path: Path | None) -> bool:
-    return ds_path is not None and ds_path.is_file() and NVME_PLACEHOLDER in ds_path.read_text()
-
-
-def _check_nvme(launch: LaunchConfig) -> list[str]:
-    ds_path = resolve_preset(launch.config) if launch.config in PRESETS or launch.config.endswith(".json") else None
-    if not uses_nvme(ds_path):
-        return []
-    problems = []
-    if not launch.nvme_path:
-        problems.append(f"--config {launch.config}: needs --nvme_path FOLDER (a fast local disk for the swap files)")
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        aio_ok = AsyncIOBuilder().is_compatible(verbose=False)
-    except Exception:
-        aio_ok = False
-    if not aio_ok:
-        problems.append(
-            f"--config {launch.config}: DeepSpeed's async I/O cannot be built here: install libaio "
-            "(Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: dnf install libaio-devel), or use --config zero3"
-        )
-    return problems
 
 
 def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) -> list[str]:
@@ -813,96 +738,6 @@ def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
     return [f"model_name_or_path: {problem}" for problem in folder_problems(p)]
 
 
-def _check_ds_json(path: Path) -> list[str]:
-    if not path.is_file():
-        return [f"--config {path}: no such DeepSpeed JSON file"]
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        return [f"--config {path}:{e.lineno}: not valid JSON: {e.msg}"]
-    if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
-        return [f"--config {path}: expected a DeepSpeed config object with a zero_optimization section"]
-    return []
-
-
-# Top-level DeepSpeed keys besides deepspeed.runtime.constants' (sections read by other modules).
-_DS_SECTIONS = ("zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
-                "csv_monitor", "comet", "aio", "amp", "compression_training", "data_efficiency", "autotuning",
-                "nebula", "elasticity", "comms_logger", "pipeline", "compile", "sparse_attention", "hybrid_engine",
-                "timers", "tensor_parallel", "sequence_parallel_size", "weight_quantization", "datastates",
-                "expert_parallel", "zenflow", "torch_autocast")
-# Batch keys of a DeepSpeed JSON -> what finetune fills "auto" with.
-_DS_BATCH = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-
-
-def _check_ds_values(path: Path, training: dict[str, Any]) -> list[str]:
-    """What DeepSpeed itself would stop on with a traceback once the run has started: an unknown key in a section
-    it validates (zero_optimization, bf16, fp16), a misspelt top-level key (silently ignored by DeepSpeed), batch
-    sizes that contradict each other or the flags."""
-    data = json.loads(path.read_text())
-    problems = []
-    try:
-        import deepspeed.runtime.constants as ds_constants
-        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-        from pydantic import ValidationError
-    except ImportError:  # no DeepSpeed: the launch says so
-        return []
-    known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)} | set(_DS_SECTIONS)
-    for key in data:
-        if key not in known and did_you_mean(key, sorted(known)):
-            problems.append(f"--config {path}: unknown key '{key}'{did_you_mean(key, sorted(known))} "
-                            "(DeepSpeed would ignore it)")
-    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
-                           ("fp16", DeepSpeedFP16Config)):
-        if not isinstance(data.get(section), dict):
-            continue
-        try:
-            model(**data[section])
-        except ValidationError as e:
-            for err in e.errors():
-                where = ".".join(map(str, (section, *err["loc"])))
-                if err["type"] == "extra_forbidden":
-                    fields = list(_pydantic_fields(model, err["loc"][:-1]))
-                    problems.append(f"--config {path}: {where}: unknown key"
-                                    f"{did_you_mean(str(err['loc'][-1]), fields)}")
-                else:
-                    problems.append(f"--config {path}: {where}: {err['msg']} (got {err.get('input')!r})")
-    # Batch sizes: "auto" takes finetune's flags; a number must agree with them (and train_batch_size with the
-    # world size this launch starts).
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    micro = int(training.get("per_device_train_batch_size", 8))
-    accum = int(training.get("gradient_accumulation_steps", 1))
-    ours = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-            "train_batch_size": micro * accum * world}
-    flags = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-             "gradient_accumulation_steps": "--gradient_accumulation_steps",
-             "train_batch_size": "--per_device_train_batch_size x --gradient_accumulation_steps x world size "
-                                 f"({micro} x {accum} x {world})"}
-    for key in _DS_BATCH:
-        value = data.get(key, "auto")
-        if value == "auto":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"--config {path}: {key} must be a positive integer or \"auto\", got {value!r}")
-        elif value != ours[key]:
-            problems.append(f"--config {path}: {key} is {value} but {flags[key]} gives {ours[key]}; set it to "
-                            "\"auto\" (filled from the flags) or make them agree")
-    return problems
-
-
-def _pydantic_fields(model, loc) -> list[str]:
-    """The field names (and aliases) of the pydantic model at `loc` inside `model`, for did-you-mean."""
-    for part in loc:
-        field_info = model.model_fields.get(part) if isinstance(part, str) else None
-        sub = getattr(field_info, "annotation", None)
-        sub = next((a for a in getattr(sub, "__args__", ()) if hasattr(a, "model_fields")), sub)
-        if not hasattr(sub, "model_fields"):
-            return []
-        model = sub
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
 def free_port() -> int:
     import socket
 
@@ -911,17 +746,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_config(ds_path: Path, nvme_path: str | None = None) -> str | dict:
-    """The DeepSpeed config to use: the file itself, or (for NVMe offload) its dict with the swap folder filled in."""
-    if not uses_nvme(ds_path):
-        return str(ds_path)
-    folder = Path(nvme_path).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    return json.loads(ds_path.read_text().replace(NVME_PLACEHOLDER, str(folder)))
-
-
-def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_path: str | None = None):
-    """Build TrainingArguments; with DeepSpeed this must happen before the model loads (ZeRO-3 zero.Init)."""
+def build_training_arguments(values: dict[str, Any], preset: Preset | None):
+    """Build TrainingArguments; with DeepSpeed this must happen before the model loads (ZeRO-3 zero.Init), and
+    under a launcher after the process group has started (parse's `before_arguments`)."""
     import torch
     from transformers import TrainingArguments
 
@@ -936,19 +763,12 @@ def build_training_arguments(values: dict[str, Any], ds_path: Path | None, nvme_
                 kwargs[new] = value
     if not torch.cuda.is_available():
         kwargs["use_cpu"] = True
-    if ds_path is not None:
-        kwargs["deepspeed"] = deepspeed_config(ds_path, nvme_path)
-        if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
-            # `python finetune/train.py --config zero2`: DeepSpeed needs a process group even for one process,
-            # and without a launcher it would look for MPI. Describe a world of one on loopback instead.
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
-            # DeepSpeed's config check (train_batch_size = micro x accum x world) runs when TrainingArguments
-            # is built; if the process group does not exist yet it uses world size 1 and asserts. Start it first.
-            from finetune import compat
-
-            compat.init_deepspeed_distributed()
+    if preset is not None and preset.is_deepspeed:
+        if preset.nvme_path:
+            Path(preset.nvme_path).mkdir(parents=True, exist_ok=True)
+        # The dict, not the file: the JSON is read once per process (finetune.config.preset), and transformers
+        # fills its "auto" values into a copy of its own.
+        kwargs["deepspeed"] = copy.deepcopy(preset.ds_config)
     try:
         return TrainingArguments(**kwargs), []
     except (ValueError, TypeError) as e:

@@ -240,22 +240,21 @@ class Strategy:
     nvme: tuple[str, ...] = ()  # what is offloaded to NVMe rather than host memory: "optimizer", "parameters"
 
     @classmethod
+    def from_preset(cls, preset) -> "Strategy":
+        """The strategy of a finetune.config.Preset (the run's own, read once)."""
+        if not preset.is_deepspeed:
+            return cls(preset.name, 0)
+        nvme = tuple(w for w, where in (("optimizer", preset.offload_optimizer), ("parameters", preset.offload_param))
+                     if where == "nvme")
+        return cls(preset.name, preset.stage, preset.offload_optimizer is not None, preset.offload_param is not None,
+                   preset.own_optimizer, preset.ds_config.get("zero_optimization") or {}, nvme)
+
+    @classmethod
     def from_config(cls, name: str) -> "Strategy":
+        """The strategy of a preset name or DeepSpeed JSON path (read here); ConfigError if it is neither."""
         from finetune import config as C
 
-        path = C.resolve_preset(name)
-        if path is None:
-            return cls(name, 0)
-        data = json.loads(Path(path).read_text())
-        zero = data.get("zero_optimization", {}) or {}
-
-        def device(key: str) -> str:
-            return str((zero.get(key) or {}).get("device", "none")).lower()
-
-        nvme = tuple(w for w, key in (("optimizer", "offload_optimizer"), ("parameters", "offload_param"))
-                     if device(key) == "nvme")
-        return cls(name, int(zero.get("stage", 0)), device("offload_optimizer") in ("cpu", "nvme"),
-                   device("offload_param") in ("cpu", "nvme"), "optimizer" in data, zero, nvme)
+        return cls.from_preset(C.Preset.named(name))
 
     def setting(self, key: str, hidden: int) -> int:
         """A zero_optimization value with transformers' 'auto' rules (hidden-size based) and DeepSpeed's defaults."""
@@ -1075,9 +1074,9 @@ def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = Non
     global_micro = job.micro_batch * job.grad_accum
     rejected: dict[str, str] = {}
     for name in candidates:
-        try:
-            strategy = Strategy.from_config(name)
-        except (OSError, ValueError) as e:
+        try:  # the job's own preset as it was read; the others read here
+            strategy = job.strategy if name == job.strategy.name else Strategy.from_config(name)
+        except (OSError, ValueError, ConfigError) as e:
             rejected[name] = f"cannot read: {e}"
             continue
         if job.quant and strategy.stage == 3:
@@ -1157,7 +1156,9 @@ def parse_plan_args(argv: list[str]):
 
     model, data, launch, values, sources, problems, extra = C.parse_sections(argv, "finetune plan", {"plan": PlanArgs})
     flags: PlanArgs = extra["plan"]
-    problems += _preset_problems(model, data, launch, values)
+    # No launcher to agree with: a plan may be for another machine or launch.
+    preset, more = C.resolve_preset(launch, environ=None)
+    problems += more + _preset_problems(model, data, launch, values, preset)
     if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
     elif C.looks_like_repo_id(model.model_name_or_path):
@@ -1182,17 +1183,18 @@ def parse_plan_args(argv: list[str]):
         problems += more
     if problems:
         raise PlanError(problems)
-    return C.FinetuneConfig(model, data, launch, training, C.resolve_preset(launch.config), sources,
+    return C.FinetuneConfig(model, data, launch, training, preset, sources,
                             objective=extra["objective"]), flags
 
 
-def _preset_problems(model, data, launch, training_values: dict[str, Any]) -> list[str]:
-    """finetune.config's checks (unknown preset, bad JSON, quantized base under ZeRO-3, bad values), without the
-    ones about running it here (an NVMe folder, DeepSpeed's async I/O): a plan may be for another machine."""
+def _preset_problems(model, data, launch, training_values: dict[str, Any], preset) -> list[str]:
+    """finetune.config's checks (quantized base under ZeRO-3, bad values; the preset's own are resolve_preset's),
+    without the ones about running it here (an NVMe folder, DeepSpeed's async I/O): a plan may be for another
+    machine."""
     from finetune import config as C
 
-    problems = C.validate(model, data, launch, training_values, check_paths=False)
-    skip = set(C.training._check_nvme(launch))
+    problems = C.validate(model, data, launch, training_values, check_paths=False, preset=preset)
+    skip = set(C.nvme_problems(preset, launch.nvme_path)) if preset is not None else set()
     return [p for p in problems if p not in skip]
 
 
@@ -1216,7 +1218,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     if dtype == "auto":
         dtype = "bfloat16" if accelerator == "gpu" else "float32"
     mixed = "bf16" if getattr(args, "bf16", False) else ("fp16" if getattr(args, "fp16", False) else None)
-    strategy = Strategy.from_config(cfg.launch.config)
+    strategy = Strategy.from_preset(cfg.preset)
     if accelerator == "gpu" and strategy.stage > 0 and mixed is None:
         mixed = "bf16"  # DeepSpeed on GPU: planned as mixed precision (pass --bf16)
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)

@@ -24,8 +24,8 @@ from typing import Callable
 from finetune import compat
 from finetune.data.prepare import IGNORE_INDEX
 from finetune.training import checkpoint
-from finetune.training.outputs import (commit_staged, exit_with, rank0_print, saving, staging_dir, verify_staged,
-                                       write_json_atomic, write_resolved)
+from finetune.training.outputs import (commit_staged, exit_with, plan_or_exit, rank0_print, saving, staging_dir,
+                                       verify_staged, write_json_atomic, write_resolved)
 
 # --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
 # (8-bit, GaLore, LOMO, schedule-free, ...) need model hooks or a training_step of their own that only the
@@ -45,13 +45,13 @@ def refused_flags(cfg, script: str) -> list[str]:
     def flag(key: str, default=None):  # absent: the TrainingArguments default (a partial config in a test)
         return _value(getattr(args, key, default))
 
-    ds = _ds_json(cfg)
+    preset = cfg.preset
     optim = flag("optim", "adamw_torch_fused")
-    if "optimizer" in ds:
+    if preset.own_optimizer:
         if "optim" in cfg.sources:
-            problems.append(f"optim: the DeepSpeed config {cfg.deepspeed_config} names its own optimizer "
-                            f"({ds['optimizer'].get('type')}), so --optim {optim} would be ignored; drop --optim "
-                            "or use a preset without an \"optimizer\" section (zero2, zero3_no_offload)")
+            problems.append(f"optim: the DeepSpeed config {preset.path} names its own optimizer "
+                            f"({preset.ds_config['optimizer'].get('type')}), so --optim {optim} would be ignored; "
+                            "drop --optim or use a preset without an \"optimizer\" section (zero2, zero3_no_offload)")
     elif optim not in SUPPORTED_OPTIMIZERS:
         problems.append(f"optim: {script} supports --optim {', '.join(SUPPORTED_OPTIMIZERS)}, not '{optim}' "
                         "(the Trainer path, finetune/train.py, supports it)")
@@ -86,11 +86,6 @@ def check_flags_or_exit(cfg, script: str) -> None:
         exit_with(str(C.ConfigError(problems)))
 
 
-def _ds_json(cfg) -> dict:
-    path = getattr(cfg, "deepspeed_config", None)  # the JSON as given: "auto" values are not filled yet
-    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
-
-
 # ----------------------------------------------------------------------------------------------
 # Start of every run: no rank outlives its launcher, no wait is silent.
 
@@ -105,8 +100,47 @@ _COLLECTIVES = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "broa
 _watchdog = None
 
 
+def start(argv: list[str] | None, prog: str, *, script: str | None = None, deepspeed_engine: bool = False):
+    """The start of every training path (finetune/train.py, finetune/loop.py, scripts/sft.py): the watchdog
+    (start_run), the flags and the preset (finetune.config.load_or_exit), the process group where DeepSpeed needs
+    one (start_process_group), --plan_check, and the flags a hand-written `script` refuses. Returns the config."""
+    from finetune import config as C
+
+    start_run()  # no rank outlives its launcher; no silent wait
+
+    def before_arguments(preset) -> None:
+        # A DeepSpeed preset: the process group before TrainingArguments. Its DeepSpeed config check (train_batch_size
+        # = micro x accum x world) runs when TrainingArguments is built, with world size 1 if no group exists yet;
+        # and the HfDeepSpeedConfig TrainingArguments registers is what makes ZeRO-3 load the weights partitioned.
+        if preset.is_deepspeed:
+            start_process_group()
+
+    cfg = C.load_or_exit(argv, prog, before_arguments=before_arguments)
+    plan_or_exit(cfg)
+    if script is not None:
+        check_flags_or_exit(cfg, script)
+    if deepspeed_engine and not cfg.preset.is_deepspeed:
+        # `--config ddp` on the DeepSpeed engine path: DeepSpeed's stage 0 needs its communication layer too.
+        start_process_group()
+    return cfg
+
+
+def start_process_group() -> None:
+    """DeepSpeed's communication layer, through compat (which unlinks its shared-memory buffers). Started here
+    only, through start(). Without a launcher (`python finetune/train.py --config zero2`) a world of one on
+    loopback: DeepSpeed needs a process group even for one process, and would otherwise look for MPI."""
+    import torch.distributed as dist
+
+    from finetune import config as C
+
+    if not dist.is_initialized() and "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(C.free_port()))
+    compat.init_deepspeed_distributed()
+
+
 def start_run() -> None:
-    """First thing every training path does (finetune/train.py, finetune/loop.py, scripts/sft.py).
+    """First thing every training path does (through start()).
 
     Under a launcher, starts the watchdog thread: it ends this rank within seconds, with a message, once the
     launcher that started it is gone (for the `deepspeed` runner: its per-node launcher, and the runner above it,

@@ -201,7 +201,7 @@ def ref_cache_file(cfg, data_key: str) -> Path:
     m, args = cfg.model, cfg.training
     parts = (_hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
              m.load_in_8bit, m.load_in_4bit, m.bnb_4bit_quant_type, m.attn_implementation, bool(args.bf16),
-             bool(args.fp16), str(cfg.deepspeed_config or ""))
+             bool(args.fp16), str(cfg.preset.path or ""))
     h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     return Path(cache_root(cfg.data)) / f"{data_key}.ref-{h}.pt"
 

@@ -19,13 +19,11 @@ checkpoints in OUTPUT_DIR/checkpoint-<step>/.
 from __future__ import annotations
 
 import copy
-import os
 from functools import partial
 
-from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.training import checkpoint, core, evaluate
-from finetune.training.outputs import exit_with, plan_or_exit, resume_or_exit
+from finetune.training.outputs import exit_with, resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {
@@ -42,16 +40,13 @@ STAGE0_CONFIG = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is accepted.
-    core.start_run()  # no rank outlives its launcher; no silent wait
-    cfg = C.load_or_exit(argv, prog="deepspeed scripts/sft.py")
+    # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is
+    # accepted. The process group is up when it returns (DeepSpeed's communication layer, for `--config ddp` too).
+    cfg = core.start(argv, "deepspeed scripts/sft.py", script="scripts/sft.py", deepspeed_engine=True)
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
-    plan_or_exit(cfg)
-    core.check_flags_or_exit(cfg, "scripts/sft.py")
     import deepspeed
     import torch.distributed as dist
 
-    init_process_group(args)
     world, rank = dist.get_world_size(), dist.get_rank()
     deepspeed.utils.logger.setLevel(args.get_process_log_level())
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
@@ -90,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
     eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
-    synced = engine.zero_optimization_stage() == 3 and world > 1
+    synced = cfg.preset.zero3 and world > 1
     evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
         engine, engine.module, eval_set, engine.device, synced_gpus=synced), max_steps)
 
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("sft", engine.zero_optimization_stage(), partial(train_step, engine, world), save, engine.device,
+    job = core.Job("sft", cfg.preset.stage, partial(train_step, engine, world), save, engine.device,
                    cfg.fingerprint, evaluator=evaluator, load=load, reporters=evaluate.Reporters(args, max_steps, engine.module))
     log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
 
@@ -116,21 +111,6 @@ def main(argv: list[str] | None = None) -> None:
 def unsupported(cfg) -> list[str]:
     """Flags the Trainer path honours that this script does not: refused, never silently ignored."""
     return core.refused_flags(cfg, "scripts/sft.py")
-
-
-def init_process_group(args) -> None:
-    """DeepSpeed's communication layer, through compat (which unlinks its shared-memory buffers): DeepSpeed presets
-    started the process group when TrainingArguments was built, `--config ddp` through accelerate or not at all;
-    deepspeed.initialize would otherwise bring the layer up itself."""
-    import torch.distributed as dist
-
-    from finetune import compat
-
-    if not dist.is_initialized() and "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
-        # `python scripts/sft.py`: a world of one on loopback (DeepSpeed would otherwise look for MPI).
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(C.free_port()))
-    compat.init_deepspeed_distributed()
 
 
 def build_loader(dataset, collate_fn, args, world: int, rank: int):

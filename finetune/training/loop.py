@@ -12,19 +12,15 @@ log_history to the Trainer's.
 
 from __future__ import annotations
 
-from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.training import checkpoint, core, evaluate
-from finetune.training.outputs import plan_or_exit, rank0_print, resume_or_exit
+from finetune.training.outputs import rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
     # Config (TrainingArguments built first, so that ZeRO-3 loads the weights partitioned).
-    core.start_run()  # no rank outlives its launcher; no silent wait
-    cfg = C.load_or_exit(argv, prog="finetune loop")
+    cfg = core.start(argv, "finetune loop", script="finetune/loop.py")
     args = cfg.training
-    plan_or_exit(cfg)
-    core.check_flags_or_exit(cfg, "finetune/loop.py")
     # Only now torch and accelerate (seconds): a flag mistake is reported without them.
     import torch
     from accelerate import Accelerator
@@ -46,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.torch_compile else None,
     )
     world = accelerator.num_processes
-    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
-    zero_stage = accelerator.state.deepspeed_plugin.zero_stage if deepspeed else 0
+    deepspeed, zero_stage = cfg.preset.is_deepspeed, cfg.preset.stage
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     resume = resume_or_exit(cfg, path="loop", world_size=world)
 

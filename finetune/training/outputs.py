@@ -92,7 +92,6 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     output folder holding another run's model or checkpoints (guard_output_dir). `latest` on a run that has already
     saved its final model exits 0 with nothing done (every rank alike)."""
     from finetune.training import checkpoint
-    from finetune import config as C
 
     args = cfg.training
     finished = guard_output_dir(cfg)
@@ -111,8 +110,8 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
         raise SystemExit(0)
     try:
         return checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path=path,
-                                  world_size=world_size, zero_stage=C.zero_stage_of(cfg.launch.config) or 0,
-                                  nvme=C.uses_nvme(cfg.deepspeed_config), fingerprint=cfg.fingerprint)
+                                  world_size=world_size, zero_stage=cfg.preset.stage, nvme=cfg.preset.uses_nvme,
+                                  fingerprint=cfg.fingerprint)
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
@@ -315,10 +314,8 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
     # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its real size.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    preset = cfg.launch.config
-    ds = f" ({cfg.deepspeed_config})" if cfg.deepspeed_config and str(cfg.deepspeed_config) != preset else ""
     return "\n".join([
-        f"parallelism: {preset}{ds}, world size {world}, device {args.device}",
+        f"parallelism: {cfg.preset.describe()}, world size {world}, device {args.device}",
         f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
         _tokens_per_step(cfg, stats, global_batch, mean_len),
         f"parameters: {trainable:,} trainable of {total:,}",

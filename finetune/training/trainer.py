@@ -15,20 +15,17 @@ from __future__ import annotations
 import os
 
 from finetune.training import checkpoint, core, evaluate
-from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models import attention
-from finetune.training.outputs import describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
+from finetune.training.outputs import describe_run, exit_with, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     # Config: every problem is reported at once, before anything heavy happens. TrainingArguments is
     # built here, before the model, so that ZeRO-3 loads the weights already partitioned.
-    core.start_run()  # no rank outlives its launcher; no silent wait
-    cfg = C.load_or_exit(argv)
+    cfg = core.start(argv, "finetune train")
     args = cfg.training
-    plan_or_exit(cfg)
     # Only now the libraries (torch, transformers, peft: seconds): a flag mistake is reported without them.
     import transformers
 
