@@ -1,6 +1,7 @@
 """Llama (LlamaForCausalLM): grouped-query attention (q, k, v, o), SwiGLU MLP (gate, up, down), two RMSNorms per
 layer, optional biases (attention_bias, mlp_bias), optional tied embeddings. llama.cpp's "llama" architecture
-stores Q and K rows permuted (its convert_hf_to_gguf.py LlamaModel.permute)."""
+stores Q and K rows permuted (its convert_hf_to_gguf.py LlamaModel.permute); it writes Mistral checkpoints in
+this architecture too, so a GGUF file that says "llama" may hold one (the same layout)."""
 
 from __future__ import annotations
 
