@@ -30,15 +30,16 @@ LLAMA_32_1B = dict(
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
 )
 LLAMA_3_8B = dict(
-    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
 )
 # mistralai/Mistral-7B-v0.1's shapes: the Llama layout under another model_type.
 MISTRAL_7B = dict(
     model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+    tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
+    sliding_window=4096,
 )
 
 

@@ -62,7 +62,8 @@ def _writable_family(config, model_dir: Path):
     if family is None or family.gguf_arch is None:
         supported = ", ".join(t for f in families.FAMILIES if f.gguf_arch for t in f.model_types)
         arch = getattr(config, "model_type", None)
-        raise ExportError(f"{model_dir}: model_type '{arch}' cannot be written as GGUF by finetune (supported: {supported})")
+        raise ExportError(f"{model_dir}: model_type '{arch}' cannot be written as GGUF by finetune "
+                          f"(supported: {supported})")
     if why := family.gguf_refusal(config):
         raise ExportError(f"{model_dir}: {why}")
     return family
@@ -351,9 +352,10 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
     config = model.config
-    writer = gguf.GGUFWriter(str(path), families.family_of(config).gguf_arch)
+    family = families.family_of(config)
+    writer = gguf.GGUFWriter(str(path), family.gguf_arch)
     writer.add_name(name)
-    for adder, value in families.family_of(config).gguf_metadata(config):
+    for adder, value in family.gguf_metadata(config):
         getattr(writer, adder)(value)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
