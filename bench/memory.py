@@ -449,7 +449,7 @@ def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int,
         # Such a run chunks its loss (the flag's default is not 0), which saves other tensors for backward than
         # transformers' loss does, so the Job has to say so for its saved bytes to match.
         loss_chunk = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "loss_chunk_size")
-    return plan.Job(plan.ModelShape.from_folder(model), plan.Strategy.from_config(preset), world_size=nproc,
+    return plan.Job(plan.model_shape(plan.read_config(model)), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
                     lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk,
                     pairs=pairs, reference_copy=reference_copy)

@@ -69,7 +69,7 @@ def test_parameter_tensors_match_the_model(name):
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**d))
     expected = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    shape = plan.ModelShape.from_dict(d)
+    shape = plan.model_shape(d)
     assert [(t.name, t.shape) for t in shape.tensors()] == expected
     assert shape.num_params == sum(p.numel() for p in model.parameters())
 
@@ -83,12 +83,12 @@ def test_lora_tensors_match_peft(targets):
     model = get_peft_model(LlamaForCausalLM(LlamaConfig(**d, tie_word_embeddings=False)), LoraConfig(
         r=8, target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM"))
     expected = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
-    got = [(t.name, t.shape) for t in plan.lora_tensors(plan.ModelShape.from_dict(d), 8, targets)]
+    got = [(t.name, t.shape) for t in plan.lora_tensors(plan.model_shape(d), 8, targets)]
     assert got == expected
 
 
 def test_70b_parameter_count():
-    shape = plan.ModelShape.from_dict(LLAMA_70B)
+    shape = plan.model_shape(LLAMA_70B)
     h, L, i, v = 8192, 80, 28672, 128256
     per_layer = h * h * 2 + 2 * h * 1024 + 3 * h * i + 2 * h
     assert shape.num_params == 2 * v * h + L * per_layer + h == 70_553_706_496
@@ -140,7 +140,7 @@ def test_activation_bytes_equal_saved_tensors(method, ckpt, padded):
     mask = torch.ones_like(ids)
     if padded:
         mask[1, 30:] = 0
-    job = plan.Job(plan.ModelShape.from_dict(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
+    job = plan.Job(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
                    use_peft=method != "full", lora_r=4, lora_dropout=dropout, padding_mask=padded)
     assert plan.activations(job).saved == _saved_bytes(model, ids, mask)
 
@@ -206,7 +206,7 @@ def test_chunked_loss_activation_bytes_equal_saved_tensors(method, ckpt):
     assert loss.install(model, 16)
     model.train()
     ids = torch.randint(0, d["vocab_size"], (b, s))
-    job = plan.Job(plan.ModelShape.from_dict(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
+    job = plan.Job(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
                    use_peft=method == "lora", lora_r=4, lora_dropout=0.05, padding_mask=False, loss_chunk=16)
     unchunked = plan.activations(job.replace(loss_chunk=0))
     assert plan.activations(job).saved == _saved_bytes(model, ids, None) < unchunked.saved
@@ -217,7 +217,7 @@ def test_chunked_loss_activation_bytes_equal_saved_tensors(method, ckpt):
 
 
 def test_zero_paper_bytes_per_parameter():
-    shape = plan.ModelShape.from_dict(dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096,
+    shape = plan.model_shape(dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096,
                                            num_hidden_layers=4, num_attention_heads=16))
     psi, n = shape.num_params, 8
 
@@ -467,7 +467,7 @@ def _brute_worst_rank(job, groups):
                                          ("biases_head_dim", 13), ("biases_head_dim", 1000), ("gqa", 4096)])
 def test_worst_zero12_rank_equals_the_scan_over_every_rank(tmp_path, shape, world):
     config = {"model_type": "llama", **SHAPES[shape]}
-    job = plan.Job(shape=plan.ModelShape.from_dict(config), strategy=plan.Strategy.from_config("zero2"),
+    job = plan.Job(shape=plan.model_shape(config), strategy=plan.Strategy.from_config("zero2"),
                    world_size=world)
     groups = [g for g in plan._groups(job, job.shape.tensors()) if g]
     assert plan._worst_zero12_rank(job, groups) == _brute_worst_rank(job, groups)

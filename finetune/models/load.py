@@ -10,6 +10,8 @@ import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
+from finetune.models import families
+
 
 class WeightsError(ValueError):
     """The weights file does not hold the weights the config describes; the message names keys and file."""
@@ -207,16 +209,24 @@ def check_lora_targets(model_cfg) -> None:
                            f"(its linear layers: {', '.join(linear)}; or all-linear)")
 
 
+def lora_target_modules(config, targets: list[str]) -> list[str] | str:
+    """peft's target_modules: 'all-linear' is the model family's linear projections (finetune.models.families),
+    or peft's own rule (every linear but the LM head) for a model_type no family covers; other names as given."""
+    if targets != ["all-linear"]:
+        return targets
+    family = families.find(config)
+    return family.lora_targets("all-linear") if family is not None else "all-linear"
+
+
 def add_lora(model, model_cfg, seed: int):
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
-    targets = model_cfg.lora_target_modules
     config = LoraConfig(
         r=model_cfg.lora_r,
         lora_alpha=model_cfg.lora_alpha,
         lora_dropout=model_cfg.lora_dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        target_modules=lora_target_modules(model.config, model_cfg.lora_target_modules),
         task_type="CAUSAL_LM",
     )
     # Seed here: LoRA's A matrices are drawn at creation, and every rank (and every resumed run) must draw the same.

@@ -34,7 +34,8 @@ from typing import Any
 from types import SimpleNamespace
 
 from finetune.config.parser import ConfigError
-from finetune.models import attention
+from finetune.models import attention, families
+from finetune.models.families import ModelShape, Tensor
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
 
@@ -77,105 +78,9 @@ def fmt_count(n: float) -> str:
 # The model, from config.json only.
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One parameter tensor, in LlamaForCausalLM.named_parameters() order."""
-
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # embed | linear | bias | norm | head | lora
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
-        d = d.get("text_config", d) if "hidden_size" not in d else d
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-                   if k not in d]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: not a Llama-style decoder config")
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        return cls(
-            model_type=str(d.get("model_type", "llama")),
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=int(d["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            intermediate_size=int(d["intermediate_size"]),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-        )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelShape":
-        return cls.from_dict(read_config(folder))
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Module name -> (out_features, in_features)."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (self.q_dim, h), "k_proj": (self.kv_dim, h), "v_proj": (self.kv_dim, h), "o_proj": (h, self.q_dim),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
-        }
-
-    def tensors(self) -> list[Tensor]:
-        """Every parameter tensor in named_parameters() order (a tied lm_head is not listed, as in torch).
-
-        LlamaDecoderLayer registers self_attn (q, k, v, o), mlp (gate, up, down), then its two norms.
-        """
-        h = self.hidden_size
-        shapes = self.linear_shapes()
-        out = [Tensor("model.embed_tokens.weight", (self.vocab_size, h), "embed")]
-        for layer in range(self.num_layers):
-            p = f"model.layers.{layer}."
-            for name in LINEAR_NAMES:
-                attn = name in LINEAR_NAMES[:4]
-                module = p + ("self_attn." if attn else "mlp.") + name
-                out.append(Tensor(module + ".weight", shapes[name], "linear"))
-                if (self.attention_bias and attn) or (self.mlp_bias and not attn):
-                    out.append(Tensor(module + ".bias", (shapes[name][0],), "bias"))
-            out.append(Tensor(p + "input_layernorm.weight", (h,), "norm"))
-            out.append(Tensor(p + "post_attention_layernorm.weight", (h,), "norm"))
-        out.append(Tensor("model.norm.weight", (h,), "norm"))
-        if not self.tie_word_embeddings:
-            out.append(Tensor("lm_head.weight", (self.vocab_size, h), "head"))
-        return out
-
-    @property
-    def num_params(self) -> int:
-        return sum(t.numel for t in self.tensors())
+def model_shape(d: dict[str, Any]) -> ModelShape:
+    """The sizes in a config.json dict, read by the model's family; an unknown family is refused by name."""
+    return families.family_of(d).shape(d)
 
 
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
@@ -186,32 +91,17 @@ def is_decay(name: str) -> bool:
     return not any(p.search(name.lower()) for p in _NO_DECAY)
 
 
-def lora_targets(targets: list[str]) -> list[str]:
-    """LoRA target module names; 'all-linear' = every linear projection except the LM head (peft's rule)."""
-    if targets == ["all-linear"] or targets == "all-linear":
-        return list(LINEAR_NAMES)
-    names = []
-    for t in targets:
-        base = t.split(".")[-1]
-        if base not in LINEAR_NAMES:
-            raise ValueError(
-                f"lora_target_modules: '{t}' is not a Llama linear projection ({', '.join(LINEAR_NAMES)}, or all-linear)"
-            )
-        names.append(base)
-    return [n for n in LINEAR_NAMES if n in names]
-
-
 def lora_tensors(shape: ModelShape, r: int, targets: list[str]) -> list[Tensor]:
     """peft's trainable tensors for rank r: lora_A (r x in) and lora_B (out x r) per targeted linear, in order."""
-    shapes = shape.linear_shapes()
+    chosen = shape.family.lora_targets(targets)
     out = []
     for layer in range(shape.num_layers):
-        for name in lora_targets(targets):
-            module = ("self_attn." if name in LINEAR_NAMES[:4] else "mlp.") + name
-            o, i = shapes[name]
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, i), "lora"))
-            out.append(Tensor(f"{prefix}.lora_B.default.weight", (o, r), "lora"))
+        for lin in shape.linears():
+            if lin.name not in chosen:
+                continue
+            prefix = f"base_model.model.model.layers.{layer}.{lin.block}.{lin.name}"
+            out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, lin.inp), "lora"))
+            out.append(Tensor(f"{prefix}.lora_B.default.weight", (lin.out, r), "lora"))
     return out
 
 
@@ -628,7 +518,7 @@ def _dropout_saved(job: Job, features: int, elt: int) -> int:
 
 
 def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
-    """Bytes one LlamaDecoderLayer saves for backward, per token (SDPA, no dropout in attention).
+    """Bytes one decoder layer (the Llama layout) saves for backward, per token (SDPA, no dropout in attention).
 
     `first`: layer 0 under LoRA without checkpointing, whose input does not require grad.
     """
@@ -643,7 +533,7 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     # Per-record attention: o_proj's input is the records' outputs joined (a copy), kept where o_proj saves its
     # input: trained, under ZeRO-3's linear, or LoRA's lora_A without dropout in front of it.
     if job.per_record_attention:
-        o_lora = "o_proj" in lora_targets(list(job.lora_targets)) and job.lora_dropout == 0
+        o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0
         if not job.use_peft or job.strategy.stage == 3 or o_lora:
             attn += a * q
     if not job.use_peft:
@@ -651,7 +541,7 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
         return norms + attn + 4 * a * i
-    targets = lora_targets(list(job.lora_targets))
+    targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
@@ -659,19 +549,17 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
     lora_elt = f32 if fp32_adapters(job) else a  # a bf16-counted branch was 2.5 GB low for a 1B model (GPU)
     per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
-    in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": i}
-    # Inputs of the frozen base linears that something keeps: y1 (q/k/v), y2 (gate/up), down's input.
-    # o_proj's input is the attention output, saved already.
+    # Inputs of the frozen base linears that something keeps: y1 (q/k/v: attn_in), y2 (gate/up: mlp_in), down's
+    # input (mlp_act). o_proj's input is the attention output, saved already.
     kept = {"y1": False, "y2": False, "p": False}
     if dropout:
-        per += sum(_dropout_saved(job, in_features[t], lora_elt) for t in targets)
+        per += sum(_dropout_saved(job, lin.inp, lora_elt) for lin in targets)
     elif lora_elt != a:
-        per += lora_elt * sum(in_features[t] for t in targets)  # lora_A saves its own fp32 copy of its input
+        per += lora_elt * sum(lin.inp for lin in targets)  # lora_A saves its own fp32 copy of its input
     else:
         # Without dropout lora_A saves its input itself: each norm output once, down's input.
-        kept["y1"] = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
-        kept["y2"] = any(t in targets for t in ("gate_proj", "up_proj"))
-        kept["p"] = "down_proj" in targets
+        reads = {lin.reads for lin in targets}
+        kept = {"y1": "attn_in" in reads, "y2": "mlp_in" in reads, "p": "mlp_act" in reads}
     if job.strategy.stage == 3:
         # ZeRO-3 replaces F.linear with its own autograd function that saves the input even when the weight is
         # frozen (measured): the base linears' inputs are kept whatever LoRA does, wherever the input needs a
@@ -682,8 +570,14 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
         per -= f32 * h + f32  # the embedding output needs no grad: norm1 saves nothing
         if dropout:  # and q/k/v's dropouts keep no mask
             mask = a if job.accelerator == "cpu" else 1
-            per -= mask * h * sum(t in targets for t in ("q_proj", "k_proj", "v_proj"))
+            per -= mask * h * sum(lin.reads == "attn_in" for lin in targets)
     return per
+
+
+def _lora_linears(job: Job) -> list:
+    """The layer's linears that get LoRA adapters."""
+    chosen = job.shape.family.lora_targets(list(job.lora_targets))
+    return [lin for lin in job.shape.linears() if lin.name in chosen]
 
 
 def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: int, chunk: int,
@@ -785,7 +679,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
 
     # Backward, stage by stage (what each frees, which gradients it makes, its temporaries).
     linear = sum(o * n for o, n in sh.linear_shapes().values())
-    layer_params = linear + 2 * h if full else sum(x.numel for x in lora_tensors(sh, job.lora_r, list(job.lora_targets))) // max(1, sh.num_layers)
+    layer_params = linear + len(sh.family.layer_norms(sh)) * h if full else sum(x.numel for x in lora_tensors(sh, job.lora_r, list(job.lora_targets))) // max(1, sh.num_layers)
     layer_largest = max(o * n for o, n in sh.linear_shapes().values()) if full else job.lora_r * max(i, h)
     head_numel = v * h if (full and not sh.tie_word_embeddings) else 0
     if chunk:
@@ -1213,7 +1107,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     args = cfg.training
     model = cfg.model
     config = read_config(model.model_name_or_path)
-    shape = ModelShape.from_dict(config)
+    shape = model_shape(config)
     dtype = model.torch_dtype
     if dtype == "auto":
         dtype = "bfloat16" if accelerator == "gpu" else "float32"

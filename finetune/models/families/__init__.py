@@ -1,0 +1,61 @@
+"""The model families finetune knows, one module each (llama.py, ...), and how a config or a GGUF file finds its
+own. A new family is one module here and one entry in FAMILIES."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.models.families.base import Family, Linear, ModelShape, Tensor
+from finetune.models.families.llama import LLAMA
+
+FAMILIES: tuple[Family, ...] = (LLAMA,)
+
+# The family of a config.json without model_type (transformers needs the key; configs written by hand for
+# `finetune plan` may leave it out, and were always read as Llama).
+UNNAMED = LLAMA
+
+__all__ = ["FAMILIES", "Family", "FamilyError", "Linear", "ModelShape", "Tensor", "by_gguf_arch", "family_of",
+           "find"]
+
+
+class FamilyError(ValueError):
+    """A model_type or GGUF architecture no family covers; the message names it and the known ones."""
+
+
+def find(config_or_model_type: Any) -> Family | None:
+    """The family of a model_type, a config.json dict or a transformers config; None when no family covers it."""
+    model_type = _model_type(config_or_model_type)
+    if model_type is None:
+        return UNNAMED
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
+def family_of(config_or_model_type: Any) -> Family:
+    """The family of a model_type, a config.json dict or a transformers config; FamilyError names an unknown one."""
+    family = find(config_or_model_type)
+    if family is None:
+        known = ", ".join(t for f in FAMILIES for t in f.model_types)
+        raise FamilyError(f"no model family for model_type '{_model_type(config_or_model_type)}' (known: {known})")
+    return family
+
+
+def by_gguf_arch(name: str) -> Family:
+    """The family whose GGUF files say general.architecture NAME; FamilyError names an unknown one."""
+    family = next((f for f in FAMILIES if f.gguf_arch is not None and f.gguf_arch == name), None)
+    if family is None:
+        raise FamilyError(f"no model family for GGUF architecture '{name}' (known: {', '.join(gguf_archs())})")
+    return family
+
+
+def gguf_archs() -> list[str]:
+    return [f.gguf_arch for f in FAMILIES if f.gguf_arch is not None]
+
+
+def _model_type(config: Any) -> str | None:
+    if isinstance(config, str):
+        return config
+    if isinstance(config, dict):
+        # A multimodal config whose top level has no sizes: its language model's type.
+        d = config.get("text_config", config) if "hidden_size" not in config and "text_config" in config else config
+        return d.get("model_type") or config.get("model_type")
+    return getattr(config, "model_type", None)

@@ -1,0 +1,237 @@
+"""What the rest of finetune reads about one architecture: a model family.
+
+A family turns a config.json into shapes (every parameter tensor, in named_parameters() order, for the planner),
+names its linear projections (LoRA's default targets, and what each one reads, for the planner's activations),
+and says how its weights are written to and read from GGUF (llama.cpp's architecture name, tensor names, any
+change of layout such as Llama's Q/K permutation, the metadata keys). One module per family holds its facts;
+`finetune.models.families` is the registry.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+# What a linear projection's input is, for the planner's activation model: the normed residual before attention,
+# the attention output, the normed residual before the MLP, the MLP's activation product.
+READS = ("attn_in", "attn_out", "mlp_in", "mlp_act")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor, in the family's named_parameters() order."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # embed | linear | bias | norm | head | lora
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear projection of a decoder layer: `{block}.{name}` under the layer, weight (out, inp)."""
+
+    name: str  # the module's own name, as --lora_target_modules and peft's target_modules give it
+    block: str  # its parent module in the layer (self_attn, mlp)
+    out: int
+    inp: int
+    bias: bool
+    reads: str  # one of READS
+
+    @property
+    def numel(self) -> int:
+        return self.out * self.inp
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of one model, read from its config.json by its family (no weights)."""
+
+    family: "Family" = field(repr=False, compare=False)
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.family.linears(self)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Module name -> (out_features, in_features)."""
+        return {lin.name: (lin.out, lin.inp) for lin in self.linears()}
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor in named_parameters() order (a tied lm_head is not listed, as in torch)."""
+        return self.family.tensors(self)
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors())
+
+
+def rope_parameters(config) -> dict:
+    """rope_theta and the scaling of a transformers config: transformers 5 keeps them in config.rope_parameters,
+    older configs have rope_theta and rope_scaling."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and "rope_type" not in rope:
+        rope.update(scaling)
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+@dataclass(frozen=True)
+class Family(ABC):
+    """One architecture. The data are fields; the layout is methods, so a family that differs from the standard
+    pre-norm decoder (biases on q/k/v only, q/k norms, fused projections, experts) overrides only what differs."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json's model_type values this family reads
+    hf_classes: tuple[str, ...]  # transformers' classes of those configs (the first is the causal LM)
+    gguf_arch: str | None = None  # llama.cpp's general.architecture; None: not written as GGUF
+    # HF tensor names every GGUF file of the family holds (their GGUF names checked on import): a file without
+    # them only claims the architecture.
+    gguf_required: tuple[str, ...] = ()
+    # The chat formats this family's checkpoints ship with, as finetune.convert.gguf_export names them (the
+    # Ollama Modelfile's TEMPLATE); a template of any other format gets a Modelfile without one.
+    chat_templates: tuple[str, ...] = ()
+
+    # ---- shapes, for the planner ----
+
+    def shape(self, d: dict[str, Any]) -> ModelShape:
+        """The sizes in a config.json dict (a multimodal config's text_config when the top level has none)."""
+        d = d.get("text_config", d) if "hidden_size" not in d else d
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if k not in d]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a {self.name} decoder config")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        return ModelShape(
+            family=self,
+            model_type=str(d.get("model_type") or self.model_types[0]),
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate_size=int(d["intermediate_size"]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+        )
+
+    @abstractmethod
+    def linears(self, sh: ModelShape) -> tuple[Linear, ...]:
+        """A decoder layer's linear projections, in registration order."""
+
+    @abstractmethod
+    def layer_norms(self, sh: ModelShape) -> tuple[str, ...]:
+        """A decoder layer's norm modules (each a weight of hidden_size), in registration order."""
+
+    def layer_extras(self, sh: ModelShape, prefix: str) -> list[Tensor]:
+        """Parameters of a layer beyond its linears and norms (router, experts, q/k norms): none here."""
+        return []
+
+    def tensors(self, sh: ModelShape) -> list[Tensor]:
+        """The standard decoder: embeddings, each layer's linears (with biases) then norms then extras, the final
+        norm, the LM head unless tied."""
+        h = sh.hidden_size
+        out = [Tensor("model.embed_tokens.weight", (sh.vocab_size, h), "embed")]
+        linears = self.linears(sh)
+        for layer in range(sh.num_layers):
+            p = f"model.layers.{layer}."
+            for lin in linears:
+                module = f"{p}{lin.block}.{lin.name}"
+                out.append(Tensor(module + ".weight", (lin.out, lin.inp), "linear"))
+                if lin.bias:
+                    out.append(Tensor(module + ".bias", (lin.out,), "bias"))
+            out += [Tensor(f"{p}{norm}.weight", (h,), "norm") for norm in self.layer_norms(sh)]
+            out += self.layer_extras(sh, p)
+        out.append(Tensor("model.norm.weight", (h,), "norm"))
+        if not sh.tie_word_embeddings:
+            out.append(Tensor("lm_head.weight", (sh.vocab_size, h), "head"))
+        return out
+
+    # ---- LoRA ----
+
+    def linear_names(self) -> tuple[str, ...]:
+        """The names of a layer's linear projections (the same for every size of the family)."""
+        return tuple(lin.name for lin in self.linears(self.shape(_PROBE)))
+
+    def lora_targets(self, targets: list[str] | str) -> list[str]:
+        """LoRA's target module names, in layer order; 'all-linear' = every linear projection of a layer (peft's
+        rule: all but the LM head)."""
+        names = self.linear_names()
+        if targets == ["all-linear"] or targets == "all-linear":
+            return list(names)
+        chosen = []
+        for t in targets:
+            base = t.split(".")[-1]
+            if base not in names:
+                raise ValueError(f"lora_target_modules: '{t}' is not a linear projection of a {self.name} model "
+                                 f"({', '.join(names)}, or all-linear)")
+            chosen.append(base)
+        return [n for n in names if n in chosen]
+
+    # ---- GGUF ----
+
+    def gguf_refusal(self, config) -> str | None:
+        """Why this model (a transformers config) cannot be written as GGUF, or None."""
+        return None
+
+    @abstractmethod
+    def gguf_metadata(self, config) -> list[tuple[str, Any]]:
+        """[(GGUFWriter adder, value)]: the model metadata llama.cpp needs (add_context_length, ...)."""
+
+    def gguf_names(self, sh: ModelShape) -> dict[str, str]:
+        """HF tensor name -> GGUF tensor name for every tensor of SH, by llama.cpp's own table (the gguf
+        package); a tensor the table does not name is left out (the exporter refuses it by name)."""
+        import gguf
+
+        arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.gguf_arch]
+        table = gguf.get_tensor_name_map(arch, sh.num_layers)
+        names = {}
+        for t in sh.tensors():
+            name = table.get_name(t.name, try_suffixes=(".weight", ".bias"))
+            if name is not None:
+                names[t.name] = name
+        return names
+
+    def gguf_required_names(self) -> tuple[str, ...]:
+        """The GGUF names of gguf_required."""
+        names = self.gguf_names(self.shape(_PROBE))
+        return tuple(names[n] for n in self.gguf_required)
+
+    def to_gguf(self, hf_name: str, array, sh: ModelShape):
+        """A weight as the GGUF file stores it (a change of layout, if the family's llama.cpp code wants one)."""
+        return array
+
+    def from_gguf(self, hf_name: str, array, sh: ModelShape):
+        """The inverse of to_gguf: the HF layout of a weight read from a GGUF file."""
+        return array
+
+
+# A shape for what does not depend on sizes (module names).
+_PROBE = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
