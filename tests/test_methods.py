@@ -128,3 +128,22 @@ def test_planner_terms():
     assert full.pairs and full.reference_copy and "frozen copy" in full.note
     assert not dpo.planner_terms(dpo.config(method="dpo"), use_peft=True).reference_copy
     assert not dpo.planner_terms(dpo.config(method="dpo", precompute_ref_log_probs=True), use_peft=False).reference_copy
+
+
+def test_the_report_draws_the_method_metrics(tmp_path):
+    """`finetune report` asks the run's method what it logs: a DPO run gets its rewards and log-prob curves."""
+    import json
+
+    from finetune.apps import report
+
+    names = methods.get("dpo").metrics
+    history = [{"loss": 0.7 - 0.1 * s, "step": s, **{n: 0.1 * s for n in names}} for s in (1, 2)]
+    history.append({"eval_loss": 0.6, "step": 2, **{f"eval_{n}": 0.3 for n in names}})
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history, "global_step": 2}))
+    (tmp_path / "finetune_config.yaml").write_text("method: dpo\nbeta: 0.1\n")
+    folder = report.write_report(tmp_path)
+    assert (folder / "rewards.png").is_file() and (folder / "logps.png").is_file()
+    assert json.loads((folder / "metrics.json").read_text())["train"]["rewards/accuracies"] == pytest.approx(0.2)
+    (tmp_path / "finetune_config.yaml").unlink()  # an SFT run (no method key): no method curves
+    folder = report.write_report(tmp_path)
+    assert not (folder / "rewards.png").exists()

@@ -116,10 +116,6 @@ class Method:
     metrics: ClassVar[tuple[str, ...]] = ()
     unit: ClassVar[str] = "examples"  # what one example is called in the log
 
-    def options(self, cfg) -> MethodConfig:
-        """The run's flags of this method (cfg.objective, built by the parser from this method's config)."""
-        return cfg.objective
-
     def validate(self, options: MethodConfig, data, training: dict[str, Any], evaluation) -> list[str]:
         """Problems with this method's flags, and with other flags it does not support (each named)."""
         return []
