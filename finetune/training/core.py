@@ -78,7 +78,7 @@ def refused_flags(cfg, script: str) -> list[str]:
     }
     # A method names the paths that run it (finetune.methods).
     name = getattr(getattr(cfg, "objective", None), "method", methods.DEFAULT)
-    unsupported[f"method {name}"] = PATHS.get(script, script) not in methods.METHODS[name].paths
+    unsupported[f"method {name}"] = script in PATHS and PATHS[script] not in methods.METHODS[name].paths
     problems += [f"{key}: not supported by {script} (finetune/train.py supports it)" for key, on in unsupported.items() if on]
     return problems
 
