@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import methods
+
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -61,8 +63,6 @@ def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def method_of(output_dir: str | Path):
     """The run's training method (finetune.methods), as its saved recipe names it (finetune_config.yaml)."""
-    from finetune import methods
-
     recipe = Path(output_dir) / "finetune_config.yaml"
     name = methods.DEFAULT
     if recipe.is_file():

@@ -106,7 +106,7 @@ class DPO(Method):
 
     def setup(self, options: DPOConfig, model, examples: list[Examples | None], collator, context: Context) -> Session:
         # The frozen copy of full fine-tuning is taken here, before any update.
-        return DPOSession(options, Reference(context, model, examples, collator))
+        return DPOSession(options, Reference(context, options, model, examples, collator))
 
     def planner_terms(self, options: DPOConfig, *, use_peft: bool) -> PlannerTerms:
         copy = not use_peft and not options.precompute_ref_log_probs
@@ -131,7 +131,7 @@ class DPOSession(Session):
         return evaluate(model, self.reference, examples, batch_size, self.options, prefix=prefix)
 
     def describe(self) -> str:
-        return self.reference.describe(self.options)
+        return self.reference.describe()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,10 +409,11 @@ class Reference:
     made here (before any update); --precompute_ref_log_probs scores every pair of every set once, at the first step
     (when the engine can run the model, and before any update), or reads them from the cache."""
 
-    def __init__(self, context: Context, model, sets: list[Examples | None], collator):
+    def __init__(self, context: Context, options: DPOConfig, model, sets: list[Examples | None], collator):
         cfg = context.cfg
-        self.context, self.sets, self.collator = context, [p for p in sets if p is not None], collator
-        self.precompute = cfg.objective.precompute_ref_log_probs
+        self.context, self.options = context, options
+        self.sets, self.collator = [p for p in sets if p is not None], collator
+        self.precompute = options.precompute_ref_log_probs
         self.copy, self.partitioned = None, False
         if not cfg.model.use_peft and not self.precompute:
             from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -426,7 +427,7 @@ class Reference:
     def device(self):
         return self.context.device
 
-    def describe(self, options: DPOConfig) -> str:
+    def describe(self) -> str:
         if self.precompute:
             what = "log-probabilities computed once before training, cached with the tokenized data"
         elif self.partitioned:
@@ -437,7 +438,7 @@ class Reference:
             what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
         else:
             what = "the model with its LoRA adapters disabled (no copy)"
-        return f"dpo: beta {options.beta}, label smoothing {options.label_smoothing}; reference: {what}"
+        return f"dpo: beta {self.options.beta}, label smoothing {self.options.label_smoothing}; reference: {what}"
 
     def prepare(self, batch: dict, pairs: Examples | None = None) -> dict:
         """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs (of `pairs`,

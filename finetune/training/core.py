@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from finetune import compat
+from finetune import compat, methods
+from finetune.methods.base import Context
 from finetune.training import checkpoint
-from finetune.training.outputs import (commit_staged, exit_with, rank0_print, saving, staging_dir, verify_staged,
-                                       write_json_atomic, write_resolved)
+from finetune.training.outputs import (_hash_path, commit_staged, exit_with, rank0_print, saving, staging_dir,
+                                       verify_staged, write_json_atomic, write_resolved)
 
 # --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
 # (8-bit, GaLore, LOMO, schedule-free, ...) need model hooks or a training_step of their own that only the
@@ -41,8 +42,6 @@ def _value(x):
 
 def refused_flags(cfg, script: str) -> list[str]:
     """Flags the Trainer path honours that `script` (loop.py / sft.py) does not: each refused by name."""
-    from finetune import methods
-
     args, problems = cfg.training, []
 
     def flag(key: str, default=None):  # absent: the TrainingArguments default (a partial config in a test)
@@ -407,9 +406,6 @@ def global_count(count: Callable, chunk: list[dict], device):
 def method_context(cfg, device, unwrap: Callable, autocast: Callable, *, resumed: bool):
     """What a path lends the run's method (finetune.methods.base.Context): this module's collectives, rank 0's print,
     the run's one-message exit."""
-    from finetune.methods.base import Context
-    from finetune.training.outputs import _hash_path
-
     return Context(cfg, device, unwrap, autocast, resumed=resumed, log=rank0_print, all_sum=all_sum, rank=rank,
                    world=world, fail=exit_with, hash_path=_hash_path)
 

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -101,8 +102,6 @@ class MethodTrainer(Trainer):
         self.method, self.session, self.held_out = method, session, held_out
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        import torch
-
         n = torch.as_tensor(self.method.count(batch_samples), device=device)
         return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
 
