@@ -147,3 +147,18 @@ def test_the_report_draws_the_method_metrics(tmp_path):
     (tmp_path / "finetune_config.yaml").unlink()  # an SFT run (no method key): no method curves
     folder = report.write_report(tmp_path)
     assert not (folder / "rewards.png").exists()
+
+
+def test_a_flag_methods_share_is_one_flag():
+    """A flag two methods share (TRL's --beta of DPO, KTO, ORPO) is parsed once, so it must mean one type; each
+    method keeps its own default, and the run's method gets the value."""
+    from finetune.config.parser import field_types
+
+    seen: dict[str, tuple[str, object]] = {}
+    for method in methods.METHODS.values():
+        types = field_types(method.config)
+        for flag in own_flags(method):
+            if flag in seen:
+                assert seen[flag][1] == types[flag], f"--{flag}: {seen[flag][0]} and {method.name} disagree on its type"
+            seen.setdefault(flag, (method.name, types[flag]))
+    assert not set(seen) & {f.name for f in dataclasses.fields(MethodConfig)}

@@ -411,9 +411,14 @@ def method_options(values: dict[str, dict[str, Any]]) -> tuple[MethodConfig, lis
                         f"{did_you_mean(name, methods.names())}")
     own = set(own_flags(method)) if method is not None else set()
     for key, value in given.items():
-        owner = next(m for m in methods.METHODS.values() if key in own_flags(m))
-        if key not in own and method is not None and value != getattr(owner.config(), key):
-            problems.append(f"{key}: a {owner.title} option; add --method {owner.name}")
+        owners = [m for m in methods.METHODS.values() if key in own_flags(m)]
+        if key in own or method is None or all(value == getattr(m.config(), key) for m in owners):
+            continue
+        if len(owners) == 1:
+            problems.append(f"{key}: a {owners[0].title} option; add --method {owners[0].name}")
+        else:  # a flag several methods share (each with its own default)
+            problems.append(f"{key}: an option of {', '.join(m.title for m in owners)}; add --method "
+                            f"{' or '.join(m.name for m in owners)}")
     if method is None:
         return ObjectiveConfig(method=name), problems
     return method.config(method=name, **{k: v for k, v in given.items() if k in own}), problems

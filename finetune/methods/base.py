@@ -143,8 +143,10 @@ class Method:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def setup(self, options: MethodConfig, model, examples: list[Examples | None], collator, context: Context) -> Session:
-        """What else the run needs (a reference model), made before any update; the Session the paths call."""
+    def setup(self, options: MethodConfig, model, tokenizer, examples: list[Examples | None], collator,
+              context: Context) -> Session:
+        """What else the run needs (a reference model; a method that generates, the tokenizer to decode with), made
+        before any update; the Session the paths call. `examples`: the training set, then the eval set or None."""
         raise NotImplementedError
 
     def planner_terms(self, options: MethodConfig, *, use_peft: bool) -> PlannerTerms:

@@ -104,7 +104,8 @@ class DPO(Method):
 
         return torch.tensor(pair_count(batches))
 
-    def setup(self, options: DPOConfig, model, examples: list[Examples | None], collator, context: Context) -> Session:
+    def setup(self, options: DPOConfig, model, tokenizer, examples: list[Examples | None], collator,
+              context: Context) -> Session:
         # The frozen copy of full fine-tuning is taken here, before any update.
         return DPOSession(options, Reference(context, options, model, examples, collator))
 

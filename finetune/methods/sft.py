@@ -39,5 +39,5 @@ class SFT(Method):
 
         return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
 
-    def setup(self, options, model, examples, collator, context) -> Session:
+    def setup(self, options, model, tokenizer, examples, collator, context) -> Session:
         return SFTSession()

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         config=ds_config,
     )
 
-    session = method.setup(cfg.objective, model, [train, held_out], collator, core.method_context(
+    session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, engine.device, lambda: engine.module, contextlib.nullcontext, resumed=resume is not None))
 
     # Resume: the engine's checkpoint (weights, ZeRO partitions, optimizer, schedule); core.train restores the rest.

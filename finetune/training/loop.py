@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
     model = core.load_model_for_training(cfg, stats, world)
     # What else the method needs (DPO's reference: a frozen copy of full fine-tuning is taken here, before any update).
-    session = method.setup(cfg.objective, model, [train, held_out], collator, core.method_context(
+    session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, accelerator.device, lambda: accelerator.unwrap_model(model), accelerator.autocast,
         resumed=resume is not None))
     if described := session.describe():
