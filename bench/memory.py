@@ -309,14 +309,16 @@ DPO_PROMPT = 1  # prompt tokens of a bench pair: every other position is scored,
 
 
 def _dpo_trainer(cfg, model, n_pairs: int, sampler: _PhaseSampler):
-    """finetune.training.dpo's trainer (as `finetune train --method dpo` builds it) on n_pairs fixed-length
+    """The DPO trainer (as `finetune train --method dpo` builds it: finetune.training.trainer.make_trainer) on n_pairs fixed-length
     random-token pairs: a DPO_PROMPT-token prompt and two completions filling --max_seq_length, all scored, so
     every micro-batch is 2 x pairs full rows with logits at every position but the first."""
     import datasets
     import torch
 
+    from finetune import methods
+    from finetune.methods import dpo
     from finetune.models.load import load_tokenizer
-    from finetune.training import dpo
+    from finetune.training.trainer import make_trainer
 
     vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
     gen = torch.Generator().manual_seed(0)
@@ -330,8 +332,11 @@ def _dpo_trainer(cfg, model, n_pairs: int, sampler: _PhaseSampler):
         features.append({"prompt_ids": ids(DPO_PROMPT), "chosen_ids": chosen, "chosen_labels": chosen,
                          "rejected_ids": rejected, "rejected_labels": rejected})
     # A fresh key per output folder: --precompute_ref_log_probs must score, not read an earlier run's cache.
-    pairs = dpo._indexed(datasets.Dataset.from_list(features), f"bench-{os.getpid()}")
-    trainer = dpo.make_trainer(cfg, model, load_tokenizer(cfg.model), pairs, None, None, [])
+    method = methods.get(cfg.objective.method)
+    pairs = method.examples(datasets.Dataset.from_list(features), f"bench-{os.getpid()}")
+    tokenizer = load_tokenizer(cfg.model)
+    trainer = make_trainer(cfg, method, model, tokenizer, pairs, None, method.collator(cfg, tokenizer), None, [])
+    trainer.reference = trainer.session.reference
 
     # The reference's own moments, so the peaks say where they happen.
     live = trainer.reference.logps

@@ -1,4 +1,4 @@
-"""finetune.training.dpo: one batch's DPO loss and gradients against a reference written here in plain torch."""
+"""finetune.methods.dpo: one batch's DPO loss and gradients against a reference written here in plain torch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import preference as PR
-from finetune.training import dpo
+from finetune.methods import dpo
 
 RECORDS = [
     {"prompt": "copy: red cat", "chosen": "red cat", "rejected": "cat red"},
@@ -77,7 +77,7 @@ def test_loss_and_gradients_equal_plain_torch(tiny, beta, eps):
     want = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
     metrics = dpo.Metrics()
-    got = dpo.micro_batch_loss(policy, batch, lambda b: dpo.sequence_logps(ref, b), dpo.Options(beta, eps), 3, metrics)
+    got = dpo.micro_batch_loss(policy, batch, lambda b: dpo.sequence_logps(ref, b), dpo.DPOConfig(beta=beta, label_smoothing=eps), 3, metrics)
     got.backward()
     assert abs(got.item() - expected.item()) < 1e-5
     assert got.item() != pytest.approx(0.6931, abs=1e-3)  # not the loss of a policy equal to its reference
@@ -95,11 +95,11 @@ def test_global_batch_normalization(tiny):
     features = pair_features(tokenizer, RECORDS)
     reference = lambda b: dpo.sequence_logps(ref, b)  # noqa: E731
     policy.zero_grad()
-    whole = dpo.micro_batch_loss(policy, PR.PairCollator(0)(features), reference, dpo.Options(), 3)
+    whole = dpo.micro_batch_loss(policy, PR.PairCollator(0)(features), reference, dpo.DPOConfig(), 3)
     whole.backward()
     want = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
-    parts = [dpo.micro_batch_loss(policy, PR.PairCollator(0)(f), reference, dpo.Options(), 3)
+    parts = [dpo.micro_batch_loss(policy, PR.PairCollator(0)(f), reference, dpo.DPOConfig(), 3)
              for f in (features[:1], features[1:])]
     sum(parts).backward()
     assert abs(sum(p.item() for p in parts) - whole.item()) < 1e-6
@@ -111,7 +111,7 @@ def test_equal_policy_and_reference_give_log_2(tiny):
     tokenizer, _, ref = tiny
     batch = PR.PairCollator(0)(pair_features(tokenizer, RECORDS))
     with torch.no_grad():
-        loss = dpo.micro_batch_loss(ref, batch, lambda b: dpo.sequence_logps(ref, b), dpo.Options(), 3)
+        loss = dpo.micro_batch_loss(ref, batch, lambda b: dpo.sequence_logps(ref, b), dpo.DPOConfig(), 3)
     assert loss.item() == pytest.approx(0.693147, abs=1e-6)
 
 
@@ -147,7 +147,7 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated):
     want = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
     got = dpo.micro_batch_loss(policy, PR.PairCollator(tokenizer.pad_token_id)(ours),
-                               lambda b: dpo.sequence_logps(ref, b), dpo.Options(0.3), len(records))
+                               lambda b: dpo.sequence_logps(ref, b), dpo.DPOConfig(beta=0.3), len(records))
     got.backward()
     assert abs(got.item() - expected.item()) < 1e-5 and abs(got.item() - 0.6931) > 1e-3
     for n, p in policy.named_parameters():

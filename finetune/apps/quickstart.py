@@ -19,7 +19,7 @@ into its base first into OUTPUT_DIR/sft_merged, or a full model folder); trainin
 on the bundled preference pairs (chosen = the right JSON, rejected = a near miss), LoRA by default: a new adapter
 on the SFT model, whose reference is that same SFT model (adapters disabled, no copy). Both evaluations also
 measure the held-out preference accuracy: the share of held-out pairs whose chosen answer has the higher
-completion log-probability (finetune.training.dpo.pair_logps, the training's scoring).
+completion log-probability (finetune.methods.dpo.pair_logps, the training's scoring).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.config.training import CONFIG_ALIASES
 
@@ -289,7 +290,7 @@ def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_
     """Eval loss and perplexity on the reference answers (teacher forcing, answer tokens only), and exact match
     of greedy completions; returns the numbers and every completion. With `pairs` (preference records), also the
     preference accuracy: the share of pairs whose chosen completion has the higher log-probability, scored as DPO
-    training scores them (finetune.training.dpo.pair_logps)."""
+    training scores them (finetune.methods.dpo.pair_logps)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -348,7 +349,7 @@ def preference_metrics(model, tokenizer, pairs: list[dict], batch_size: int) -> 
     """Held-out preference accuracy (chosen log-prob strictly above rejected), the mean log-prob margin, and the
     accuracy per near-miss kind where the records name one (the bundled pairs' `near_miss`)."""
     from finetune.data.prepare import DataError
-    from finetune.training.dpo import pair_logps
+    from finetune.methods.dpo import pair_logps
 
     try:
         logps = pair_logps(model, tokenizer, pairs, batch_size=batch_size, max_seq_length=MAX_SEQ_LENGTH,
@@ -547,7 +548,8 @@ def report_markdown(metrics: dict, table: str) -> str:
     b, t, tr, tm = metrics["base"], metrics["finetuned"], metrics["training"], metrics["timings_s"]
     m = metrics["machine"]
     before, after = metrics.get("labels", stage_labels(False))
-    dpo = metrics.get("stage") == "dpo"
+    stage = methods.get(metrics.get("stage", methods.DEFAULT))
+    dpo = stage.name != methods.DEFAULT  # the preference stage, after SFT
     preference = ""
     if "preference_accuracy" in b:
         preference = (f"| preference accuracy ({b['preference_pairs']} held-out pairs) | {b['preference_accuracy']:.1%} | "
@@ -558,8 +560,8 @@ def report_markdown(metrics: dict, table: str) -> str:
     definition = ("" if not preference else f""" Preference accuracy: the share of the held-out pairs
 (`{metrics['data'].get('eval_pairs_file')}`: chosen = the reference JSON, rejected = a near miss) whose chosen answer has the
 higher completion log-probability, scored as DPO training scores it.""")
-    objective = f"DPO (beta {tr.get('beta')}) on the SFT model, " if dpo else ""
-    return f"""# Quickstart report{' (DPO stage)' if dpo else ''}
+    objective = f"{stage.title} (beta {tr.get('beta')}) on the SFT model, " if dpo else ""
+    return f"""# Quickstart report{f' ({stage.title} stage)' if dpo else ''}
 
 Model: `{metrics['model']['path']}`{' (imported from ' + Path(metrics['model']['gguf']).name + ')' if metrics['model'].get('gguf') else ''}.
 Data: {metrics['data']['train_records']} training {'pairs' if dpo else 'records'} (`{metrics['data']['train_file']}`), the first {b['examples']} held-out
@@ -734,7 +736,7 @@ def headline(metrics: dict) -> str:
     preference = (f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on "
                   f"{b['preference_pairs']} held-out pairs; " if "preference_accuracy" in b else "")
     return (
-        f"quickstart{' dpo' if metrics.get('stage') == 'dpo' else ''}: {preference}exact match {b['exact_match']:.1%} -> {t['exact_match']:.1%} on {b['examples']} held-out records "
+        f"quickstart{'' if metrics.get('stage', methods.DEFAULT) == methods.DEFAULT else ' ' + metrics['stage']}: {preference}exact match {b['exact_match']:.1%} -> {t['exact_match']:.1%} on {b['examples']} held-out records "
         f"({metrics['exact_match_gain_points']:+.1f} points); eval loss {b['eval_loss']:.4f} -> {t['eval_loss']:.4f}, "
         f"perplexity {b['perplexity']:.3f} -> {t['perplexity']:.3f}; training loss {tr['first_loss']:.4f} -> "
         f"{tr['last_loss']:.4f} in {tr['steps']} steps; {metrics['timings_s']['total']:.0f} s in all\n"

@@ -2,7 +2,8 @@
 
 Reads the run's log_history (trainer_state.json of the final save, else of its newest checkpoint), the same on
 all three training paths, and writes OUTPUT_DIR/report/: loss.png (training and eval loss per step),
-learning_rate.png, tokens_per_second.png (when the run counted tokens), metrics.json and README.md.
+learning_rate.png, tokens_per_second.png (when the run counted tokens), a curve for each group of metrics the
+run's method logs (finetune.methods: DPO's rewards.png and logps.png), metrics.json and README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from finetune import methods
 
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
@@ -58,8 +61,31 @@ def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
 
-def summary(state: dict) -> dict:
-    """The final metrics: the last training window, the last evaluation, the best one, the run's totals."""
+def method_of(output_dir: str | Path):
+    """The run's training method (finetune.methods), as its saved recipe names it (finetune_config.yaml)."""
+    recipe = Path(output_dir) / "finetune_config.yaml"
+    name = methods.DEFAULT
+    if recipe.is_file():
+        import yaml
+
+        try:
+            name = (yaml.safe_load(recipe.read_text()) or {}).get("method", name)
+        except yaml.YAMLError:
+            pass
+    return methods.get(name) or methods.get(methods.DEFAULT)
+
+
+def metric_groups(method) -> dict[str, list[str]]:
+    """The metrics the method logs, by group (`rewards/chosen` is in `rewards`): one curve image per group."""
+    groups: dict[str, list[str]] = {}
+    for name in method.metrics:
+        groups.setdefault(name.split("/")[0], []).append(name)
+    return groups
+
+
+def summary(state: dict, method=None) -> dict:
+    """The final metrics: the last training window (with the method's own metrics), the last evaluation, the best
+    one, the run's totals."""
     history = state["log_history"]
     train = [e for e in history if "loss" in e]
     evals = [e for e in history if "eval_loss" in e]
@@ -73,6 +99,9 @@ def summary(state: dict) -> dict:
             out["train"]["tokens_per_second"] = tps[-1]
         if "num_input_tokens_seen" in train[-1]:
             out["train"]["tokens_seen"] = train[-1]["num_input_tokens_seen"]
+        for name in getattr(method, "metrics", ()):
+            if name in train[-1]:
+                out["train"][name] = train[-1][name]
     if evals:
         out["eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"}
         out["eval"]["evaluations"] = len(evals)
@@ -118,7 +147,7 @@ def markdown(source: Path, metrics: dict, images: list[str]) -> str:
              "", f"From `{source}` (step {metrics.get('global_step')} of {metrics.get('max_steps')}).", ""]
     titles = {"loss.png": "loss", "learning_rate.png": "learning rate", "tokens_per_second.png": "tokens per second"}
     for name in images:
-        lines += [f"![{titles[name]}]({name})", ""]
+        lines += [f"![{titles.get(name, name.removesuffix('.png'))}]({name})", ""]
     for section in ("train", "eval", "best", "run"):
         if section in metrics:
             lines += [f"## {section}", "", "| metric | value |", "|---|---|"]
@@ -152,7 +181,14 @@ def write_report(output_dir: str | Path, report_dir: str | Path | None = None) -
         _plot(staging / "tokens_per_second.png", "throughput", "input tokens / s (run average)",
               [("tokens/s", tps_x, tps_y, ".")])
         images.append("tokens_per_second.png")
-    metrics = summary(state)
+    method = method_of(output_dir)
+    for group, names in metric_groups(method).items():
+        curves = [(f"{where} {name.split('/', 1)[-1]}", *series(history, prefix + name), marker)
+                  for name in names for where, prefix, marker in (("train", "", "."), ("eval", "eval_", "o"))]
+        if any(xs for _, xs, _, _ in curves):
+            _plot(staging / f"{group}.png", f"{method.title}: {group}", group, curves)
+            images.append(f"{group}.png")
+    metrics = summary(state, method)
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (staging / "README.md").write_text(markdown(source, metrics, images))
     old = report.parent / f".{report.name}.old-{os.getpid()}"

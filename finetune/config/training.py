@@ -23,6 +23,9 @@ from finetune.config.parser import _plain
 from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Preset, nvme_problems, same_file  # noqa: F401
 from finetune.config.preset import value_problems
 from finetune.data import formats
+from finetune import methods
+from finetune.methods import ObjectiveConfig
+from finetune.methods.base import MethodConfig, own_flags
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -196,35 +199,6 @@ class EvalConfig:
     )
 
 
-METHODS = ("sft", "dpo")
-
-
-@dataclass
-class ObjectiveConfig:
-    """What the run trains for: supervised fine-tuning, or preference pairs (DPO; docs/preference.md)."""
-
-    method: str = field(
-        default="sft",
-        metadata={"help": "sft: next-token loss on the records' completions; dpo: Direct Preference Optimization on "
-                          "{prompt, chosen, rejected} pairs (docs/preference.md)."},
-    )
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "DPO: how far the model may move from the reference (higher keeps it closer); the "
-                          "rewards logged are beta x log(policy / reference) of each completion."},
-    )
-    label_smoothing: float = field(
-        default=0.0,
-        metadata={"help": "DPO: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."},
-    )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "DPO: compute the reference log-probabilities once before training and cache them with "
-                          "the tokenized data, instead of a reference forward every step (full fine-tuning then "
-                          "keeps no reference copy)."},
-    )
-
-
 @dataclass
 class LaunchConfig:
     """How the job is run."""
@@ -286,14 +260,14 @@ class FinetuneConfig:
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
     fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
     evaluation: EvalConfig = field(default_factory=EvalConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: MethodConfig = field(default_factory=ObjectiveConfig)  # the method's config (finetune.methods)
 
     def resolved(self) -> dict[str, Any]:
         """The flat dict of every key that is not at the HF default, reusable as a --recipe."""
         out: dict[str, Any] = {}
         # An SFT run's recipe (and so its run fingerprint) leaves the method keys out, as before they existed.
         sections = (self.launch, self.model, self.data, self.evaluation)
-        sections += (self.objective,) if self.objective.method != "sft" else ()
+        sections += (self.objective,) if self.objective.method != methods.DEFAULT else ()
         for section in sections:
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
@@ -350,6 +324,9 @@ def command(prog: str = "finetune train", extra: dict[str, type] | None = None, 
 
     sections = {"launch": LaunchConfig, "model": ModelConfig, "data": DataConfig, "evaluation": EvalConfig,
                 "objective": ObjectiveConfig}
+    # Each method's own flags, a section per method (a flag two methods share is parsed once; method_options gives
+    # it to the method run).
+    sections.update({name: m.config for name, m in methods.METHODS.items() if own_flags(m)})
     # A command's own flags come before TrainingArguments' (a name in both is the command's).
     sections.update(extra or {})
     sections["training"] = training_arguments()
@@ -397,9 +374,34 @@ def parse_sections(argv: list[str] | None = None, prog: str = "finetune train", 
     model = ModelConfig(**values["model"])
     data = DataConfig(**values["data"])
     launch = LaunchConfig(**values["launch"])
-    extras = {name: cls(**values[name]) for name, cls in {"evaluation": EvalConfig, "objective": ObjectiveConfig,
-                                                          **(extra or {})}.items()}
-    return model, data, launch, training, sources, problems, extras
+    extras = {name: cls(**values[name]) for name, cls in {"evaluation": EvalConfig, **(extra or {})}.items()}
+    extras["objective"], more = method_options(values)
+    return model, data, launch, training, sources, problems + more, extras
+
+
+def method_options(values: dict[str, dict[str, Any]]) -> tuple[MethodConfig, list[str]]:
+    """The run's method config (--method and that method's own flags) from the parsed sections; an unknown method,
+    or another method's flag set away from its default, is a problem."""
+    name = values["objective"].get("method", methods.DEFAULT)
+    given = {k: v for section in methods.METHODS if section in values for k, v in values[section].items()}
+    method = methods.get(name)
+    problems = []
+    if method is None:
+        problems.append(f"method: '{name}' is not one of {', '.join(methods.names())}"
+                        f"{did_you_mean(name, methods.names())}")
+    own = set(own_flags(method)) if method is not None else set()
+    for key, value in given.items():
+        owners = [m for m in methods.METHODS.values() if key in own_flags(m)]
+        if key in own or method is None or all(value == getattr(m.config(), key) for m in owners):
+            continue
+        if len(owners) == 1:
+            problems.append(f"{key}: a {owners[0].title} option; add --method {owners[0].name}")
+        else:  # a flag several methods share (each with its own default)
+            problems.append(f"{key}: an option of {', '.join(m.title for m in owners)}; add --method "
+                            f"{' or '.join(m.name for m in owners)}")
+    if method is None:
+        return ObjectiveConfig(method=name), problems
+    return method.config(method=name, **{k: v for k, v in given.items() if k in own}), problems
 
 
 def parse(argv: list[str] | None = None, *, check_paths: bool = True,
@@ -430,36 +432,16 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True,
                           objective=extras["objective"])
 
 
-def validate_method(m: ObjectiveConfig, data: DataConfig, training: dict[str, Any],
+def validate_method(options: MethodConfig, data: DataConfig, training: dict[str, Any],
                     evaluation: EvalConfig | None = None) -> list[str]:
-    """--method and its options; what DPO does not support yet is refused by name."""
-    if m.method not in METHODS:
-        return [f"method: '{m.method}' is not one of {', '.join(METHODS)}{did_you_mean(m.method, list(METHODS))}"]
-    defaults = ObjectiveConfig()
-    if m.method == "sft":
-        given = [k for k in ("beta", "label_smoothing", "precompute_ref_log_probs")
-                 if getattr(m, k) != getattr(defaults, k)]
-        return [f"{k}: a DPO option; add --method dpo" for k in given]
-    problems = []
-    if m.beta <= 0:
-        problems.append(f"beta: must be positive, got {m.beta}")
-    if not 0.0 <= m.label_smoothing < 0.5:
-        problems.append(f"label_smoothing: must be in [0, 0.5), got {m.label_smoothing}")
-    for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
-                     ("eval_generate", bool(evaluation and evaluation.eval_generate)),
-                     ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
-                     ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
-                     ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
-        if on:
-            hint = " (DPO's own is --label_smoothing)" if flag == "label_smoothing_factor" else ""
-            problems.append(f"{flag}: not supported with --method dpo yet{hint}")
-    if isinstance(data.dataset, list):
-        problems.append("dataset: --method dpo takes one --dataset (mixing preference sets is not supported yet)")
-    return problems
+    """The method's own checks (finetune.methods): its flags, and what it does not support, refused by name. An
+    unknown method is reported by method_options."""
+    method = methods.get(options.method)
+    return method.validate(options, data, training, evaluation) if method is not None else []
 
 
 def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool,
-                        method: str = "sft") -> list[str]:
+                        method: str = methods.DEFAULT) -> list[str]:
     """The evaluation flags: an eval set for every evaluation asked for, a metric that will exist."""
     problems = []
     has_eval = bool(data.eval_dataset or data.eval_split_size)
@@ -492,9 +474,7 @@ def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, An
                         "best model it found), with an eval set")
     metric = training.get("metric_for_best_model")
     if metric and (training.get("load_best_model_at_end") or ev.early_stopping_patience) and not ev.eval_metric:
-        known = ["loss", "perplexity"] + (["exact_match"] if ev.eval_generate else [])
-        if method == "dpo":  # finetune.training.dpo.evaluate's
-            known = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"]
+        known = (methods.get(method) or methods.METHODS[methods.DEFAULT]).eval_metrics(ev)
         name = metric[len("eval_"):] if metric.startswith("eval_") else metric
         if name not in known:
             problems.append(f"metric_for_best_model: '{metric}' is not logged{did_you_mean(name, known)} (logged: "

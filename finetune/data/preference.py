@@ -322,6 +322,6 @@ class PairCollator:
             labels[i, len(p):n] = torch.as_tensor(list(lab))
             mask[i, :n] = 1
         batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-        if "pair_index" in features[0]:  # where the pair's precomputed reference log-probs are (finetune.training.dpo)
+        if "pair_index" in features[0]:  # where the pair's precomputed reference log-probs are (finetune.methods.dpo)
             batch["pair_index"] = torch.tensor([f["pair_index"] for f in features], dtype=torch.long)
         return batch

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from types import SimpleNamespace
 
+from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
 from finetune.models.families import ModelShape, Tensor
@@ -192,8 +193,11 @@ class Job:
     # row, and the records' attention outputs joined into a copy that o_proj takes as its input.
     per_record_attention: bool = False
     loss_chunk: int = 0  # --loss_chunk_size: tokens per chunk of the chunked cross-entropy (0: transformers' loss)
-    pairs: bool = False  # --method dpo: each example of a micro-batch is a pair, two rows (chosen, rejected)
-    reference_copy: bool = False  # DPO full fine-tuning: a frozen copy of the weights beside the trained ones
+    # The method's terms (finetune.methods.base.PlannerTerms): examples as pairs, two rows (chosen, rejected) scored
+    # by log-probabilities (DPO); a frozen copy of the weights beside the trained ones (DPO full fine-tuning).
+    pairs: bool = False
+    reference_copy: bool = False
+    method_note: str = ""  # the method's words for the plan's method line
 
     @property
     def rows(self) -> int:
@@ -635,7 +639,7 @@ def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None
     full = not job.use_peft
     # The final norm: its fp32 input and 1/rms; with a trainable norm its normalized value; the lm_head's input
     # (when lm_head trains, or under ZeRO-3, whose F.linear saves it anyway; the chunked loss saves none).
-    # DPO (finetune.training.dpo) never chunks; it asks for logits only at the scored positions (logits_to_keep), at
+    # DPO (finetune.methods.dpo) never chunks; it asks for logits only at the scored positions (logits_to_keep), at
     # worst every one but a row's first (a prompt of one token), and the lm_head saves those rows, gathered (a copy).
     chunk = 0 if job.pairs else min(job.loss_chunk, t)
     logit_rows = t - b if job.pairs else t
@@ -1117,7 +1121,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         mixed = "bf16"  # DeepSpeed on GPU: planned as mixed precision (pass --bf16)
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
     objective = getattr(cfg, "objective", None)
-    dpo = getattr(objective, "method", "sft") == "dpo"
+    terms = methods.get(getattr(objective, "method", methods.DEFAULT)).planner_terms(objective, use_peft=model.use_peft)
     per_record = attention.applies(cfg, SimpleNamespace(**config))
     return Job(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
@@ -1126,9 +1130,9 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
         accelerator=accelerator, weight_dtype=dtype, mixed_precision=mixed, use_peft=model.use_peft,
         lora_r=model.lora_r, lora_targets=tuple(model.lora_target_modules), lora_dropout=model.lora_dropout,
         quant=quant, bnb_nested=model.use_bnb_nested_quant,
-        # DPO scores log-probabilities from the logits, not with the chunked cross-entropy.
-        loss_chunk=0 if dpo or getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
-        pairs=dpo, reference_copy=dpo and not model.use_peft and not objective.precompute_ref_log_probs,
+        # Pairs are scored by log-probabilities from the logits, not with the chunked cross-entropy.
+        loss_chunk=0 if terms.pairs or getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
+        pairs=terms.pairs, reference_copy=terms.reference_copy, method_note=terms.note,
         # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,
@@ -1203,7 +1207,7 @@ def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation
             "per_device_train_batch_size": job.micro_batch, "max_seq_length": job.seq_len,
             "gradient_accumulation_steps": job.grad_accum, "gradient_checkpointing": job.grad_ckpt,
             "method": (("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft
-                       else "full") + (_dpo_reference(job) if job.pairs else ""),
+                       else "full") + job.method_note,
             "precision": prec.note + ("; LoRA adapters in fp32: 4 + 4 + 8" if job.use_peft and prec.name == "bf16" else ""),
         },
         "limits": {"device_memory": limits.device_memory, "host_memory": limits.host_memory},
@@ -1222,12 +1226,6 @@ def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation
         "rejected": rec.rejected,
         "notes": pred.notes,
     }
-
-
-def _dpo_reference(job: Job) -> str:
-    what = ("a frozen copy of the model" if job.reference_copy else "the base, adapters disabled (no copy)"
-            if job.use_peft else "precomputed log-probabilities (no copy)")
-    return f"; DPO: 2 rows per pair, reference {what}"
 
 
 def render(plan: dict[str, Any]) -> str:

@@ -21,16 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from finetune import compat
-from finetune.data.prepare import IGNORE_INDEX
+from finetune import compat, methods
+from finetune.methods.base import Context
 from finetune.training import checkpoint
-from finetune.training.outputs import (commit_staged, exit_with, plan_or_exit, rank0_print, saving, staging_dir,
+from finetune.training.outputs import (_hash_path, commit_staged, exit_with, plan_or_exit, rank0_print, saving, staging_dir,
                                        verify_staged, write_json_atomic, write_resolved)
 
 # --optim values whose optimizer is one torch.optim-style class over the Trainer's parameter groups. The others
 # (8-bit, GaLore, LOMO, schedule-free, ...) need model hooks or a training_step of their own that only the
 # Trainer has.
 SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor")
+# The hand-written paths' scripts -> the path names a method lists in Method.paths.
+PATHS = {"finetune/loop.py": "loop", "scripts/sft.py": "engine"}
 POSITION = "finetune_position.json"
 
 
@@ -72,9 +74,10 @@ def refused_flags(cfg, script: str) -> list[str]:
         "torch_compile": flag("torch_compile") and "loop" not in script,  # the loop compiles as the Trainer does
         "neftune_noise_alpha": flag("neftune_noise_alpha") is not None,
         "label_smoothing_factor": bool(flag("label_smoothing_factor", 0)),
-        # DPO runs on the Trainer path and the loop (finetune.training.dpo); the DeepSpeed engine script is SFT only.
-        "method dpo": "sft.py" in script and getattr(getattr(cfg, "objective", None), "method", "sft") == "dpo",
     }
+    # A method names the paths that run it (finetune.methods).
+    name = getattr(getattr(cfg, "objective", None), "method", methods.DEFAULT)
+    unsupported[f"method {name}"] = script in PATHS and PATHS[script] not in methods.METHODS[name].paths
     problems += [f"{key}: not supported by {script} (finetune/train.py supports it)" for key, on in unsupported.items() if on]
     return problems
 
@@ -427,10 +430,18 @@ def all_sum(tensor):
     return tensor
 
 
-def global_tokens(chunk: list[dict], device):
-    """The trained tokens of the whole global batch (all ranks, all micro-batches of the step): each micro-batch
-    loss is its token-loss sum over this number, the Trainer's normalization (average_tokens_across_devices)."""
-    return all_sum(sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in chunk).to(device))
+def global_count(count: Callable, chunk: list[dict], device):
+    """What the method normalizes a step's loss by (Method.count: SFT's trained tokens, DPO's pairs) over the whole
+    global batch (all ranks, all micro-batches of the step): each micro-batch loss is its sum over this number, the
+    Trainer's normalization (average_tokens_across_devices)."""
+    return all_sum(count(chunk).to(device))
+
+
+def method_context(cfg, device, unwrap: Callable, autocast: Callable, *, resumed: bool):
+    """What a path lends the run's method (finetune.methods.base.Context): this module's collectives, rank 0's print,
+    the run's one-message exit."""
+    return Context(cfg, device, unwrap, autocast, resumed=resumed, log=rank0_print, all_sum=all_sum, rank=rank,
+                   world=world, fail=exit_with, hash_path=_hash_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,14 +578,16 @@ class Position:
 class Job:
     """What train() needs of a path: its name and ZeRO stage (checkpoint marker), and two functions.
 
-    step(chunk, n_tokens) -> (this rank's loss sum as a tensor, the learning rate the step used, grad norm): one
-    optimizer step over this rank's micro-batches. save(folder, position) writes the engine's checkpoint files."""
+    step(chunk, n_items) -> (this rank's loss sum as a tensor, the learning rate the step used, grad norm): one
+    optimizer step over this rank's micro-batches, n_items what the global batch's loss is normalized by (the
+    method's count, all ranks). save(folder, position) writes the engine's checkpoint files."""
 
     path: str
     zero_stage: int
     step: Callable
     save: Callable
     device: object
+    count: Callable  # count(chunk): this rank's share of n_items (finetune.methods' Method.count)
     fingerprint: dict | None = None  # the run's (finetune.training.outputs.run_fingerprint), for the checkpoint marker
     evaluator: object = None  # finetune.training.evaluate.Evaluator: when to evaluate, the best model, early stopping
     load: Callable | None = None  # load(folder): a checkpoint's weights back into the model (the best, at the end)
@@ -626,7 +639,7 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             chunk = [next(batches) for _ in range(min(accum, micro_per_epoch - pos.micro_done))]
             pos.micro_done += len(chunk)
             log.count(chunk, job.device)
-            loss, lr, grad_norm = job.step(chunk, global_tokens(chunk, job.device))
+            loss, lr, grad_norm = job.step(chunk, global_count(job.count, chunk, job.device))
             pos.step += 1
             stop_point(pos.step)
             epoch = pos.epoch + pos.micro_done / micro_per_epoch

@@ -18,10 +18,11 @@ checkpoints in OUTPUT_DIR/checkpoint-<step>/.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import partial
 
-from finetune.data.prepare import make_collator
+from finetune import methods
 from finetune.training import checkpoint, core, evaluate
 from finetune.training.outputs import exit_with, resume_or_exit
 
@@ -52,9 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     resume = resume_or_exit(cfg, path="sft", world_size=world)
 
-    # Tokenizer and data: tokenized once per node (local rank 0), cached.
-    tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
-    loader = build_loader(dataset, make_collator(cfg, tokenizer), args, world, rank)
+    # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node (local rank 0), cached.
+    method = methods.get(cfg.objective.method)
+    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, args.local_process_index)
+    collator = method.collator(cfg, tokenizer)
+    loader = build_loader(train.dataset, collator, args, world, rank)
     max_steps = core.max_steps_of(args, len(loader))
 
     # Model (and LoRA).
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         config=ds_config,
     )
 
+    session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
+        cfg, engine.device, lambda: engine.module, contextlib.nullcontext, resumed=resume is not None))
+
     # Resume: the engine's checkpoint (weights, ZeRO partitions, optimizer, schedule); core.train restores the rest.
     if resume is not None:
         engine.load_checkpoint(str(resume.parent), tag=resume.name)
@@ -84,18 +90,19 @@ def main(argv: list[str] | None = None) -> None:
         engine.save_checkpoint(args.output_dir, tag=folder.name, client_state={"finetune": position})
 
     # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
-    eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
     synced = cfg.preset.zero3 and world > 1
-    evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
-        engine, engine.module, eval_set, engine.device, synced_gpus=synced), max_steps)
+    evaluator = evaluate.method_evaluator(cfg, method, session, tokenizer, held_out, engine, engine.module,
+                                          engine.device, synced_gpus=synced, max_steps=max_steps)
 
     def load(folder) -> None:  # the best checkpoint, for the final save (loaded as a resume loads it)
         engine.load_checkpoint(str(folder.parent), tag=folder.name)
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("sft", cfg.preset.stage, partial(train_step, engine, world), save, engine.device,
-                   cfg.fingerprint, evaluator=evaluator, load=load, reporters=evaluate.Reporters(args, max_steps, engine.module))
+    job = core.Job("sft", cfg.preset.stage, partial(train_step, engine, session, world), save,
+                   engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
+                   reporters=evaluate.Reporters(args, max_steps, engine.module),
+                   metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
     log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
@@ -142,19 +149,20 @@ def deepspeed_config(cfg, model, max_steps: int):
     return hf_ds
 
 
-def train_step(engine, world: int, chunk: list[dict], n_tokens):
+def train_step(engine, session, world: int, chunk: list[dict], n_items):
     """One optimizer step over `chunk` (this rank's micro-batches): (this rank's loss sum, learning rate, grad norm).
 
-    The Trainer's normalization: every micro-batch loss is its token-loss sum over n_tokens, the trained tokens of the
-    whole global batch. DeepSpeed averages gradients over ranks, so the loss is multiplied by the world size, and
-    scale_wrt_gas=False keeps DeepSpeed from dividing by the accumulation steps again (the Trainer does the same).
+    The Trainer's normalization: every micro-batch loss is its loss sum (SFT: over its trained tokens) over n_items,
+    the method's count of the whole global batch (finetune.methods). DeepSpeed averages gradients over ranks, so the
+    loss is multiplied by the world size, and scale_wrt_gas=False keeps DeepSpeed from dividing by the accumulation
+    steps again (the Trainer does the same).
     """
     import torch
 
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for i, batch in enumerate(chunk):
         engine.set_gradient_accumulation_boundary(i == len(chunk) - 1)
-        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}, num_items_in_batch=n_tokens).loss
+        loss = session.loss(engine, {k: v.to(engine.device) for k, v in batch.items()}, n_items)
         engine.backward(loss * world, scale_wrt_gas=False)
         total += loss.detach().float()
     # The learning rate this step uses (the Trainer logs it too), read before engine.step() advances the schedule.

@@ -45,16 +45,30 @@ def split_indices(n: int, size: float, seed: int) -> tuple[list[int], list[int]]
     return sorted(order[k:]), sorted(order[:k])
 
 
-def datasets_or_exit(cfg, local_rank: int):
-    """(tokenizer, train data, eval data or None, stats): outputs.data_or_exit plus the eval set of --eval_dataset
-    (tokenized like --dataset) or --eval_split_size (held out before packing; the split goes to eval_split.json)."""
-    from finetune.data.prepare import DataError, prepare_dataset
-    from finetune.training.outputs import data_or_exit
+def datasets_or_exit(cfg, method, local_rank: int):
+    """(tokenizer, training Examples, eval Examples or None, stats): --dataset as `method` (finetune.methods) turns
+    records into examples, tokenized once per node and cached, and the eval set of --eval_dataset (tokenized like
+    --dataset) or --eval_split_size (held out before packing; the split goes to eval_split.json). A bad record
+    stops every rank with its file and line; rank 0 prints the data summary."""
+    from finetune.data.prepare import DataError
+    from finetune.models.load import WeightsError, load_tokenizer
 
     data = cfg.data
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except WeightsError as e:
+        exit_with(str(e))
+
+    def prepare(data_cfg, what: str, **kw):
+        try:
+            return method.prepare(data_cfg, tokenizer, local_rank=local_rank, log=rank0_print, **kw)
+        except DataError as e:
+            exit_with(f"{what}: {e}")
+
     if data.eval_split_size:
         unpacked = dataclasses.replace(data, packing=False)
-        tokenizer, dataset, stats = data_or_exit(dataclasses.replace(cfg, data=unpacked), local_rank)
+        dataset, stats, key = prepare(unpacked, "data error", seed=cfg.training.seed)
+        rank0_print(stats.summary())
         seed = core.data_seed(cfg.training)
         try:
             train_idx, eval_idx = split_indices(len(dataset), data.eval_split_size, seed)
@@ -66,27 +80,29 @@ def datasets_or_exit(cfg, local_rank: int):
 
             train, packing = pack_dataset(train, data.max_seq_length)
             stats.packed_rows = packing.rows
-        rank0_print(f"eval: {len(eval_idx)} of {len(dataset)} examples held out (seed {seed}), {len(train_idx)} train; "
-                    f"indices in {Path(cfg.training.output_dir) / SPLIT_FILE}")
+        rank0_print(f"eval: {len(eval_idx)} of {len(dataset)} {method.unit} held out (seed {seed}), {len(train_idx)} "
+                    f"train; indices in {Path(cfg.training.output_dir) / SPLIT_FILE}")
         if core.rank() == 0:
             Path(cfg.training.output_dir).mkdir(parents=True, exist_ok=True)
             write_json_atomic(Path(cfg.training.output_dir) / SPLIT_FILE, {
                 "dataset": str(data.dataset), "eval_split_size": data.eval_split_size, "seed": seed,
                 "examples": len(dataset), "eval_indices": eval_idx,
-                "note": "indices of the tokenized examples of --dataset (records dropped by max_seq_length or "
+                "note": f"indices of the tokenized {method.unit} of --dataset (records dropped by max_seq_length or "
                         "without trained tokens are not counted)"})
-        return tokenizer, train, held_out, stats
-    tokenizer, dataset, stats = data_or_exit(cfg, local_rank)
+        # Each part's rows are numbered anew: what is cached under a part's key (DPO's reference log-probs) is
+        # keyed by the split too.
+        split = f"{key}-split{data.eval_split_size}-{seed}" if key else None
+        return (tokenizer, method.examples(train, split and f"{split}-train"),
+                method.examples(held_out, split and f"{split}-eval"), stats)
+    dataset, stats, key = prepare(data, "data error", seed=cfg.training.seed)
+    rank0_print(stats.summary())
     if not data.eval_dataset:
-        return tokenizer, dataset, None, stats
+        return tokenizer, method.examples(dataset, key), None, stats
     eval_data = dataclasses.replace(data, dataset=data.eval_dataset, dataset_split=data.eval_dataset_split,
                                     packing=False, padding_free=False, dataset_weights=None)
-    try:
-        eval_dataset, eval_stats = prepare_dataset(eval_data, tokenizer, local_rank=local_rank, log=rank0_print)
-    except DataError as e:
-        exit_with(f"eval data error (--eval_dataset): {e}")
+    eval_dataset, eval_stats, eval_key = prepare(eval_data, "eval data error (--eval_dataset)")
     rank0_print(f"eval {eval_stats.summary()}")
-    return tokenizer, dataset, eval_dataset, stats
+    return tokenizer, method.examples(dataset, key), method.examples(eval_dataset, eval_key), stats
 
 
 @dataclass
@@ -320,6 +336,17 @@ def evaluator(cfg, run: Callable, max_steps: int) -> Evaluator | None:
         return None
     ev = cfg.evaluation
     return Evaluator(cfg.training, run, max_steps, ev.early_stopping_patience, ev.early_stopping_threshold)
+
+
+def method_evaluator(cfg, method, session, tokenizer, held_out, model, module, device, *, synced_gpus: bool,
+                     max_steps: int) -> Evaluator | None:
+    """The hand-written paths' Evaluator: the method's own evaluation (Method.own_evaluation: DPO's), else the token
+    loss and generation metrics here. `model` runs the forwards (the wrapped model), `module` generates."""
+    if method.own_evaluation:
+        return evaluator(cfg, lambda: session.evaluate(model, held_out, cfg.training.per_device_eval_batch_size),
+                         max_steps)
+    es = eval_set(cfg, tokenizer, held_out and held_out.dataset)
+    return evaluator(cfg, lambda: evaluate(model, module, es, device, synced_gpus=synced_gpus), max_steps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -87,6 +88,49 @@ class Trainer(transformers.Trainer):
         super()._load_optimizer_and_scheduler(checkpoint_dir)
         if checkpoint_dir is not None and self.is_deepspeed_enabled:
             checkpoint.restore_after_load(self.model_wrapped, checkpoint_dir)
+
+
+class MethodTrainer(Trainer):
+    """The Trainer for a method with a loss of its own (finetune.methods: DPO): the method's loss of each micro-batch
+    over the count of the whole global batch (Method.count: DPO's pairs), its metrics in every training log entry,
+    and, for a method with an evaluation of its own, that evaluation; the rest is the Trainer path's."""
+
+    loss_is_scaled_for_ga = True  # each micro-batch's loss is already over the global batch's count
+
+    def __init__(self, *args, method, session, held_out=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.method, self.session, self.held_out = method, session, held_out
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        n = torch.as_tensor(self.method.count(batch_samples), device=device)
+        return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if num_items_in_batch is None:  # outside training (no global count): this batch's mean
+            num_items_in_batch = self.method.count([inputs])
+        loss = self.session.loss(model, inputs, num_items_in_batch)
+        # DDP and DeepSpeed average the gradients over ranks; the loss is over the global batch already.
+        loss = loss * self.accelerator.num_processes
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs and self.method.metrics:
+            # A training entry: every rank is here (the Trainer gathered the loss just before).
+            logs = {**logs, **self.session.metrics(self._reduce)}
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        if not self.method.own_evaluation:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        examples = self.held_out if eval_dataset is None else dataclasses.replace(self.held_out, dataset=eval_dataset)
+        metrics = self.session.evaluate(self.model_wrapped, examples, self.args.per_device_eval_batch_size,
+                                        prefix=metric_key_prefix)
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _reduce(self, t):
+        return self.accelerator.reduce(t.to(self.args.device), reduction="sum") if self.args.world_size > 1 else t
 
 
 class StopPoint(transformers.TrainerCallback):

@@ -12,7 +12,7 @@ log_history to the Trainer's.
 
 from __future__ import annotations
 
-from finetune.data.prepare import make_collator
+from finetune import methods
 from finetune.training import checkpoint, core, evaluate
 from finetune.training.outputs import rank0_print, resume_or_exit
 
@@ -46,19 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
     resume = resume_or_exit(cfg, path="loop", world_size=world)
 
-    # Tokenizer and data (preference pairs for --method dpo: finetune.training.dpo).
-    dpo_run = cfg.objective.method == "dpo"
-    if dpo_run:
-        from finetune.data.preference import PairCollator
-        from finetune.training import dpo
-
-        tokenizer, pairs, held_out, stats = dpo.pairs_or_exit(cfg, accelerator.local_process_index)
-        dataset, eval_dataset, collator = pairs.dataset, None, PairCollator(tokenizer.pad_token_id)
-    else:
-        tokenizer, dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, accelerator.local_process_index)
-        collator = make_collator(cfg, tokenizer)
+    # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node and cached.
+    method = methods.get(cfg.objective.method)
+    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, accelerator.local_process_index)
+    collator = method.collator(cfg, tokenizer)
     dataloader = distributed_dataloader(
-        dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
+        train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
     )
     micro_per_epoch = len(dataloader) // world  # this rank's micro-batches per epoch
@@ -66,11 +59,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
     model = core.load_model_for_training(cfg, stats, world)
-    if dpo_run:  # the frozen copy of full fine-tuning is taken here, before any update
-        reference = dpo.Reference(cfg, model, lambda: accelerator.unwrap_model(model), [pairs, held_out], collator,
-                                  accelerator.device, accelerator.autocast, resumed=resume is not None, log=rank0_print)
-        options, metrics = dpo.Options(cfg.objective.beta, cfg.objective.label_smoothing), dpo.Metrics()
-        rank0_print(reference.describe())
+    # What else the method needs (DPO's reference: a frozen copy of full fine-tuning is taken here, before any update).
+    session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
+        cfg, accelerator.device, lambda: accelerator.unwrap_model(model), accelerator.autocast,
+        resumed=resume is not None))
+    if described := session.describe():
+        rank0_print(described)
     ds_config = args.hf_deepspeed_config.config if deepspeed else {}
     optimizer = core.build_optimizer(args, model, ds_config) or DummyOptim(
         core.trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -89,20 +83,14 @@ def main(argv: list[str] | None = None) -> None:
         if deepspeed:
             checkpoint.restore_after_load(model, resume)
 
-    def step(chunk: list[dict], n_tokens: torch.Tensor):
+    def step(chunk: list[dict], n_items: torch.Tensor):
         # The epoch's last step may have fewer micro-batches: the optimizer steps after its last one.
         accelerator.step = accum - len(chunk)
         total, grad_norm = torch.zeros((), device=accelerator.device), None
         learning_rate = scheduler.get_last_lr()[0]  # before DeepSpeed's engine steps it inside backward()
-        if dpo_run:  # the pairs of the global batch, not its tokens
-            n_pairs = core.all_sum(torch.tensor(dpo.pair_count(chunk), device=accelerator.device))
         for batch in chunk:
             with accelerator.accumulate(model):
-                if dpo_run:  # the pairs' loss sum / n_pairs
-                    loss = dpo.micro_batch_loss(model, reference.prepare(batch), reference.logps, options, n_pairs,
-                                                metrics, accelerator.autocast)
-                else:
-                    loss = model(**batch, num_items_in_batch=n_tokens).loss  # token-loss sum / n_tokens
+                loss = session.loss(model, batch, n_items)  # the micro-batch's loss sum / n_items
                 total += loss.detach()
                 # accelerate (or DeepSpeed) divides by the accumulation steps, and DDP averages over ranks:
                 # undo both, since `loss` is already normalized over the whole global batch.
@@ -118,20 +106,17 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.save_state(str(folder))  # model, optimizer, schedule; the engine's own checkpoint under DeepSpeed
 
     # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
-    eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
     synced = zero_stage == 3 and world > 1
-    evaluator = evaluate.evaluator(cfg, lambda: evaluate.evaluate(
-        model, accelerator.unwrap_model(model), eval_set, accelerator.device, synced_gpus=synced), max_steps)
-    if dpo_run and held_out is not None:
-        evaluator = evaluate.evaluator(cfg, lambda: dpo.evaluate(
-            model, reference, held_out, args.per_device_eval_batch_size, options), max_steps)
+    evaluator = evaluate.method_evaluator(cfg, method, session, tokenizer, held_out, model,
+                                          accelerator.unwrap_model(model), accelerator.device, synced_gpus=synced,
+                                          max_steps=max_steps)
 
     # Train.
     model.train()
-    job = core.Job("loop", zero_stage, step, save, accelerator.device, cfg.fingerprint, evaluator=evaluator,
-                   load=lambda folder: accelerator.load_state(str(folder)),
+    job = core.Job("loop", zero_stage, step, save, accelerator.device, method.count, cfg.fingerprint,
+                   evaluator=evaluator, load=lambda folder: accelerator.load_state(str(folder)),
                    reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
-                   metrics=(lambda: metrics.pop(core.all_sum)) if dpo_run else None)
+                   metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
     log, pos = core.train(args, job, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.

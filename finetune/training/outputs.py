@@ -273,25 +273,6 @@ def write_resolved(cfg, folder) -> None:
     target.write_text(f"{FINGERPRINT_LINE}{json.dumps(fingerprint, sort_keys=True)}\n{target.read_text()}")
 
 
-def data_or_exit(cfg, local_rank: int):
-    """(tokenizer, tokenized data set, stats): tokenized once per node (local rank 0) and cached; a bad record stops
-    every rank with its file and line; rank 0 prints the data summary."""
-    from finetune.data.prepare import DataError, prepare_dataset
-    from finetune.models.load import WeightsError, load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-    except WeightsError as e:
-        exit_with(str(e))
-    try:
-        dataset, stats = prepare_dataset(cfg.data, tokenizer, local_rank=local_rank, log=rank0_print,
-                                         seed=cfg.training.seed)
-    except DataError as e:
-        exit_with(f"data error: {e}")
-    rank0_print(stats.summary())
-    return tokenizer, dataset, stats
-
-
 def plan_or_exit(cfg) -> None:
     """--plan_check: refuse (exit 2, every rank alike) a run the planner predicts will not fit, unless --force."""
     if not cfg.launch.plan_check:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from finetune.training import checkpoint, core, evaluate
-from finetune.data.prepare import make_collator
+from finetune import methods
 from finetune.models import attention
 from finetune.training.outputs import describe_run, exit_with, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
@@ -30,20 +30,18 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     import transformers
 
     from finetune.models.load import WeightsError, load_model
-    from finetune.training.hf_trainer import StopPoint, Trainer
+    from finetune.training.hf_trainer import StopPoint
 
     # Resume: `latest` is the newest complete checkpoint; one saved for another world size or ZeRO stage is refused.
     resume = resume_or_exit(cfg, path="trainer", world_size=args.world_size)
 
-    # Tokenizer and data: tokenized once per node, cached; bad records stop the run here.
-    dpo = cfg.objective.method == "dpo"
-    if dpo:  # preference pairs (finetune.training.dpo), evaluated by its own evaluate
-        from finetune.training import dpo as preference
-
-        tokenizer, pairs, held_out, stats = preference.pairs_or_exit(cfg, args.local_process_index)
-        train_dataset, eval_dataset = pairs.dataset, None
-    else:
-        tokenizer, train_dataset, eval_dataset, stats = evaluate.datasets_or_exit(cfg, args.local_process_index)
+    # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node, cached; bad records
+    # stop the run here.
+    method = methods.get(cfg.objective.method)
+    if "trainer" not in method.paths:
+        exit_with(f"method {method.name}: not supported by finetune/train.py")
+    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, args.local_process_index)
+    collator = method.collator(cfg, tokenizer)
 
     # Model (and LoRA).
     try:
@@ -62,20 +60,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
                                                             cfg.evaluation.early_stopping_threshold))
     if os.environ.get(core.STOP_VAR):
         callbacks.append(StopPoint())
-    if dpo:
-        trainer = preference.make_trainer(cfg, model, tokenizer, pairs, held_out, resume, callbacks)
-    else:
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            data_collator=make_collator(cfg, tokenizer),
-            processing_class=tokenizer,
-            callbacks=callbacks,
-        )
+    trainer = make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resume, callbacks)
     trainer.fingerprint = cfg.fingerprint
-    trainer.eval_set = evaluate.eval_set(cfg, tokenizer, eval_dataset)
+    trainer.eval_set = evaluate.eval_set(cfg, tokenizer, None if method.own_evaluation or held_out is None
+                                         else held_out.dataset)
 
     # Train.
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -87,6 +75,27 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
     checkpoint.end_process_group()
+
+
+def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resume, callbacks):
+    """The Trainer of the run's method (finetune.methods): the Trainer as it is where it computes the method's loss
+    (SFT), else MethodTrainer with the method's Session; what else the method needs (DPO's reference) is made here,
+    before any update."""
+    from finetune.training.hf_trainer import MethodTrainer, Trainer
+
+    common = dict(model=model, args=cfg.training, train_dataset=train.dataset,
+                  eval_dataset=held_out.dataset if held_out is not None else None, data_collator=collator,
+                  processing_class=tokenizer, callbacks=callbacks)
+    if method.trainer_loss:
+        return Trainer(**common)
+    # The trainer lends the method its accelerator once built (the lambdas run after this function returns).
+    session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
+        cfg, cfg.training.device, lambda: trainer.accelerator.unwrap_model(trainer.model),
+        lambda: trainer.accelerator.autocast(), resumed=resume is not None))
+    trainer = MethodTrainer(method=method, session=session, held_out=held_out, **common)
+    if described := session.describe():
+        rank0_print(described)
+    return trainer
 
 
 if __name__ == "__main__":

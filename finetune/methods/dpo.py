@@ -1,4 +1,4 @@
-"""DPO (--method dpo): the sigmoid preference loss over the pairs of finetune.data.preference.
+"""DPO (--method dpo, docs/preference.md): the sigmoid preference loss over the pairs of finetune.data.preference.
 
 A micro-batch holds whole pairs: rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (PairCollator), scored in
 one forward. A sequence's log-probability is the sum over its completion's trained tokens (labels != -100) of
@@ -17,28 +17,145 @@ ZeRO-3 loaded again partitioned, in an engine of its own), or log-probabilities 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from finetune.methods.base import Context, Examples, Method, MethodConfig, PlannerTerms, Session, Window
 
-from finetune.data.prepare import IGNORE_INDEX
+# torch and the data modules are imported in the functions: the parser reads this module's flags, and a flag
+# mistake is reported before they are imported.
 
 # Logged per logging window: TRL's names, so dashboards read them alike.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 
 
-def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+@dataclass
+class DPOConfig(MethodConfig):
+    """DPO's flags (--method dpo; docs/preference.md)"""
+
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "DPO: how far the model may move from the reference (higher keeps it closer); the "
+                          "rewards logged are beta x log(policy / reference) of each completion."},
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "DPO: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."},
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={"help": "DPO: compute the reference log-probabilities once before training and cache them with "
+                          "the tokenized data, instead of a reference forward every step (full fine-tuning then "
+                          "keeps no reference copy)."},
+    )
+
+
+
+class DPO(Method):
+    name = "dpo"
+    title = "DPO"
+    summary = "Direct Preference Optimization on {prompt, chosen, rejected} pairs (docs/preference.md)"
+    config = DPOConfig
+    paths = ("trainer", "loop")  # the DeepSpeed engine script (scripts/sft.py) is not written for pairs yet
+    own_evaluation = True
+    metrics = METRICS
+    unit = "pairs"
+
+    def validate(self, options: DPOConfig, data, training: dict, evaluation) -> list[str]:
+        """DPO's flags; what DPO does not support yet is refused by name."""
+        problems = []
+        if options.beta <= 0:
+            problems.append(f"beta: must be positive, got {options.beta}")
+        if not 0.0 <= options.label_smoothing < 0.5:
+            problems.append(f"label_smoothing: must be in [0, 0.5), got {options.label_smoothing}")
+        for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
+                         ("eval_generate", bool(evaluation and evaluation.eval_generate)),
+                         ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
+                         ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
+                         ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
+            if on:
+                hint = " (DPO's own is --label_smoothing)" if flag == "label_smoothing_factor" else ""
+                problems.append(f"{flag}: not supported with --method dpo yet{hint}")
+        if isinstance(data.dataset, list):
+            problems.append("dataset: --method dpo takes one --dataset (mixing preference sets is not supported yet)")
+        return problems
+
+    def eval_metrics(self, evaluation) -> list[str]:  # evaluate's
+        return ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"]
+
+    def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
+        from finetune.data.preference import prepare_pairs
+
+        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log)
+
+    def examples(self, dataset, key: str | None) -> Examples:
+        """The pairs numbered (`pair_index`: where their precomputed reference log-probs are)."""
+        return Examples(dataset.add_column("pair_index", list(range(len(dataset)))), key)
+
+    def collator(self, cfg, tokenizer):
+        from finetune.data.preference import PairCollator
+
+        return PairCollator(tokenizer.pad_token_id)
+
+    def count(self, batches: list[dict]):
+        """The pairs (a step's loss is the mean over the pairs of the global batch, not over its tokens)."""
+        import torch
+
+        return torch.tensor(pair_count(batches))
+
+    def setup(self, options: DPOConfig, model, tokenizer, examples: list[Examples | None], collator,
+              context: Context) -> Session:
+        # The frozen copy of full fine-tuning is taken here, before any update.
+        return DPOSession(options, Reference(context, options, model, examples, collator))
+
+    def planner_terms(self, options: DPOConfig, *, use_peft: bool) -> PlannerTerms:
+        copy = not use_peft and not options.precompute_ref_log_probs
+        what = ("a frozen copy of the model" if copy else "the base, adapters disabled (no copy)" if use_peft
+                else "precomputed log-probabilities (no copy)")
+        return PlannerTerms(pairs=True, reference_copy=copy, note=f"; DPO: 2 rows per pair, reference {what}")
+
+
+class DPOSession(Session):
+    def __init__(self, options: DPOConfig, reference: "Reference"):
+        self.options, self.reference, self.window = options, reference, Metrics()
+
+    def loss(self, model, batch: dict, n_items):
+        r = self.reference
+        return micro_batch_loss(model, r.prepare(batch), r.logps, self.options, n_items, self.window,
+                                r.context.autocast)
+
+    def metrics(self, reduce=None) -> dict:
+        return self.window.pop(reduce)
+
+    def evaluate(self, model, examples: Examples, batch_size: int, *, prefix: str = "eval") -> dict:
+        return evaluate(model, self.reference, examples, batch_size, self.options, prefix=prefix)
+
+    def describe(self) -> str:
+        return self.reference.describe()
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss.
+
+
+def scored_positions(labels):
     """The positions whose logits predict a trained token (label at p + 1), as one range for every row: the
     model's logits_to_keep, so prompts get no logits."""
+    import torch
+
+    from finetune.data.prepare import IGNORE_INDEX
+
     trained = (labels[:, 1:] != IGNORE_INDEX).any(0).nonzero().squeeze(1)
     return torch.arange(int(trained.min()), int(trained.max()) + 1, device=labels.device)
 
 
-def completion_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def completion_logps(logits, labels, positions):
     """Per row: the sum of log p(label[p + 1]) over `positions` p (the logits' columns) with a trained label."""
+    import torch
+
+    from finetune.data.prepare import IGNORE_INDEX
+
     targets = labels[:, positions + 1]
     keep = targets != IGNORE_INDEX
     rows = logits[keep].float()  # only the scored positions in float32
@@ -47,7 +164,7 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torc
     return out.index_add(0, keep.nonzero()[:, 0], picked)
 
 
-def sequence_logps(model, batch: dict) -> torch.Tensor:
+def sequence_logps(model, batch: dict):
     """The completion log-probability of every row of a pair batch under `model` (grad where enabled)."""
     positions = scored_positions(batch["labels"])
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions,
@@ -56,11 +173,13 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
 
 
 def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, max_seq_length: int = 512,
-               where: str = "pair") -> torch.Tensor:
+               where: str = "pair"):
     """[pairs, 2] float64: the completion log-probabilities (chosen, rejected) of each preference record under
     `model`, tokenized, truncated and scored exactly as training scores them (pair_features, PairCollator,
     sequence_logps), without gradients. The held-out preference accuracy is the share of rows whose
     chosen log-probability is the higher."""
+    import torch
+
     from finetune.data.preference import PAIR_COLUMNS, PairCollator, pair_features
 
     features = [dict(zip(PAIR_COLUMNS, pair_features(tokenizer, record, f"{where} {i + 1}", max_seq_length)[0]))
@@ -77,41 +196,28 @@ def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, m
 
 def sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float = 0.0):
     """(per-pair losses, chosen rewards, rejected rewards); rewards are β × log-ratio to the reference, detached."""
+    import torch.nn.functional as F
+
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     d = beta * (chosen_ratio - rejected_ratio)
     losses = -(1 - label_smoothing) * F.logsigmoid(d) - label_smoothing * F.logsigmoid(-d)
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
-@dataclass
-class Options:
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-
-
-class Metrics:
+class Metrics(Window):
     """Sums of the window's rewards, margins, accuracies and log-probs (this rank), reduced and averaged at log time."""
 
     def __init__(self):
-        self.sums = None
+        super().__init__(METRICS)
 
     def add(self, chosen, rejected, reward_chosen, reward_rejected) -> None:
+        import torch
+
         values = torch.stack([reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
                               (reward_chosen > reward_rejected).sum().to(reward_chosen.dtype),
                               chosen.detach().sum(), rejected.detach().sum(),
                               torch.tensor(float(len(chosen)), device=chosen.device, dtype=reward_chosen.dtype)])
-        values = values.double()
-        self.sums = values if self.sums is None else self.sums + values
-
-    def pop(self, reduce=None) -> dict:
-        """The window's means over every rank's pairs (`reduce` sums a tensor over ranks); the window restarts.
-        Every rank must call it together when `reduce` is collective."""
-        sums = self.sums if self.sums is not None else torch.zeros(7, dtype=torch.float64)
-        self.sums = None
-        if reduce is not None:
-            sums = reduce(sums)
-        n = max(float(sums[-1]), 1.0)
-        return {name: float(v) / n for name, v in zip(METRICS, sums[:-1].tolist())}
+        super().add(values.double())
 
 
 def pair_count(batches: list[dict]) -> int:
@@ -125,11 +231,13 @@ def reference_context(model):
     return contextlib.nullcontext()
 
 
-def micro_batch_loss(policy, batch: dict, reference, options: Options, n_pairs, metrics: Metrics | None = None,
+def micro_batch_loss(policy, batch: dict, reference, options: DPOConfig, n_pairs, metrics: Metrics | None = None,
                      autocast=contextlib.nullcontext):
     """This micro-batch's pairs' loss sum over `n_pairs` (the pairs of the global batch). `policy` is the (wrapped)
     model trained; `reference` computes the reference log-probs of the batch (a callable), unless the batch carries
     them (`ref_logps`, precomputed)."""
+    import torch
+
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
     else:
@@ -163,11 +271,14 @@ def eval_mode(module):
 
 
 def precompute(module, dataset, collator, batch_size: int, device, autocast=contextlib.nullcontext,
-               rank: int = 0, world: int = 1, log=print) -> torch.Tensor:
+               rank: int = 0, world: int = 1, log=print):
     """[pairs, 2] reference log-probs (chosen, rejected) of every pair, under the reference of `module` (its
     adapters disabled). Rank r scores pairs r, r + W, ...; every rank runs as many forwards (ZeRO-3 gathers the
     weights collectively in each), then the rows are summed over ranks."""
     import math
+
+    import torch
+    import torch.distributed as dist
 
     n = len(dataset)
     mine = list(range(rank, n, world))
@@ -183,120 +294,52 @@ def precompute(module, dataset, collator, batch_size: int, device, autocast=cont
                 logps = sequence_logps(module, batch).double()
             if idx:
                 out[torch.tensor(idx, device=device)] = torch.stack(logps.chunk(2), dim=1)
-    import torch.distributed as dist
-
     if world > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(out)
     return out.cpu()
 
 
-def ref_cache_file(cfg, data_key: str) -> Path:
-    """Where a data set's reference log-probs are cached: beside its tokenized pairs, keyed by the base weights and
-    what changes their numbers (dtype, quantization, mixed precision, attention kernel)."""
+def ref_cache_file(cfg, data_key: str, hash_path) -> Path:
+    """Where a data set's reference log-probs are cached: beside its tokenized pairs, keyed by the base weights
+    (`hash_path`: their content hash) and what changes their numbers (dtype, quantization, mixed precision,
+    attention kernel)."""
     import hashlib
 
     from finetune.data.prepare import cache_root
-    from finetune.training.outputs import _hash_path
 
     m, args = cfg.model, cfg.training
-    parts = (_hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
+    parts = (hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
              m.load_in_8bit, m.load_in_4bit, m.bnb_4bit_quant_type, m.attn_implementation, bool(args.bf16),
              bool(args.fp16), str(cfg.preset.path or ""))
     h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     return Path(cache_root(cfg.data)) / f"{data_key}.ref-{h}.pt"
 
 
-def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, autocast, *, resumed: bool, log):
+def load_or_precompute(context: Context, data_key: str, module, dataset, collator):
     """The cached reference log-probs, or computed now (before the first update) and cached. A full fine-tuning
     run resumed without them cannot recompute them: its weights have moved."""
     import os
 
-    from finetune.training import core
-    from finetune.training.outputs import exit_with
+    import torch
 
-    path = ref_cache_file(cfg, data_key)
+    cfg, device, log = context.cfg, context.device, context.log
+    path = ref_cache_file(cfg, data_key, context.hash_path)
     # Every rank decides alike (a node without the cached file would otherwise score alone and wait forever).
-    cached = int(core.all_sum(torch.tensor(int(path.is_file()), device=device)).item()) == core.world()
+    cached = int(context.all_sum(torch.tensor(int(path.is_file()), device=device)).item()) == context.world()
     if cached:
         log(f"dpo: reference log-probabilities from the cache ({path})")
         return torch.load(path, weights_only=True)
-    if resumed and not cfg.model.use_peft:
-        exit_with(f"--precompute_ref_log_probs: resuming, but the reference log-probabilities are gone from the "
-                  f"cache ({path}), and the model has been trained since; restart without --resume_from_checkpoint")
-    table = precompute(module, dataset, collator, cfg.training.per_device_train_batch_size, device, autocast,
-                       core.rank(), core.world(), log)
-    if core.rank() == 0:
+    if context.resumed and not cfg.model.use_peft:
+        context.fail(f"--precompute_ref_log_probs: resuming, but the reference log-probabilities are gone from the "
+                     f"cache ({path}), and the model has been trained since; restart without --resume_from_checkpoint")
+    table = precompute(module, dataset, collator, cfg.training.per_device_train_batch_size, device, context.autocast,
+                       context.rank(), context.world(), log)
+    if context.rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(table, tmp)
         os.replace(tmp, path)
     return table
-
-
-# ----------------------------------------------------------------------------------------------
-# The Trainer path (finetune.training.trainer.main with --method dpo).
-
-
-@dataclass
-class Pairs:
-    """Tokenized pairs with their row numbers (`pair_index`, where their precomputed reference log-probs are) and
-    the key those are cached under."""
-
-    dataset: object
-    key: str
-
-
-def _indexed(dataset, key: str) -> Pairs:
-    return Pairs(dataset.add_column("pair_index", list(range(len(dataset)))), key)
-
-
-def pairs_or_exit(cfg, local_rank: int):
-    """(tokenizer, training Pairs, eval Pairs or None, stats): prepare_pairs for --dataset and --eval_dataset (or
-    --eval_split_size pairs held out), data errors as one message on every rank alike."""
-    import dataclasses
-
-    from finetune.data.preference import prepare_pairs
-    from finetune.data.prepare import DataError
-    from finetune.models.load import WeightsError, load_tokenizer
-    from finetune.training import core, evaluate
-    from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
-
-    data = cfg.data
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-    except WeightsError as e:
-        exit_with(str(e))
-    try:
-        dataset, stats, key = prepare_pairs(data, tokenizer, local_rank=local_rank, log=rank0_print)
-    except DataError as e:
-        exit_with(f"data error: {e}")
-    rank0_print(stats.summary())
-    if data.eval_dataset:
-        eval_data = dataclasses.replace(data, dataset=data.eval_dataset, dataset_split=data.eval_dataset_split)
-        try:
-            held_out, eval_stats, eval_key = prepare_pairs(eval_data, tokenizer, local_rank=local_rank, log=rank0_print)
-        except DataError as e:
-            exit_with(f"eval data error (--eval_dataset): {e}")
-        rank0_print(f"eval {eval_stats.summary()}")
-        return tokenizer, _indexed(dataset, key), _indexed(held_out, eval_key), stats
-    if not data.eval_split_size:
-        return tokenizer, _indexed(dataset, key), None, stats
-    seed = core.data_seed(cfg.training)
-    try:
-        train_idx, eval_idx = evaluate.split_indices(len(dataset), data.eval_split_size, seed)
-    except ValueError as e:
-        exit_with(str(e))
-    rank0_print(f"eval: {len(eval_idx)} of {len(dataset)} pairs held out (seed {seed}), {len(train_idx)} train")
-    if core.rank() == 0:
-        out = Path(cfg.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / evaluate.SPLIT_FILE, {
-            "dataset": str(data.dataset), "eval_split_size": data.eval_split_size, "seed": seed,
-            "examples": len(dataset), "eval_indices": eval_idx, "note": "indices of the tokenized pairs of --dataset"})
-    # The rows of each part are numbered anew: their cached log-probs are keyed by the split too.
-    split = f"{key}-split{data.eval_split_size}-{seed}"
-    return (tokenizer, _indexed(dataset.select(train_idx), f"{split}-train"),
-            _indexed(dataset.select(eval_idx), f"{split}-eval"), stats)
 
 
 def frozen_copy(model):
@@ -362,26 +405,30 @@ def partition_share(module) -> tuple[int, int]:
 
 
 class Reference:
-    """The reference of a run, the same on every path. `unwrap()` gives the trained module (the engine's, once
-    prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy made
-    here (before any update); --precompute_ref_log_probs scores every pair of every set once, at the first step
+    """The reference of a run, the same on every path. `context.unwrap()` gives the trained module (the engine's,
+    once prepared): with LoRA its adapters are switched off to score; full fine-tuning scores with a frozen copy
+    made here (before any update); --precompute_ref_log_probs scores every pair of every set once, at the first step
     (when the engine can run the model, and before any update), or reads them from the cache."""
 
-    def __init__(self, cfg, model, unwrap, sets: list[Pairs], collator, device, autocast, *, resumed: bool, log):
-        self.cfg, self.unwrap, self.sets, self.collator = cfg, unwrap, [p for p in sets if p is not None], collator
-        self.device, self.autocast, self.resumed, self.log = device, autocast, resumed, log
-        self.precompute = cfg.objective.precompute_ref_log_probs
+    def __init__(self, context: Context, options: DPOConfig, model, sets: list[Examples | None], collator):
+        cfg = context.cfg
+        self.context, self.options = context, options
+        self.sets, self.collator = [p for p in sets if p is not None], collator
+        self.precompute = options.precompute_ref_log_probs
         self.copy, self.partitioned = None, False
         if not cfg.model.use_peft and not self.precompute:
             from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
             self.partitioned = is_deepspeed_zero3_enabled()
             self.copy = partitioned_copy(cfg) if self.partitioned else frozen_copy(model)
-        self.tables: dict[str, torch.Tensor] = {}
+        self.tables: dict = {}
         self.placed = False
 
+    @property
+    def device(self):
+        return self.context.device
+
     def describe(self) -> str:
-        o = self.cfg.objective
         if self.precompute:
             what = "log-probabilities computed once before training, cached with the tokenized data"
         elif self.partitioned:
@@ -392,49 +439,51 @@ class Reference:
             what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
         else:
             what = "the model with its LoRA adapters disabled (no copy)"
-        return f"dpo: beta {o.beta}, label smoothing {o.label_smoothing}; reference: {what}"
+        return f"dpo: beta {self.options.beta}, label smoothing {self.options.label_smoothing}; reference: {what}"
 
-    def prepare(self, batch: dict, pairs: Pairs | None = None) -> dict:
+    def prepare(self, batch: dict, pairs: Examples | None = None) -> dict:
         """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs (of `pairs`,
         by default the training set)."""
+        import torch
+
         batch = dict(batch)
         index = batch.pop("pair_index", None)
         if self.precompute:
             if not self.tables:
                 for p in self.sets:
-                    self.tables[p.key] = load_or_precompute(self.cfg, p.key, self.unwrap(), p.dataset, self.collator,
-                                                            self.device, self.autocast, resumed=self.resumed,
-                                                            log=self.log)
+                    self.tables[p.key] = load_or_precompute(self.context, p.key, self.context.unwrap(), p.dataset,
+                                                            self.collator)
             rows = self.tables[(pairs or self.sets[0]).key][index.cpu()]
             batch["ref_logps"] = torch.cat([rows[:, 0], rows[:, 1]]).to(self.device)
         return batch
 
-    def logps(self, batch: dict) -> torch.Tensor:
+    def logps(self, batch: dict):
         batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
         if self.partitioned:  # the reference's own engine: placed and cast by DeepSpeed
             return sequence_logps(self.copy, batch)
         if self.copy is not None:
             if not self.placed:
                 # Where, and in which dtype, the engine put the policy (DeepSpeed casts it for bf16).
-                p = next(self.unwrap().parameters())
+                p = next(self.context.unwrap().parameters())
                 self.copy.to(device=p.device, dtype=p.dtype)
                 self.placed = True
             return sequence_logps(self.copy, batch)
-        module = self.unwrap()
+        module = self.context.unwrap()
         with eval_mode(module), reference_context(module):
             return sequence_logps(module, batch)
 
 
-def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options: Options, *,
+def evaluate(model, reference: Reference, pairs: Examples, batch_size: int, options: DPOConfig, *,
              prefix: str = "eval") -> dict:
     """The DPO loss and metrics over every eval pair (each exactly once over the ranks; every rank runs as many
     forwards, as ZeRO-3 needs): {eval_loss, eval_rewards/..., eval_logps/..., eval_samples, eval_runtime}."""
     import math
     import time
 
-    from finetune.training import core
+    import torch
 
-    start, n, world, rank = time.time(), len(pairs.dataset), core.world(), core.rank()
+    context = reference.context
+    start, n, world, rank = time.time(), len(pairs.dataset), context.world(), context.rank()
     mine = list(range(rank, n, world))
     metrics, loss_sum, index_sum = Metrics(), torch.zeros((), dtype=torch.float64), 0
     model.eval()
@@ -446,7 +495,7 @@ def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options
                 batch = {k: v.to(reference.device) for k, v in batch.items()}
                 window = Metrics()
                 loss = micro_batch_loss(model, reference.prepare(batch, pairs), reference.logps, options, 1, window,
-                                        reference.autocast)
+                                        context.autocast)
                 if idx:
                     loss_sum += loss.double().cpu()
                     metrics.sums = window.sums if metrics.sums is None else metrics.sums + window.sums
@@ -455,7 +504,7 @@ def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options
         model.train()
     sums = torch.cat([torch.stack([loss_sum, torch.tensor(float(index_sum), dtype=torch.float64)]),
                       metrics.sums.cpu() if metrics.sums is not None else torch.zeros(7, dtype=torch.float64)])
-    sums = core.all_sum(sums.to(reference.device)).cpu()
+    sums = context.all_sum(sums.to(reference.device)).cpu()
     pairs_seen = float(sums[-1])
     if pairs_seen != n or float(sums[1]) != n * (n - 1) / 2:
         raise RuntimeError(f"evaluation covered {pairs_seen:.0f} of {n} pairs: a pair was counted twice or lost")
@@ -463,62 +512,3 @@ def evaluate(model, reference: Reference, pairs: Pairs, batch_size: int, options
     out.update({k: float(v) / n for k, v in zip(METRICS, sums[2:-1].tolist())})
     out.update(samples=n, runtime=round(time.time() - start, 4))
     return {f"{prefix}_{k}": v for k, v in out.items()}
-
-
-def make_trainer(cfg, model, tokenizer, train: Pairs, held_out: Pairs | None, resume, callbacks):
-    """The Trainer path's trainer for --method dpo."""
-    from finetune.data.preference import PairCollator
-    from finetune.training.hf_trainer import Trainer
-
-    class PreferenceTrainer(Trainer):
-        """compute_loss and the pair count of the global batch are DPO's; the rest is the Trainer path's."""
-
-        loss_is_scaled_for_ga = True  # each micro-batch's loss is already over the global batch's pairs
-
-        def _get_num_items_in_batch(self, batch_samples, device):
-            n = torch.tensor(pair_count(batch_samples), device=device)
-            return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if num_items_in_batch is None:  # outside training (no global count): this batch's mean
-                num_items_in_batch = inputs["input_ids"].shape[0] // 2
-            loss = micro_batch_loss(model, self.reference.prepare(inputs), self.reference.logps, self.options,
-                                    num_items_in_batch, self.metrics, self.accelerator.autocast)
-            # DDP and DeepSpeed average the gradients over ranks; the loss is over the global batch already.
-            loss = loss * self.accelerator.num_processes
-            return (loss, None) if return_outputs else loss
-
-        def log(self, logs, start_time=None):
-            if "loss" in logs:  # a training entry: every rank is here (the Trainer gathered the loss just before)
-                logs = {**logs, **self.metrics.pop(self.reduce)}
-            super().log(logs, start_time)
-
-        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-            pairs = held_out if eval_dataset is None else Pairs(eval_dataset, held_out.key)
-            metrics = evaluate(self.model_wrapped, self.reference, pairs, self.args.per_device_eval_batch_size,
-                               self.options, prefix=metric_key_prefix)
-            self.log(dict(metrics))
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-            return metrics
-
-        def reduce(self, t):
-            return self.accelerator.reduce(t.to(self.args.device), reduction="sum") if self.args.world_size > 1 else t
-
-    collator = PairCollator(tokenizer.pad_token_id)
-    reference = Reference(cfg, model, None, [train, held_out], collator, cfg.training.device, contextlib.nullcontext,
-                          resumed=resume is not None, log=_rank0)
-    trainer = PreferenceTrainer(model=model, args=cfg.training, train_dataset=train.dataset,
-                                eval_dataset=held_out.dataset if held_out is not None else None, data_collator=collator,
-                                processing_class=tokenizer, callbacks=callbacks)
-    reference.unwrap = lambda: trainer.accelerator.unwrap_model(trainer.model)
-    reference.autocast = trainer.accelerator.autocast
-    trainer.reference, trainer.options, trainer.metrics = reference, Options(cfg.objective.beta,
-                                                                             cfg.objective.label_smoothing), Metrics()
-    _rank0(reference.describe())
-    return trainer
-
-
-def _rank0(*args):
-    from finetune.training.outputs import rank0_print
-
-    rank0_print(*args)
