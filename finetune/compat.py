@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from finetune.errors import ResumeError
+
 ALLOW_UNTESTED = "FINETUNE_ALLOW_UNTESTED"
 
 
@@ -92,8 +94,6 @@ def check_versions(stream=None) -> list[str]:
 def _refuse_untested(package: str, what: str) -> None:
     message = untested(package)
     if message and os.environ.get(ALLOW_UNTESTED) != "1":
-        from finetune.training.checkpoint import ResumeError
-
         raise ResumeError(f"{message}. {what} would silently give wrong results if that changed; install a tested "
                           f"version, or set {ALLOW_UNTESTED}=1 to run it anyway")
 
@@ -120,8 +120,6 @@ def restore_after_load(engine, folder: str | Path) -> None:
 def _restore_nvme_offloaded(engine, folder: Path) -> None:
     import torch
     import torch.distributed as dist
-
-    from finetune.training.checkpoint import ResumeError
 
     opt = getattr(engine, "optimizer", None)
     if not getattr(opt, "swap_optimizer", False):
@@ -165,8 +163,6 @@ def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None
     has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
     the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
     import torch
-
-    from finetune.training.checkpoint import ResumeError
 
     opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
     state = opt.optimizer.state[fp32]

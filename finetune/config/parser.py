@@ -21,7 +21,6 @@ Field metadata the parser reads:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import json
 import os
@@ -33,6 +32,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from finetune.errors import did_you_mean
 
 
 class ConfigError(Exception):
@@ -156,11 +157,6 @@ def _split_list(value: Any) -> list[Any]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return [value]
-
-
-def did_you_mean(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 # ----------------------------------------------------------------------------------------------

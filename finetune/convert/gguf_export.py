@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.convert.export import ExportError, log
+from finetune.convert.messages import ExportError, log
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")

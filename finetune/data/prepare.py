@@ -12,18 +12,17 @@ from __future__ import annotations
 import bisect
 import csv
 import difflib
-import hashlib
 import json
 import operator
 import os
-import time
 import types
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-IGNORE_INDEX = -100
+from finetune.constants import IGNORE_INDEX
+
 # Bump when tokenization changes, so stale caches are not reused.
 DATA_VERSION = "5"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts;
 # 5: the cache is the map's own files (layout.json), not a save_to_disk copy
@@ -55,7 +54,7 @@ def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
     suffix = p.suffix.lower()
     try:
         if suffix in (".jsonl", ".json"):
-            records, where = _read_json(p)
+            records, where = read_json(p)
         elif suffix == ".csv":
             records, where = _read_csv(p)
         elif suffix == ".parquet":
@@ -63,13 +62,13 @@ def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
         else:
             raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
     except UnicodeDecodeError:
-        raise DataError(f"{p}:{_first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
+        raise DataError(f"{p}:{first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
     if not records:
         raise DataError(f"{p}: the file holds no records")
     return records, where
 
 
-def _first_bad_utf8_line(p: Path) -> int:
+def first_bad_utf8_line(p: Path) -> int:
     raw = p.read_bytes()
     try:
         raw.decode("utf-8")
@@ -78,7 +77,7 @@ def _first_bad_utf8_line(p: Path) -> int:
     return 1
 
 
-def _read_json(p: Path) -> tuple[list[dict], list[str]]:
+def read_json(p: Path) -> tuple[list[dict], list[str]]:
     text = p.read_text(encoding="utf-8-sig")  # -sig: also accept a byte order mark, as some editors write
     if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
@@ -154,7 +153,7 @@ def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
     return records, [f"{p} row {i}" for i in range(len(records))]
 
 
-def _load_hub(cfg):
+def load_hub(cfg):
     """A Hub data set (`--dataset org/name`), loaded on every rank (memory-mapped from the datasets cache), or None."""
     from finetune.data import sources
 
@@ -991,61 +990,13 @@ def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenize once per node, cache, and let the other ranks wait on the cache (no collective, so no timeout).
-
-
-def _fingerprint(cfg, tokenizer, hub=None) -> str:
-    h = hashlib.sha256()
-    h.update(DATA_VERSION.encode())
-    for key in ("dataset_format", "max_seq_length", "drop_long_sequences", "completion_only_loss"):
-        h.update(f"{key}={getattr(cfg, key)};".encode())
-    if hub is not None:
-        # A Hub data set: the repo, what was asked for, the commit it came from and datasets' hash of the data.
-        h.update(repr((hub.repo_id, cfg.dataset_config, cfg.dataset_split, hub.revision, hub.fingerprint)).encode())
-    else:
-        p = Path(cfg.dataset)
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-        for f in files:
-            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
-    return h.hexdigest()[:24]
+# Where the tokenize-once cache lives (finetune.data.pipeline writes and reads it).
 
 
 def cache_root(cfg) -> Path:
     if cfg.dataset_cache_dir:
         return Path(cfg.dataset_cache_dir)
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "tokenized"
-
-
-def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
-    """Return (datasets.Dataset with input_ids/labels, DataStats). finetune/data/pipeline.py tokenizes (once per node,
-    once per job on a shared cache folder) with a multi-process `Dataset.map`; the other ranks wait."""
-    from finetune.data import pipeline
-
-    dataset, stats = pipeline.prepare(cfg, tokenizer, local_rank=local_rank, log=log, seed=seed)
-    stats.padding_free = bool(getattr(cfg, "padding_free", False))
-    if getattr(cfg, "packing", False):
-        from finetune.data.packing import pack_dataset
-
-        # Packed after the cache (the packer is deterministic and cheap, so every rank packs the same rows itself
-        # and the cache stays the same with and without --packing), before sampling: rows are the items.
-        dataset, packing = pack_dataset(dataset, cfg.max_seq_length)
-        stats.packed_rows = packing.rows
-    return dataset, stats
-
-
-def _process_start_time() -> float:
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
 
 
 # ----------------------------------------------------------------------------------------------

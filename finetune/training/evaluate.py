@@ -48,7 +48,8 @@ def split_indices(n: int, size: float, seed: int) -> tuple[list[int], list[int]]
 def datasets_or_exit(cfg, local_rank: int):
     """(tokenizer, train data, eval data or None, stats): outputs.data_or_exit plus the eval set of --eval_dataset
     (tokenized like --dataset) or --eval_split_size (held out before packing; the split goes to eval_split.json)."""
-    from finetune.data.prepare import DataError, prepare_dataset
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import DataError
     from finetune.training.outputs import data_or_exit
 
     data = cfg.data

@@ -277,7 +277,8 @@ def write_resolved(cfg, folder) -> None:
 def data_or_exit(cfg, local_rank: int):
     """(tokenizer, tokenized data set, stats): tokenized once per node (local rank 0) and cached; a bad record stops
     every rank with its file and line; rank 0 prints the data summary."""
-    from finetune.data.prepare import DataError, prepare_dataset
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import DataError
     from finetune.models.load import WeightsError, load_tokenizer
 
     try:
