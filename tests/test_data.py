@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.data import pipeline
-from finetune.data import prepare as data
 from finetune.config import DataConfig
 from finetune.data.pipeline import prepare_dataset
 from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, tokenize_record

@@ -20,7 +20,7 @@ from finetune.config import DataConfig
 from finetune.data.pipeline import prepare_dataset
 from finetune.data.prepare import IGNORE_INDEX, make_collator, tokenize_record
 from finetune.models.load import load_tokenizer
-from finetune.training.outputs import describe_run
+from finetune.training.lifecycle import describe_run
 from finetune.data.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
 from launch import LOOP, TRAIN, losses, run, tiny_job
 

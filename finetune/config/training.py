@@ -305,7 +305,7 @@ class FinetuneConfig:
     training: Any  # transformers.TrainingArguments
     deepspeed_config: Path | None
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
-    fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
+    fingerprint: dict | None = None  # set by finetune.training.lifecycle.guard_output_dir before training
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 

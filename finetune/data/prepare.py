@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from finetune import compat
 from finetune.constants import IGNORE_INDEX
 
 # Bump when tokenization changes, so stale caches are not reused.
@@ -382,19 +383,16 @@ class ChatRenderer:
     a transformers without these helpers) takes apply_chat_template itself; tests/test_formats.py compares the two."""
 
     def __init__(self, tokenizer):
-        from jinja2.runtime import new_context
         from transformers import PreTrainedTokenizerBase
 
-        self.tokenizer, self.compile, self.templates, self.new_context = tokenizer, None, {}, new_context
+        self.tokenizer, self.compile, self.templates = tokenizer, None, {}
         if getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template:
             return
-        try:
-            from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
-                                                                _compile_jinja_template, _plain_template_data)
-        except ImportError:
+        helpers = compat.chat_template_helpers()
+        if helpers is None:
             return
-        self.compile, self.alias, self.reasoning = _compile_jinja_template, _alias_reasoning_fields, frozenset(_REASONING_FIELDS)
-        self.variables = _plain_template_data(tokenizer.special_tokens_map)
+        self.compile, self.alias, self.reasoning, plain_data = helpers
+        self.variables = plain_data(tokenizer.special_tokens_map)
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
         return self.prefixes(messages, where, tools)(len(messages), add_generation_prompt)
@@ -412,7 +410,7 @@ class ChatRenderer:
             try:
                 if compiled is not None:
                     template, template_globals, _, seen, shared = compiled
-                    return self._render_compiled(template, template_globals, {
+                    return compat.render_template(template, template_globals, {
                         **shared, "messages": seen[:n], "add_generation_prompt": add_generation_prompt})
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
                                                           **({"tools": tools} if tools else {}))
@@ -435,7 +433,7 @@ class ChatRenderer:
 
         def pieces(marked):
             variables = {**shared, "messages": marked, "add_generation_prompt": True}
-            return template.root_render_func(self._context(template, template_globals, variables))
+            return compat.template_pieces(template, template_globals, variables)
 
         return one_pass.layout(pieces, messages, seen)
 
@@ -475,20 +473,6 @@ class ChatRenderer:
             found = _RENDER_TEMPLATES[source] = (template, dict(template.globals), single)
         self.templates[source] = found
         return found
-
-    def _context(self, template, template_globals: dict, merged: dict):
-        return self.new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
-
-    def _render_compiled(self, template, template_globals: dict, merged: dict) -> str:
-        """template.render(variables), given the template's globals as a plain dict and `merged`, the globals updated
-        with the variables: Template.render merges them from its ChainMap of globals on every call, which costs
-        about as much as rendering a two-exchange chat."""
-        if template.environment.is_async:
-            return template.render(merged)  # the globals given again as variables: the same values
-        try:
-            return template.environment.concat(template.root_render_func(self._context(template, template_globals, merged)))
-        except Exception:
-            template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
 
 def _rejected(where: str, error: Exception) -> DataError:

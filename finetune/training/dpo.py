@@ -196,7 +196,7 @@ def ref_cache_file(cfg, data_key: str) -> Path:
     import hashlib
 
     from finetune.data.prepare import cache_root
-    from finetune.training.outputs import _hash_path
+    from finetune.training.lifecycle import _hash_path
 
     m, args = cfg.model, cfg.training
     parts = (_hash_path(m.model_name_or_path, ("config.json", "*.safetensors", "*.bin")), m.torch_dtype,
@@ -212,7 +212,7 @@ def load_or_precompute(cfg, data_key: str, module, dataset, collator, device, au
     import os
 
     from finetune.training import core
-    from finetune.training.outputs import exit_with
+    from finetune.process import exit_with
 
     path = ref_cache_file(cfg, data_key)
     # Every rank decides alike (a node without the cached file would otherwise score alone and wait forever).
@@ -259,7 +259,8 @@ def pairs_or_exit(cfg, local_rank: int):
     from finetune.data.prepare import DataError
     from finetune.models.load import WeightsError, load_tokenizer
     from finetune.training import core, evaluate
-    from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
+    from finetune.process import exit_with
+    from finetune.training.lifecycle import rank0_print, write_json_atomic
 
     data = cfg.data
     try:
@@ -519,6 +520,6 @@ def make_trainer(cfg, model, tokenizer, train: Pairs, held_out: Pairs | None, re
 
 
 def _rank0(*args):
-    from finetune.training.outputs import rank0_print
+    from finetune.training.lifecycle import rank0_print
 
     rank0_print(*args)

@@ -25,7 +25,8 @@ from functools import partial
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.training import checkpoint, core, evaluate
-from finetune.training.outputs import exit_with, plan_or_exit, resume_or_exit
+from finetune.process import exit_with
+from finetune.training.lifecycle import plan_or_exit, resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {

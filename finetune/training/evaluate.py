@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from finetune.data.prepare import IGNORE_INDEX, Collator
+from finetune.constants import IGNORE_INDEX
+from finetune.data.prepare import Collator
 from finetune.training import checkpoint, core
-from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
+from finetune.process import exit_with
+from finetune.training.lifecycle import rank0_print, write_json_atomic
 
 SPLIT_FILE = "eval_split.json"
 
@@ -50,7 +52,7 @@ def datasets_or_exit(cfg, local_rank: int):
     (tokenized like --dataset) or --eval_split_size (held out before packing; the split goes to eval_split.json)."""
     from finetune.data.pipeline import prepare_dataset
     from finetune.data.prepare import DataError
-    from finetune.training.outputs import data_or_exit
+    from finetune.training.lifecycle import data_or_exit
 
     data = cfg.data
     if data.eval_split_size:

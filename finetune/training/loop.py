@@ -15,7 +15,7 @@ from __future__ import annotations
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.training import checkpoint, core, evaluate
-from finetune.training.outputs import plan_or_exit, rank0_print, resume_or_exit
+from finetune.training.lifecycle import plan_or_exit, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:

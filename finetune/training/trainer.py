@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 
-from finetune.training import checkpoint, core, evaluate
+from finetune.training import checkpoint, core, evaluate, faults
 from finetune import config as C
 from finetune.data.prepare import make_collator
 from finetune.models import attention
-from finetune.training.outputs import describe_run, exit_with, plan_or_exit, rank0_print, resume_or_exit, save_final
+from finetune.process import exit_with
+from finetune.training.lifecycle import describe_run, plan_or_exit, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     if cfg.evaluation.early_stopping_patience:
         callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
                                                             cfg.evaluation.early_stopping_threshold))
-    if os.environ.get(core.STOP_VAR):
+    if os.environ.get(faults.STOP_VAR):
         callbacks.append(StopPoint())
     if dpo:
         trainer = preference.make_trainer(cfg, model, tokenizer, pairs, held_out, resume, callbacks)
