@@ -118,7 +118,7 @@ def child(kind: str, n: int, num_proc: int, work: Path) -> dict:
     cpu0 = _cpu()
     if kind == "finetune":
         from finetune.config import DataConfig
-        from finetune.data.prepare import prepare_dataset
+        from finetune.data.pipeline import prepare_dataset
 
         cfg = DataConfig(dataset=str(jsonl), dataset_cache_dir=str(scratch), dataset_num_proc=num_proc, max_seq_length=4096)
         ds, stats = prepare_dataset(cfg, tok, log=lambda *a: None)

@@ -779,8 +779,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        from finetune import compat
+        from finetune import process
 
-        compat.run_rank(worker, sys.argv[2:])  # a launched rank that finished skips gloo's teardown, as training ranks do
+        process.run_rank(worker, sys.argv[2:])  # a launched rank that finished skips gloo's teardown, as training ranks do
     else:
         main(sys.argv[1:])

@@ -343,7 +343,8 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     import torch
 
     from finetune import config as C
-    from finetune.data.prepare import make_collator, prepare_dataset
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import make_collator
     from finetune.models import attention
     from finetune.models.load import load_model, load_tokenizer
     from finetune.training import core

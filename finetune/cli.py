@@ -14,7 +14,7 @@ COMMANDS = {
     "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
     "report": ("finetune.apps.report", "write OUTPUT_DIR/report/: loss, learning-rate and tokens/s curves (PNG), final metrics (markdown, JSON)"),
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
-    "tiny": ("finetune.models.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
+    "tiny": ("finetune.apps.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }
 # The commands that run finetune's workarounds for other libraries' internals (finetune.compat).
 CHECKS_VERSIONS = ("train", "loop", "sft", "generate", "export", "quickstart")
@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
 
         compat.check_versions()
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    from finetune.compat import run_rank
+    from finetune import process
 
     # A training command run as the program (argv from the command line, not a caller) ends without the interpreter
-    # shutdown once done, as a launched rank does (finetune.compat).
-    run_rank(module.main, argv[1:], own_process=program and argv[0] in TRAINING)
+    # shutdown once done, as a launched rank does (finetune.process).
+    process.run_rank(module.main, argv[1:], own_process=program and argv[0] in TRAINING)
 
 
 if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it

@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from finetune.errors import ResumeError
+
 ALLOW_UNTESTED = "FINETUNE_ALLOW_UNTESTED"
 
 
@@ -50,7 +52,8 @@ TESTED: dict[str, Tested] = {
     "transformers": Tested(
         ">=5.23,<5.25",
         "the Trainer path's checkpoint hooks (private Trainer methods), reloading for verification inside a ZeRO-3 "
-        "run, and `finetune generate --device_map auto|balanced|sequential`",
+        "run, `finetune generate --device_map auto|balanced|sequential`, and the fast chat-template rendering of "
+        "data preparation (it calls transformers' private chat-template helpers)",
     ),
     "accelerate": Tested(
         ">=1.15,<1.16",
@@ -92,8 +95,6 @@ def check_versions(stream=None) -> list[str]:
 def _refuse_untested(package: str, what: str) -> None:
     message = untested(package)
     if message and os.environ.get(ALLOW_UNTESTED) != "1":
-        from finetune.training.checkpoint import ResumeError
-
         raise ResumeError(f"{message}. {what} would silently give wrong results if that changed; install a tested "
                           f"version, or set {ALLOW_UNTESTED}=1 to run it anyway")
 
@@ -120,8 +121,6 @@ def restore_after_load(engine, folder: str | Path) -> None:
 def _restore_nvme_offloaded(engine, folder: Path) -> None:
     import torch
     import torch.distributed as dist
-
-    from finetune.training.checkpoint import ResumeError
 
     opt = getattr(engine, "optimizer", None)
     if not getattr(opt, "swap_optimizer", False):
@@ -165,8 +164,6 @@ def _restore_swapped_state(opt, sub_group: int, fp32, saved_state: dict) -> None
     has no state entries for them, so it would swap in the weights only and start the moments at zero. Create
     the entries from the files and let the swapper adopt them (written back unchanged on swap-out)."""
     import torch
-
-    from finetune.training.checkpoint import ResumeError
 
     opt._prepare_sub_group(sub_group, set())  # swaps the fp32 weights in
     state = opt.optimizer.state[fp32]
@@ -416,6 +413,45 @@ def offload_hooks(model):
             if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
                 out.append((name, module, h))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 5.23-5.24 (transformers.utils.chat_template_utils) and jinja2 3.1 (jinja2.runtime): a chat template
+# rendered without apply_chat_template's per-call work, for data preparation (finetune.data.prepare.ChatRenderer;
+# tests/test_formats.py compares it with apply_chat_template). Where transformers lacks these helpers, ChatRenderer
+# calls apply_chat_template itself.
+
+
+def chat_template_helpers():
+    """(compile, alias_reasoning_fields, reasoning field names, plain_template_data): the private helpers
+    apply_chat_template renders with, or None where this transformers has not all of them."""
+    try:
+        from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
+                                                            _compile_jinja_template, _plain_template_data)
+    except ImportError:
+        return None
+    return _compile_jinja_template, _alias_reasoning_fields, frozenset(_REASONING_FIELDS), _plain_template_data
+
+
+def template_pieces(template, template_globals: dict, merged: dict):
+    """The text pieces a compiled jinja2 template yields, given its globals as a plain dict and `merged`, the globals
+    updated with the variables: what Template.render concatenates (jinja2's new_context and the template's
+    root_render_func), without the merge of its ChainMap of globals that Template.render does on every call (about
+    the cost of rendering a two-exchange chat)."""
+    from jinja2.runtime import new_context
+
+    context = new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
+    return template.root_render_func(context)
+
+
+def render_template(template, template_globals: dict, merged: dict) -> str:
+    """template.render(variables), from template_pieces."""
+    if template.environment.is_async:
+        return template.render(merged)  # the globals given again as variables: the same values
+    try:
+        return template.environment.concat(template_pieces(template, template_globals, merged))
+    except Exception:
+        template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
 
 # ----------------------------------------------------------------------------------------------
@@ -674,74 +710,6 @@ def _choose_deepspeed_accelerator() -> None:
         return
     os.environ["DS_ACCELERATOR"] = "cpu"
 
-
-
-# ----------------------------------------------------------------------------------------------
-# torch 2.13 / DeepSpeed 0.19.8 on CPU (gloo): a launched rank whose run has finished, saved and torn its process
-# group down can still abort in the interpreter's shutdown, a C++ thread destroyed while joinable ("terminate called
-# without an active exception", SIGABRT, the launcher then exits non-zero). Seen on the engine and Trainer paths,
-# about 1 run in 4 of tests/test_resume.py's mid-epoch engine case, never in 14 runs of its command outside pytest;
-# which library's thread it is was not found; also a rank that raised SystemExit(0) with nothing to do (a finished
-# run resumed with `latest`, CI 2026-11-26). And a one-process run, not launched (`python finetune/loop.py --config
-# zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in 29 runs of its command
-# here). A training process whose work is done therefore ends without the shutdown, however its main ends
-# (run_rank): a launched rank, and the process of a training entry point (own_process).
-
-
-def end_finished_process(code: int = 0, own_process: bool = False) -> None:
-    """End the process, its work done: flush, then os._exit. Only a rank its launcher started (LOCAL_RANK set at
-    start) or an entry point's own process (own_process, and the process started with the arguments in sys.argv)
-    ends; any other caller returns. A test running an entry point in-process sets LOCAL_RANK and sys.argv itself, so
-    what counts is the environment and command line the process started with."""
-    if not ((own_process and started_with_sys_argv()) or launched_by_launcher()):
-        return
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def run_rank(main, *args, own_process: bool = False) -> None:
-    """Run an entry point's main(*args); a launched rank, or the entry point's own process (own_process: the
-    training scripts' `__main__`, `finetune train|loop|sft`), that succeeded then ends by end_finished_process, whether
-    main returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing process
-    keeps the usual way out: ending at once would let its launcher stop local rank 0 before that rank printed the
-    error."""
-    try:
-        main(*args)
-    except SystemExit as e:
-        if e.code in (None, 0):
-            end_finished_process(0, own_process)
-        raise
-    end_finished_process(0, own_process)
-
-
-def started_with_sys_argv() -> bool:
-    """The command line this process started with (/proc/self/cmdline) ends with sys.argv[1:], so the entry point
-    reading sys.argv is the program (`python finetune/train.py ARGS`, `finetune train ARGS`, `python -m
-    finetune.cli train ARGS`); False where that cannot be read."""
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            started = f.read().split(b"\0")[:-1]
-    except OSError:
-        return False
-    args = [os.fsencode(a) for a in sys.argv[1:]]
-    return len(started) > len(args) and started[len(started) - len(args):] == args
-
-
-def launched_by_launcher() -> bool:
-    """LOCAL_RANK was in the environment this process started with (/proc/self/environ: os.environ changes since
-    do not show there); False where that cannot be read."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            return any(item.startswith(b"LOCAL_RANK=") for item in f.read().split(b"\0"))
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------------

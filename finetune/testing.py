@@ -433,8 +433,8 @@ class Killed:
 
 def stop_env(rank: int, step: int, delay: float = 0.0) -> dict[str, str]:
     """The environment that makes rank `rank` stop itself `delay` s after its optimizer step `step`
-    (finetune.training.core.stop_point), so that it can be killed at that point of the run."""
-    from finetune.training.core import STOP_VAR
+    (finetune.training.faults.stop_point), so that it can be killed at that point of the run."""
+    from finetune.training.faults import STOP_VAR
 
     return {STOP_VAR: f"{rank}:{step}:{delay}"}
 

@@ -14,9 +14,10 @@ if __package__ in (None, ""):
     # Run as a file: import the `finetune` package, not this folder's modules as top-level names.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune.compat import check_versions, run_rank
+from finetune.compat import check_versions
+from finetune.process import run_rank
 from finetune.training.trainer import main
 
 if __name__ == "__main__":
     check_versions()
-    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.compat)
+    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.process)

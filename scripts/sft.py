@@ -14,9 +14,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.compat import check_versions, run_rank
+from finetune.compat import check_versions
+from finetune.process import run_rank
 from finetune.training.engine import main
 
 if __name__ == "__main__":
     check_versions()
-    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.compat)
+    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.process)

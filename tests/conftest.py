@@ -31,7 +31,7 @@ if not HAS_CUDA:
 
 
 # os._exit in the test process would end the session at once with the exit code it is given, the remaining tests
-# unrun and no summary (a launched rank's exit, compat.end_finished_process, did this under an in-process entry point:
+# unrun and no summary (a launched rank's exit, process.end_finished_process, did this under an in-process entry point:
 # exit code 0, a third of the suite skipped unseen). In the test process it raises instead; forked children (the
 # benches' rows, datasets' workers) keep the real one.
 _SESSION_PID, _real_exit = os.getpid(), os._exit

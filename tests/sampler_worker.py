@@ -29,8 +29,8 @@ def main(out_dir: str, batch: int, epochs: int, lengths: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    from finetune import compat
+    from finetune import process
 
     # A finished rank ends without the interpreter's shutdown, as the training ranks do: gloo's teardown can abort
     # a rank whose work is done ("terminate called without an active exception").
-    compat.run_rank(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")])
+    process.run_rank(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")])

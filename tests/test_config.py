@@ -564,10 +564,11 @@ def test_only_rank_0_reports_at_once(monkeypatch, capsys):
     then reports the problems itself: a problem only that rank sees is still printed."""
     import time
 
+    from finetune import process
     from finetune.config import parser
 
     error = C.ConfigError(["--config zero2 disagrees"])
-    monkeypatch.setattr(parser, "PEER_REPORT_GRACE_S", 0.3)
+    monkeypatch.setattr(process, "PEER_REPORT_GRACE_S", 0.3)
     for rank, world, printed, waited in (("0", "2", "finetune: 1 configuration problem(s):", False),
                                          ("1", "2", "rank 1: finetune: 1 configuration problem(s):", True),
                                          ("0", "1", "finetune: 1 configuration problem(s):", False)):
@@ -579,25 +580,3 @@ def test_only_rank_0_reports_at_once(monkeypatch, capsys):
         assert e.value.code == 2
         assert (time.monotonic() - start >= 0.3) == waited
         assert capsys.readouterr().err.splitlines()[0] == printed
-
-
-def test_a_shared_refusal_is_printed_by_local_rank_0_before_the_others_exit(monkeypatch, capsys):
-    """finetune.training.outputs.exit_with, which every rank reaches: local rank 0 prints and exits at once; the
-    others print nothing and exit only after the grace time (their launcher would SIGTERM local rank 0 on the first
-    exit, before it printed)."""
-    import time
-
-    from finetune.config import parser
-    from finetune.training import outputs
-
-    monkeypatch.setattr(parser, "PEER_REPORT_GRACE_S", 0.3)
-    for local_rank, world, printed, waited in (("0", "2", ["finetune: no room"], False), ("1", "2", [], True),
-                                               ("0", "1", ["finetune: no room"], False)):
-        monkeypatch.setenv("LOCAL_RANK", local_rank)
-        monkeypatch.setenv("WORLD_SIZE", world)
-        start = time.monotonic()
-        with pytest.raises(SystemExit) as e:
-            outputs.exit_with("no room")
-        assert e.value.code == 2
-        assert (time.monotonic() - start >= 0.3) == waited
-        assert capsys.readouterr().err.splitlines() == printed

@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.data import pipeline
-from finetune.data import prepare as data
 from finetune.config import DataConfig
-from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, prepare_dataset, tokenize_record
+from finetune.data.pipeline import prepare_dataset
+from finetune.data.prepare import IGNORE_INDEX, Collator, DataError, tokenize_record
 from finetune.models.load import load_tokenizer
 
 CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -761,7 +761,7 @@ def test_rank1_waits_for_rank0(tok_chatml, tmp_path, cache_dir):
     cfg = cfg_for(path, cache_dir)
     cache_dir.mkdir(parents=True)
     # A stale error file from an earlier run (old mtime) must be ignored by the waiting rank.
-    key = data._fingerprint(cfg, tok_chatml)
+    key = pipeline._fingerprint(cfg, tok_chatml)
     stale = cache_dir / f"{key}.error"
     stale.write_text("old failure")
     old = time.time() - 3600
@@ -784,7 +784,7 @@ def test_rank1_raises_promptly_on_error_file(tok_chatml, tmp_path, cache_dir):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD_MSG])
     cfg = cfg_for(path, cache_dir)
     cache_dir.mkdir(parents=True)
-    key = data._fingerprint(cfg, tok_chatml)
+    key = pipeline._fingerprint(cfg, tok_chatml)
     waiter, box = _run_in_thread(lambda: prepare_dataset(cfg, tok_chatml, local_rank=1, log=quiet))
 
     written = {}

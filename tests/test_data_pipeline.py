@@ -70,13 +70,13 @@ def _check_against_reference(path, tok, cache, kw):
     examples, ref_stats = reference(path, tok, cfg)
     if not examples:
         with pytest.raises(P.DataError, match="no examples left"):
-            P.prepare_dataset(cfg, tok, log=quiet)
+            pipeline.prepare_dataset(cfg, tok, log=quiet)
         return ref_stats
-    ds, stats = P.prepare_dataset(cfg, tok, log=quiet)
+    ds, stats = pipeline.prepare_dataset(cfg, tok, log=quiet)
     assert rows(ds) == [(e["input_ids"], e["labels"]) for e in examples], (path, kw)
     assert stats == ref_stats, (path, kw)
     # --packing: the rows built from the cache equal those built from the reference's lists.
-    packed, pstats = P.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(cache), packing=True, **kw), tok, log=quiet)
+    packed, pstats = pipeline.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(cache), packing=True, **kw), tok, log=quiet)
     ref_packed, ref_pstats = pack_dataset(examples, cfg.max_seq_length)
     assert packed_rows(packed) == packed_rows(ref_packed) and pstats.packed_rows == ref_pstats.rows
     return stats
@@ -104,7 +104,7 @@ def test_pipeline_equals_per_record_reference_every_file_type(toks, tmp_path, ca
 
 def test_cache_is_int32_arrow_shards_memory_mapped(toks, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS.values()])
-    ds, _ = P.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c")), toks["chatml"], log=quiet)
+    ds, _ = pipeline.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c")), toks["chatml"], log=quiet)
     [entry] = [p for p in (tmp_path / "c").iterdir() if p.is_dir()]
     # The map's own file, renamed into the entry (no save_to_disk copy), with what loading leaves out.
     assert sorted(f.name for f in entry.iterdir()) == ["data-00000.arrow", "layout.json", "stats.json"]
@@ -134,7 +134,7 @@ def test_multiprocess_map_equals_reference_and_locates_errors(toks, tmp_path, mo
     path = write_jsonl(tmp_path / "d.jsonl", records)
     cfg = DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c"), dataset_num_proc=2, max_seq_length=60)
     examples, ref_stats = reference(path, tok, cfg)
-    ds, stats = P.prepare_dataset(cfg, tok, log=quiet)
+    ds, stats = pipeline.prepare_dataset(cfg, tok, log=quiet)
     assert rows(ds) == [(e["input_ids"], e["labels"]) for e in examples] and stats == ref_stats
     assert stats.truncated > 0 and stats.dropped_no_labels > 0  # both paths of the status columns ran
     assert len(list((tmp_path / "c").glob("*/data-*.arrow"))) == 2  # written as 2 shards, by 2 processes
@@ -142,7 +142,7 @@ def test_multiprocess_map_equals_reference_and_locates_errors(toks, tmp_path, mo
     bad = records[:100] + [{"messages": [{"role": "user", "content": "no answer"}]}] + records[100:]
     path = write_jsonl(tmp_path / "bad.jsonl", bad)
     with pytest.raises(P.DataError, match=rf"^{path}:101: no assistant message"):
-        P.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c"), dataset_num_proc=2), tok, log=quiet)
+        pipeline.prepare_dataset(DataConfig(dataset=str(path), dataset_cache_dir=str(tmp_path / "c"), dataset_num_proc=2), tok, log=quiet)
     assert not list((tmp_path / "c").glob("*.tmp*")) and not list((tmp_path / "c").glob("*.lock"))
 
 
@@ -164,7 +164,7 @@ def test_forked_workers_inherit_the_map_function(toks, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(PreTrainedTokenizerFast, "__getstate__", refuse, raising=False)
         m.setattr(PreTrainedTokenizerFast, "__reduce_ex__", refuse)
-        ds, stats = P.prepare_dataset(cfg, tok, log=quiet)
+        ds, stats = pipeline.prepare_dataset(cfg, tok, log=quiet)
     assert rows(ds) == [(e["input_ids"], e["labels"]) for e in examples] and stats == ref_stats
     assert len(list((tmp_path / "c").glob("*/data-*.arrow"))) == 2  # 2 processes wrote it
 
@@ -176,7 +176,7 @@ def test_forked_workers_inherit_the_map_function(toks, tmp_path, monkeypatch):
 def _entry(cfg, tok):
     root = Path(cfg.dataset_cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    key = P._fingerprint(cfg, tok)
+    key = pipeline._fingerprint(cfg, tok)
     return root, key
 
 
@@ -200,7 +200,7 @@ def test_two_nodes_sharing_the_cache_tokenize_once(toks, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "tokenize_source", slow_tokenize)
     out = {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, P.prepare_dataset(cfg, tok, log=quiet)), daemon=True)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, pipeline.prepare_dataset(cfg, tok, log=quiet)), daemon=True)
                for i in range(2)]
     for t in threads:
         t.start()
@@ -219,7 +219,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(toks, tmp_path):
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "since": time.time() - 5}))
     assert pipeline.lock_is_stale(lock)
     t0 = time.monotonic()
-    ds, stats = P.prepare_dataset(cfg, tok, log=quiet)
+    ds, stats = pipeline.prepare_dataset(cfg, tok, log=quiet)
     assert time.monotonic() - t0 < 30 and stats.examples == 2 and not lock.exists()
     # A live holder (this process) and one on another host are not stale.
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}))
@@ -243,7 +243,7 @@ def test_waiting_ranks_say_what_they_wait_for(toks, tmp_path, monkeypatch):
     lock.write_text(json.dumps({"host": "node-7", "pid": 4242, "since": time.time()}))
     logs = {0: [], 1: []}
     out = {}
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, P.prepare_dataset(
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, pipeline.prepare_dataset(
         cfg, tok, local_rank=r, log=logs[r].append)), daemon=True) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -289,8 +289,8 @@ def test_mix_through_prepare_dataset(toks, tmp_path):
     cache = str(tmp_path / "c")
     logs = []
     cfg = DataConfig(dataset=[str(a), str(b)], dataset_weights=[0.25, 0.75], dataset_cache_dir=cache)
-    ds, stats = P.prepare_dataset(cfg, tok, log=logs.append, seed=3)
-    alone = {p: rows(P.prepare_dataset(DataConfig(dataset=str(p), dataset_cache_dir=cache), tok, log=quiet)[0]) for p in (a, b)}
+    ds, stats = pipeline.prepare_dataset(cfg, tok, log=logs.append, seed=3)
+    alone = {p: rows(pipeline.prepare_dataset(DataConfig(dataset=str(p), dataset_cache_dir=cache), tok, log=quiet)[0]) for p in (a, b)}
     got = rows(ds)
     assert len(got) == stats.examples == 40
     from_a = [r for r in got if r in alone[a]]
@@ -301,11 +301,11 @@ def test_mix_through_prepare_dataset(toks, tmp_path):
     assert stats.records == 40 and stats.format == "mixed: messages, text"
     assert stats.tokens == sum(len(i) for i, _ in got)
     assert stats.trained_tokens == sum(sum(1 for x in lab[1:] if x != -100) for _, lab in got)
-    again, _ = P.prepare_dataset(cfg, tok, log=quiet, seed=3)
-    other, _ = P.prepare_dataset(cfg, tok, log=quiet, seed=4)
+    again, _ = pipeline.prepare_dataset(cfg, tok, log=quiet, seed=3)
+    other, _ = pipeline.prepare_dataset(cfg, tok, log=quiet, seed=4)
     assert rows(again) == got and rows(other) != got and sorted(map(str, rows(other))) != sorted(map(str, got))
     # Without weights: both whole, in order.
-    whole, st = P.prepare_dataset(DataConfig(dataset=[str(a), str(b)], dataset_cache_dir=cache), tok, log=quiet)
+    whole, st = pipeline.prepare_dataset(DataConfig(dataset=[str(a), str(b)], dataset_cache_dir=cache), tok, log=quiet)
     assert rows(whole) == alone[a] + alone[b] and st.examples == 40
 
 

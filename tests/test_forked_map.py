@@ -188,7 +188,7 @@ def test_a_launched_rank_tokenizes_on_two_processes(tmp_path):
 
     from finetune.config import DataConfig
     from finetune.data import pipeline
-    from finetune.data.prepare import prepare_dataset
+    from finetune.data.pipeline import prepare_dataset
     from finetune.models.load import load_tokenizer
     from finetune.testing import TRAIN, launcher, losses, run, tiny_job
 

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.config import DataConfig
-from finetune.data.prepare import (IGNORE_INDEX, DataError, end_of_turn_ids, prepare_dataset, tokenize_examples,
+from finetune.data.pipeline import prepare_dataset
+from finetune.data.prepare import (IGNORE_INDEX, DataError, end_of_turn_ids, tokenize_examples,
                                    tokenize_record)
 from finetune.models.load import load_tokenizer
 

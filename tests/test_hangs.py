@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from finetune import compat, testing
-from finetune.training import core
+from finetune.training import watchdog
 from launch import matrix
 
 BOUND = 30  # seconds: a signalled job is gone within this
@@ -201,22 +201,22 @@ def test_deepspeed_op_load_with_a_planted_dead_lock(tmp_path):
 
 def test_launchers_are_recognized_by_their_command_line():
     venv = "/x/.venv/bin"
-    assert core._is_launcher([f"{venv}/python", f"{venv}/deepspeed", "--num_gpus", "2", "sft.py"])
-    assert core._is_launcher(["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30="])
-    assert core._is_launcher([f"{venv}/python", f"{venv}/torchrun", "--nproc_per_node", "2"])
-    assert core._is_launcher(["python", "-m", "torch.distributed.run", "--nproc_per_node", "2"])
-    assert core._is_launcher([f"{venv}/python", f"{venv}/accelerate", "launch", "train.py"])
-    assert not core._is_launcher(["bash"]) and not core._is_launcher(["python", "-m", "pytest", "tests"])
+    assert watchdog._is_launcher([f"{venv}/python", f"{venv}/deepspeed", "--num_gpus", "2", "sft.py"])
+    assert watchdog._is_launcher(["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30="])
+    assert watchdog._is_launcher([f"{venv}/python", f"{venv}/torchrun", "--nproc_per_node", "2"])
+    assert watchdog._is_launcher(["python", "-m", "torch.distributed.run", "--nproc_per_node", "2"])
+    assert watchdog._is_launcher([f"{venv}/python", f"{venv}/accelerate", "launch", "train.py"])
+    assert not watchdog._is_launcher(["bash"]) and not watchdog._is_launcher(["python", "-m", "pytest", "tests"])
     # A script argument that mentions a launcher does not make a launcher.
-    assert not core._is_launcher(["python", "train.py", "--config", "ds_configs/deepspeed.json"])
+    assert not watchdog._is_launcher(["python", "train.py", "--config", "ds_configs/deepspeed.json"])
 
 
 RENDEZVOUS = """
 import datetime, os, sys, threading
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], WORLD_SIZE="2", RANK="0")
 import torch.distributed as dist
-from finetune.training import core
-core.Watchdog([], report_after=2.0).start()
+from finetune.training import watchdog
+watchdog.Watchdog([], report_after=2.0).start()
 dist.init_process_group("gloo", world_size=2, rank=0, timeout=datetime.timedelta(seconds=float(sys.argv[2])))
 """
 

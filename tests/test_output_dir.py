@@ -107,7 +107,7 @@ def args(job, *extra, model=None, data=None, out=None) -> list:
 
 
 def fingerprint_line(folder: Path) -> dict:
-    from finetune.training.outputs import FINGERPRINT_LINE
+    from finetune.training.lifecycle import FINGERPRINT_LINE
 
     first = (folder / "finetune_config.yaml").read_text().splitlines()[0]
     assert first.startswith(FINGERPRINT_LINE), first
@@ -227,22 +227,22 @@ def test_resume_after_a_lost_final_save_trains_no_extra_step(how, job, run):
     assert losses(out) == pytest.approx(expected, abs=1e-6)
 
 
-# Ends as the training ranks do (compat.run_rank): gloo's teardown in the interpreter shutdown can abort a rank
+# Ends as the training ranks do (process.run_rank): gloo's teardown in the interpreter shutdown can abort a rank
 # that finished ("terminate called without an active exception"; seen here once, after both ranks printed).
 GUARD = """
 import datetime, os, sys
 import torch.distributed as dist
-from finetune import compat, config as C
-from finetune.training import outputs
+from finetune import config as C, process
+from finetune.training import lifecycle
 
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     cfg = C.parse(sys.argv[1:] + ["--output_dir", os.environ[f"OUT{rank}"]])
-    print(f"rank {rank}: guard returned {outputs.guard_output_dir(cfg)}", flush=True)
+    print(f"rank {rank}: guard returned {lifecycle.guard_output_dir(cfg)}", flush=True)
     dist.destroy_process_group()
 
-compat.run_rank(main, own_process=True)
+process.run_rank(main, own_process=True)
 """
 
 

@@ -17,9 +17,10 @@ import torch
 
 from finetune.models import attention, tiny
 from finetune.config import DataConfig, Preset
-from finetune.data.prepare import IGNORE_INDEX, make_collator, prepare_dataset, tokenize_record
+from finetune.data.pipeline import prepare_dataset
+from finetune.data.prepare import IGNORE_INDEX, make_collator, tokenize_record
 from finetune.models.load import load_tokenizer
-from finetune.training.outputs import describe_run
+from finetune.training.lifecycle import describe_run
 from finetune.data.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
 from launch import LOOP, TRAIN, losses, run, tiny_job
 
@@ -225,6 +226,14 @@ def test_layout_choice():
     # flash-attention splits by position_ids only for ONE flattened row.
     assert collator_layout(True, False, "flash_attention_2") == "flat"
     assert collator_layout(False, True, "sdpa") == "flat"
+
+
+@pytest.mark.parametrize("packing,padding_free", [(False, False), (True, False), (False, True), (True, True)])
+def test_packed_sdpa_exactly_on_packed_rows(packing, padding_free):
+    # models.attention cannot import data (independent layers): it states the "rows" rule for sdpa itself.
+    cfg = SimpleNamespace(data=SimpleNamespace(packing=packing, padding_free=padding_free),
+                          model=SimpleNamespace(attn_implementation="sdpa"), training=SimpleNamespace())
+    assert attention.applies(cfg, SimpleNamespace()) == (collator_layout(packing, padding_free, "sdpa") == "rows")
 
 
 def test_prepare_dataset_packs_and_reports(tiny_chatml, tmp_path, cache_dir):

@@ -20,7 +20,7 @@ import torch
 from finetune.models import tiny
 from finetune.training import engine as sft  # scripts/sft.py is its launcher file
 from finetune.data.prepare import Collator
-from finetune.training.outputs import staging_dir
+from finetune.training.lifecycle import staging_dir
 from finetune.data.sampler import DistributedBatchOrder, rank_indices
 from launch import BIN, REPO, eval_entries, free_port, losses, run, tiny_job, unexpected_warnings
 

@@ -125,12 +125,12 @@ def test_a_clean_run_returns_at_once_with_its_output_and_exit_code(tmp_path):
     assert result.output.split("\n")[0].split(":")[0] == str(testing.REPO)
 
 
-# A "rank" that reports steps 1..4 to finetune.training.core.stop_point, then says it is done and exits.
+# A "rank" that reports steps 1..4 to finetune.training.faults.stop_point, then says it is done and exits.
 STEPPER = """
 import time
-from finetune.training import core
+from finetune.training import faults
 for step in range(1, 5):
-    core.stop_point(step)
+    faults.stop_point(step)
     print("step", step, time.monotonic(), flush=True)
     time.sleep(0.5)
 print("done", flush=True)

@@ -139,7 +139,7 @@ def parse(argv: list[str]) -> QuickstartConfig:
 
 def validate(cfg: QuickstartConfig) -> list[str]:
     from finetune.config import PRESETS, check_model_folder
-    from finetune.config.parser import did_you_mean
+    from finetune.errors import did_you_mean
 
     problems = []
     if cfg.method not in METHODS:

@@ -90,6 +90,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["launch"]:
         launch(sys.argv[2:])
     else:
-        from finetune.compat import run_rank
+        from finetune.process import run_rank
 
-        run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.compat)
+        run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.process)

@@ -21,18 +21,19 @@ Field metadata the parser reads:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import json
 import os
 import sys
 import textwrap
-import time
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from finetune import process
+from finetune.errors import did_you_mean
 
 
 class ConfigError(Exception):
@@ -156,11 +157,6 @@ def _split_list(value: Any) -> list[Any]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return [value]
-
-
-def did_you_mean(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,24 +526,13 @@ def wants_help(argv: list[str], passthrough: bool = False) -> bool:
     return "-h" in argv or "--help" in argv
 
 
-# How long a launched rank that does not print an error every rank shares waits before it exits: a rank that exits
-# at once makes its launcher SIGTERM the rest, the printing rank included, possibly before that one has printed.
-PEER_REPORT_GRACE_S = 10.0
-
-
-def give_the_reporting_rank_time() -> None:
-    """Wait PEER_REPORT_GRACE_S under a launcher (the printing rank's exit ends the wait: the launcher stops us)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(PEER_REPORT_GRACE_S)
-
-
 def exit_with_problems(error: ConfigError) -> typing.NoReturn:
     # Every rank finds the same problems (no rank waits on a collective), so all exit and rank 0 prints. The other
     # ranks give rank 0 time to print first (the checks before the heavy imports take 0.2 s, so ranks are seconds
     # apart here); a problem only this rank sees is then printed by it.
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        give_the_reporting_rank_time()
+        process.give_the_reporting_rank_time()
         print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
     elif rank == 0:
         print(str(error), file=sys.stderr, flush=True)

@@ -258,7 +258,7 @@ class FinetuneConfig:
     training: Any  # transformers.TrainingArguments
     preset: Preset  # the parallelism: --config resolved once (finetune.config.preset)
     sources: dict[str, str]  # key -> "default" | "recipe" | "cli"
-    fingerprint: dict | None = None  # set by finetune.training.outputs.guard_output_dir before training
+    fingerprint: dict | None = None  # set by finetune.training.lifecycle.guard_output_dir before training
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     objective: MethodConfig = field(default_factory=ObjectiveConfig)  # the method's config (finetune.methods)
 

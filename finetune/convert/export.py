@@ -27,22 +27,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-from finetune import compat  # noqa: E402
-from finetune.models.verify import DEFAULT_ATOL, VerificationError, fixed_input, logits_of, verify_saved  # noqa: E402
+from finetune import compat
+from finetune.convert import gguf_export
+from finetune.convert.gguf_export import GGUF_TYPES
+from finetune.convert.messages import ExportError, log
+from finetune.errors import did_you_mean
+from finetune.models.verify import DEFAULT_ATOL, VerificationError, fixed_input, logits_of, verify_saved
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
 )
-
-
-class ExportError(Exception):
-    """A user mistake or a failed verification: one clear message."""
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,8 +92,8 @@ def merge_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.inference.generate import GenerationError, check_adapter, empty_model
-    from finetune.models.load import WeightsError, check_loading_info, resolve_dtype
+    from finetune.models.adapter import AdapterError, check_adapter
+    from finetune.models.load import WeightsError, check_loading_info, empty_model, resolve_dtype
 
     adapter, output_dir = Path(adapter), Path(output_dir)
     if not (adapter / "adapter_config.json").is_file():
@@ -113,7 +108,7 @@ def merge_adapter(
     dtype = resolve_dtype(torch_dtype)
     try:
         check_adapter(str(adapter), base_path, empty_model(base_path, torch.float32))
-    except GenerationError as e:
+    except AdapterError as e:
         raise ExportError(str(e)) from None
 
     # Merge in fp32, where merged vs base + adapter is checked to --atol; cast to --torch_dtype afterwards.
@@ -301,9 +296,6 @@ def command():
 
 
 def check_args(parsed) -> list[str]:
-    from finetune.config.parser import did_you_mean
-    from finetune.convert.gguf_export import GGUF_TYPES
-
     args: ExportArgs = parsed.args
     problems = []
     if args.to not in EXPORT_FORMATS:
@@ -365,8 +357,6 @@ def export_gguf(
     """A model folder as it is; an adapter merged or a ZeRO checkpoint consolidated into a temporary HF folder first
     (fp32, verified as for --to hf), then written as GGUF. The temporary folder is removed whatever happens."""
     import tempfile
-
-    from finetune.convert import gguf_export
 
     output = Path(output).absolute()
     gguf_export.check_output(output, overwrite)

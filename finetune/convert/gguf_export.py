@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.convert.export import ExportError, log
+from finetune.convert.messages import ExportError, log
 from finetune.models import families
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 

@@ -21,7 +21,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-IGNORE_INDEX = -100
+from finetune.constants import IGNORE_INDEX
+
 # Attention kernels that only split a row by position_ids when the batch is ONE flattened row
 # (transformers' `_is_packed_sequence` requires batch size 1): packed rows are flattened for them.
 FLAT_ONLY_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")

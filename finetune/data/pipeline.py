@@ -10,6 +10,7 @@ in one call; `tokenize_examples` is it for one record), so masks are the ones th
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from finetune import compat
-from finetune.data import formats
+from finetune.constants import IGNORE_INDEX
+from finetune.data import forked, formats, mix
 from finetune.data import prepare as P
-from finetune.data.prepare import IGNORE_INDEX, DataError, DataStats
+from finetune.data.packing import pack_dataset
+from finetune.data.prepare import DataError, DataStats
 
 # Per-example status bits, stored next to the tokens while the map runs (then dropped): stats come from these columns.
 # A truncated example can still be dropped for having no trained token left; it counts in both, as before.
@@ -83,7 +86,7 @@ def _jsonl_rows(p: Path):
 
 
 def _json_array_rows(p: Path):
-    records, where = P._read_json(p)  # one JSON document: parsed whole, as before
+    records, where = P.read_json(p)  # one JSON document: parsed whole, as before
     for record, loc in zip(records, where):
         yield json.dumps(record, ensure_ascii=False), loc
 
@@ -138,7 +141,7 @@ def source_dataset(cfg, hub, work: Path):
             else:
                 raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
         except UnicodeDecodeError:
-            raise DataError(f"{p}:{P._first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
+            raise DataError(f"{p}:{P.first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
     if ds is None or len(ds) == 0:
         raise DataError(empty)
     return ds, prefix
@@ -225,8 +228,6 @@ def _features():
 def map_records(ds, fn, work: Path, *, num_proc: int, features, what: str):
     """The batched map of a source's records into `work`: on one process, or on forked ones (finetune.data.forked)
     when each gets MIN_RECORDS_PER_PROC records or more."""
-    from finetune.data import forked
-
     procs = max(1, min(num_proc, len(ds) // MIN_RECORDS_PER_PROC))
     desc = f"tokenizing {what} ({procs} process{'es' if procs > 1 else ''})"
     kw = dict(batch_size=200, remove_columns=ds.column_names, features=features, load_from_cache_file=False)
@@ -395,7 +396,7 @@ def _format_s(s: float) -> str:
 def wait_for(done: Path, error_file: Path, lock: Path | None, what: str, log, *, take_over=None) -> bool:
     """Wait until `done` exists (True) or an error of this run appears (DataError). `take_over`: this process may
     take a stale lock; then it returns False once it holds the lock."""
-    started, t0 = P._process_start_time(), time.time()
+    started, t0 = _process_start_time(), time.time()
     last_note = t0
     while not done.is_file():
         # Only an error written during this run counts; an old one is left from an earlier run.
@@ -423,7 +424,7 @@ def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log, 
     preference pairs of finetune.data.preference), cached under keys starting with `kind`."""
     root = P.cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    key = (f"{kind}-" if kind else "") + P._fingerprint(cfg, tokenizer, hub)
+    key = (f"{kind}-" if kind else "") + _fingerprint(cfg, tokenizer, hub)
     final, error_file, lock = root / key, root / f"{key}.error", root / f"{key}.lock"
     name = hub.repo_id if hub is not None else str(cfg.dataset)
     done = final / "stats.json"
@@ -470,12 +471,58 @@ def source_configs(cfg) -> list:
 
 def prepare(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
     """Every source prepared (cached apart, so changing a weight re-tokenizes nothing), then mixed by weight."""
-    from finetune.data import mix
-
     num_proc = getattr(cfg, "dataset_num_proc", None) or default_num_proc()
     parts = []
     for sub in source_configs(cfg):
-        parts.append(prepare_source(sub, tokenizer, P._load_hub(sub), local_rank=local_rank, num_proc=num_proc, log=log))
+        parts.append(prepare_source(sub, tokenizer, P.load_hub(sub), local_rank=local_rank, num_proc=num_proc, log=log))
     if len(parts) == 1:
         return parts[0]
     return mix.mix([d for d, _ in parts], [s for _, s in parts], getattr(cfg, "dataset_weights", None), seed, log)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenize once per node, cache, and let the other ranks wait on the cache (no collective, so no timeout).
+
+
+def _fingerprint(cfg, tokenizer, hub=None) -> str:
+    h = hashlib.sha256()
+    h.update(P.DATA_VERSION.encode())
+    for key in ("dataset_format", "max_seq_length", "drop_long_sequences", "completion_only_loss"):
+        h.update(f"{key}={getattr(cfg, key)};".encode())
+    if hub is not None:
+        # A Hub data set: the repo, what was asked for, the commit it came from and datasets' hash of the data.
+        h.update(repr((hub.repo_id, cfg.dataset_config, cfg.dataset_split, hub.revision, hub.fingerprint)).encode())
+    else:
+        p = Path(cfg.dataset)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
+    return h.hexdigest()[:24]
+
+
+def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
+    """Return (datasets.Dataset with input_ids/labels, DataStats), tokenized once per node (once per job on a shared
+    cache folder) with a multi-process `Dataset.map` while the other ranks wait, then packed where asked."""
+    dataset, stats = prepare(cfg, tokenizer, local_rank=local_rank, log=log, seed=seed)
+    stats.padding_free = bool(getattr(cfg, "padding_free", False))
+    if getattr(cfg, "packing", False):
+        # Packed after the cache (the packer is deterministic and cheap, so every rank packs the same rows itself
+        # and the cache stays the same with and without --packing), before sampling: rows are the items.
+        dataset, packing = pack_dataset(dataset, cfg.max_seq_length)
+        stats.packed_rows = packing.rows
+    return dataset, stats
+
+
+def _process_start_time() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()

@@ -290,7 +290,7 @@ def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print):
     if isinstance(cfg.dataset, list):
         raise DataError("--method dpo takes one --dataset (mixing preference sets is not supported yet)")
     num_proc = getattr(cfg, "dataset_num_proc", None) or pipeline.default_num_proc()
-    hub = P._load_hub(cfg)
+    hub = P.load_hub(cfg)
     return pipeline.prepare_source(cfg, tokenizer, hub, local_rank=local_rank, num_proc=num_proc, log=log,
                                    build=tokenize_source, stats_cls=PreferenceStats, kind=f"pairs{PAIR_VERSION}",
                                    with_key=True)

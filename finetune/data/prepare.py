@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import bisect
 import csv
+import difflib
 import hashlib
 import json
 import operator
 import os
-import time
 import types
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from finetune import compat
+from finetune.constants import IGNORE_INDEX
 from finetune.data import formats
 from finetune.data.errors import DataError
-from finetune.data.formats.base import IGNORE_INDEX
 
 # Bump when tokenization changes, so stale caches are not reused.
 DATA_VERSION = "5"  # 4: Arrow cache of int32 columns written by pipeline.py; per-turn examples; end-of-turn counts;
@@ -41,7 +42,7 @@ def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
     suffix = p.suffix.lower()
     try:
         if suffix in (".jsonl", ".json"):
-            records, where = _read_json(p)
+            records, where = read_json(p)
         elif suffix == ".csv":
             records, where = _read_csv(p)
         elif suffix == ".parquet":
@@ -49,13 +50,13 @@ def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
         else:
             raise DataError(f"{p}: unsupported file type '{suffix}'; use .jsonl, .json, .csv, .parquet or a save_to_disk folder")
     except UnicodeDecodeError:
-        raise DataError(f"{p}:{_first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
+        raise DataError(f"{p}:{first_bad_utf8_line(p)}: not UTF-8 text; save the file as UTF-8") from None
     if not records:
         raise DataError(f"{p}: the file holds no records")
     return records, where
 
 
-def _first_bad_utf8_line(p: Path) -> int:
+def first_bad_utf8_line(p: Path) -> int:
     raw = p.read_bytes()
     try:
         raw.decode("utf-8")
@@ -64,7 +65,7 @@ def _first_bad_utf8_line(p: Path) -> int:
     return 1
 
 
-def _read_json(p: Path) -> tuple[list[dict], list[str]]:
+def read_json(p: Path) -> tuple[list[dict], list[str]]:
     text = p.read_text(encoding="utf-8-sig")  # -sig: also accept a byte order mark, as some editors write
     if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
@@ -140,7 +141,7 @@ def _read_saved(p: Path) -> tuple[list[dict], list[str]]:
     return records, [f"{p} row {i}" for i in range(len(records))]
 
 
-def _load_hub(cfg):
+def load_hub(cfg):
     """A Hub data set (`--dataset org/name`), loaded on every rank (memory-mapped from the datasets cache), or None."""
     from finetune.data import sources
 
@@ -229,19 +230,16 @@ class ChatRenderer:
     a transformers without these helpers) takes apply_chat_template itself; tests/test_formats.py compares the two."""
 
     def __init__(self, tokenizer):
-        from jinja2.runtime import new_context
         from transformers import PreTrainedTokenizerBase
 
-        self.tokenizer, self.compile, self.templates, self.new_context = tokenizer, None, {}, new_context
+        self.tokenizer, self.compile, self.templates = tokenizer, None, {}
         if getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template:
             return
-        try:
-            from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
-                                                                _compile_jinja_template, _plain_template_data)
-        except ImportError:
+        helpers = compat.chat_template_helpers()
+        if helpers is None:
             return
-        self.compile, self.alias, self.reasoning = _compile_jinja_template, _alias_reasoning_fields, frozenset(_REASONING_FIELDS)
-        self.variables = _plain_template_data(tokenizer.special_tokens_map)
+        self.compile, self.alias, self.reasoning, plain_data = helpers
+        self.variables = plain_data(tokenizer.special_tokens_map)
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "", tools=None) -> str:
         return self.prefixes(messages, where, tools)(len(messages), add_generation_prompt)
@@ -259,7 +257,7 @@ class ChatRenderer:
             try:
                 if compiled is not None:
                     template, template_globals, _, seen, shared = compiled
-                    return self._render_compiled(template, template_globals, {
+                    return compat.render_template(template, template_globals, {
                         **shared, "messages": seen[:n], "add_generation_prompt": add_generation_prompt})
                 return self.tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=add_generation_prompt,
                                                           **({"tools": tools} if tools else {}))
@@ -282,7 +280,7 @@ class ChatRenderer:
 
         def pieces(marked):
             variables = {**shared, "messages": marked, "add_generation_prompt": True}
-            return template.root_render_func(self._context(template, template_globals, variables))
+            return compat.template_pieces(template, template_globals, variables)
 
         return one_pass.layout(pieces, messages, seen)
 
@@ -322,20 +320,6 @@ class ChatRenderer:
             found = _RENDER_TEMPLATES[source] = (template, dict(template.globals), single)
         self.templates[source] = found
         return found
-
-    def _context(self, template, template_globals: dict, merged: dict):
-        return self.new_context(template.environment, template.name, template.blocks, merged, True, template_globals)
-
-    def _render_compiled(self, template, template_globals: dict, merged: dict) -> str:
-        """template.render(variables), given the template's globals as a plain dict and `merged`, the globals updated
-        with the variables: Template.render merges them from its ChainMap of globals on every call, which costs
-        about as much as rendering a two-exchange chat."""
-        if template.environment.is_async:
-            return template.render(merged)  # the globals given again as variables: the same values
-        try:
-            return template.environment.concat(template.root_render_func(self._context(template, template_globals, merged)))
-        except Exception:
-            template.environment.handle_exception()  # raises the error, its traceback pointing into the template
 
 
 def _rejected(where: str, error: Exception) -> DataError:
@@ -823,61 +807,13 @@ def tokenize_all(records: list[dict], where: list[str], fmt: str, tokenizer, max
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenize once per node, cache, and let the other ranks wait on the cache (no collective, so no timeout).
-
-
-def _fingerprint(cfg, tokenizer, hub=None) -> str:
-    h = hashlib.sha256()
-    h.update(DATA_VERSION.encode())
-    for key in ("dataset_format", "max_seq_length", "drop_long_sequences", "completion_only_loss"):
-        h.update(f"{key}={getattr(cfg, key)};".encode())
-    if hub is not None:
-        # A Hub data set: the repo, what was asked for, the commit it came from and datasets' hash of the data.
-        h.update(repr((hub.repo_id, cfg.dataset_config, cfg.dataset_split, hub.revision, hub.fingerprint)).encode())
-    else:
-        p = Path(cfg.dataset)
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-        for f in files:
-            h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
-    return h.hexdigest()[:24]
+# Where the tokenize-once cache lives (finetune.data.pipeline writes and reads it).
 
 
 def cache_root(cfg) -> Path:
     if cfg.dataset_cache_dir:
         return Path(cfg.dataset_cache_dir)
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "tokenized"
-
-
-def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
-    """Return (datasets.Dataset with input_ids/labels, DataStats). finetune/data/pipeline.py tokenizes (once per node,
-    once per job on a shared cache folder) with a multi-process `Dataset.map`; the other ranks wait."""
-    from finetune.data import pipeline
-
-    dataset, stats = pipeline.prepare(cfg, tokenizer, local_rank=local_rank, log=log, seed=seed)
-    stats.padding_free = bool(getattr(cfg, "padding_free", False))
-    if getattr(cfg, "packing", False):
-        from finetune.data.packing import pack_dataset
-
-        # Packed after the cache (the packer is deterministic and cheap, so every rank packs the same rows itself
-        # and the cache stays the same with and without --packing), before sampling: rows are the items.
-        dataset, packing = pack_dataset(dataset, cfg.max_seq_length)
-        stats.packed_rows = packing.rows
-    return dataset, stats
-
-
-def _process_start_time() -> float:
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
 
 
 # ----------------------------------------------------------------------------------------------

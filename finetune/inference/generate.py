@@ -128,16 +128,6 @@ def _fmt_bytes(n: float) -> str:
 # Device maps
 
 
-def empty_model(model_path: str, dtype, trust_remote_code: bool = False):
-    """The model's modules with parameters on the meta device (no memory, no weights read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-
-
 def module_sizes(model) -> dict[str, int]:
     """Bytes of parameters and buffers under every module name ("" = the whole model)."""
     sizes: dict[str, int] = {}
@@ -301,56 +291,6 @@ class LoadOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def check_adapter(adapter: str, base_path: str, meta_model) -> dict:
-    """An adapter trained for another base model is an error before anything loads: every LoRA matrix must fit
-    the base module it targets (shape), and a recorded local base folder must describe the same architecture."""
-    from safetensors import safe_open
-
-    folder = Path(adapter)
-    cfg_file = folder / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise GenerationError(f"--adapter {adapter}: no adapter_config.json (is it a PEFT adapter folder?)")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise GenerationError(f"--adapter {adapter}: peft_type {cfg.get('peft_type')} is not supported (LoRA only)")
-    recorded = cfg.get("base_model_name_or_path")
-    if recorded and Path(recorded).is_dir() and (Path(recorded) / "config.json").is_file():
-        ours = json.loads((Path(base_path) / "config.json").read_text())
-        theirs = json.loads((Path(recorded) / "config.json").read_text())
-        keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size")
-        diff = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in keys if theirs.get(k) != ours.get(k)]
-        if diff:
-            raise GenerationError(
-                f"--adapter {adapter} was trained on base model {recorded}, which differs from {base_path}: "
-                + "; ".join(diff)
-            )
-    weights = folder / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise GenerationError(f"--adapter {adapter}: no adapter_model.safetensors")
-    modules = dict(meta_model.named_modules())
-    problems = []
-    with safe_open(str(weights), framework="pt") as f:
-        for key in f.keys():
-            m = re.match(r"^(?:base_model\.model\.)?(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$", key)
-            if not m:
-                continue
-            target, kind = m.group(1), m.group(2)
-            module = modules.get(target)
-            shape = tuple(f.get_slice(key).get_shape())
-            if module is None or not hasattr(module, "in_features"):
-                problems.append(f"{target}: no such linear layer in the base model")
-            elif kind == "lora_A" and shape[1] != module.in_features:
-                problems.append(f"{target}: adapter expects {shape[1]} input features, the base layer has {module.in_features}")
-            elif kind == "lora_B" and shape[0] != module.out_features:
-                problems.append(f"{target}: adapter expects {shape[0]} output features, the base layer has {module.out_features}")
-    if problems:
-        shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-        origin = f" (it was trained on {recorded})" if recorded else ""
-        raise GenerationError(f"--adapter {adapter} does not fit base model {base_path}{origin}: {shown}")
-    return cfg
-
-
 def load_for_inference(opts: LoadOptions, log=None):
     """Load tokenizer + model (+ adapter) placed by `opts.device_map`; returns (model, tokenizer, device_map used).
 
@@ -360,8 +300,9 @@ def load_for_inference(opts: LoadOptions, log=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.config import check_model_folder
-    from finetune.models.load import (WeightsError, check_loading_info, ensure_pad_token, quiet_load_report,
-                                       resolve_dtype)
+    from finetune.models.adapter import AdapterError, check_adapter
+    from finetune.models.load import (WeightsError, check_loading_info, empty_model, ensure_pad_token,
+                                       quiet_load_report, resolve_dtype)
     from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -379,7 +320,10 @@ def load_for_inference(opts: LoadOptions, log=None):
 
     meta = empty_model(opts.model_name_or_path, dtype, opts.trust_remote_code)
     if opts.adapter:
-        check_adapter(opts.adapter, opts.model_name_or_path, meta)
+        try:
+            check_adapter(opts.adapter, opts.model_name_or_path, meta)
+        except AdapterError as e:
+            raise GenerationError(str(e)) from None
 
     kwargs: dict[str, Any] = dict(opts.extra)
     device_map: dict[str, Any] | str

@@ -23,7 +23,7 @@ class SFT(Method):
     trainer_loss = True
 
     def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
-        from finetune.data.prepare import prepare_dataset
+        from finetune.data.pipeline import prepare_dataset
 
         dataset, stats = prepare_dataset(data, tokenizer, local_rank=local_rank, log=log, seed=seed)
         return dataset, stats, None

@@ -43,12 +43,11 @@ def applies(cfg, model_config) -> bool:
     """Whether a run of `cfg` on a model of `model_config` (a transformers config, or any object with its
     attributes) trains with PACKED_SDPA: packed rows, --attn_implementation sdpa, no --torch_compile (a loop over
     records whose lengths change every batch would recompile or break the graph), plain causal attention."""
-    from finetune.data.packing import collator_layout
-
     data, margs, args = cfg.data, cfg.model, cfg.training
+    # Packed rows: sdpa is none of the kernels that need one flattened row, so --packing without --padding_free
+    # (finetune.data.packing.collator_layout says "rows" exactly then; tests/test_packing.py holds the two together).
     return (margs.attn_implementation == "sdpa" and not getattr(args, "torch_compile", False)
-            and collator_layout(data.packing, data.padding_free, margs.attn_implementation) == "rows"
-            and unsupported(model_config) is None)
+            and data.packing and not data.padding_free and unsupported(model_config) is None)
 
 
 def enable(model, cfg) -> bool:

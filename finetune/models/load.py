@@ -74,6 +74,15 @@ def resolve_dtype(name: str) -> torch.dtype:
 from finetune.models.quant import QUANT_TYPES, check_quantized_setup, is_quantized, quantization_config  # noqa: E402,F401
 
 
+def empty_model(model_path: str, dtype, trust_remote_code: bool = False):
+    """The model's modules with parameters on the meta device (no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
 def quantized_device_map() -> dict:
     """Under DDP each rank keeps its own quantized copy on its own device (GPU LOCAL_RANK, or the CPU)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -190,7 +199,7 @@ def check_lora_targets(model_cfg) -> None:
     is read (the model is built on the meta device, which costs no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.config.parser import did_you_mean
+    from finetune.errors import did_you_mean
 
     targets = list(model_cfg.lora_target_modules or [])
     if not targets or targets == ["all-linear"]:

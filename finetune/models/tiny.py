@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 # SmolLM2's ChatML template (it injects a default system prompt when the conversation has none).
@@ -150,48 +149,3 @@ def save_random_adapter(base: str | Path, out: str | Path, *, r: int = 8, seed: 
     )
     peft.save_pretrained(out)
     return Path(out)
-
-
-# ----------------------------------------------------------------------------------------------
-# `finetune tiny OUT_DIR`
-
-
-@dataclass
-class TinyArgs:
-    """The tiny model to build"""
-
-    out_dir: str | None = field(default=None, metadata={"help": "Folder to write the model and tokenizer to.",
-                                                        "positional": True, "required": True})
-    style: str = field(default="chatml", metadata={"help": f"Tokenizer and chat template style: {', '.join(STYLES)}."})
-    hidden: int = field(default=64, metadata={"help": "Hidden size."})
-    layers: int = field(default=2, metadata={"help": "Decoder layers."})
-    seed: int = field(default=0, metadata={"help": "Seed of the random weights."})
-
-
-def check_args(parsed) -> list[str]:
-    from finetune.config.parser import did_you_mean
-
-    args: TinyArgs = parsed.args
-    problems = []
-    if args.style not in STYLES:
-        problems.append(f"--style: '{args.style}' is not one of {', '.join(STYLES)}{did_you_mean(args.style, list(STYLES))}")
-    if args.hidden < 8 or args.hidden % 8:
-        # 4 attention heads, and rotary embeddings need an even head size.
-        problems.append(f"--hidden: must be a positive multiple of 8, got {args.hidden}")
-    if args.layers < 1:
-        problems.append(f"--layers: must be at least 1, got {args.layers}")
-    return problems
-
-
-def main(argv: list[str] | None = None) -> None:
-    from finetune.config.parser import Command
-
-    cmd = Command("finetune tiny", {"args": TinyArgs},
-                  description="Build a tiny random Llama with a local tokenizer (no downloads).")
-    args: TinyArgs = cmd.parse_or_exit(argv, check_args).args
-    build(args.out_dir, args.style, args.seed, args.hidden, args.layers)
-    print(args.out_dir)
-
-
-if __name__ == "__main__":
-    main()

@@ -21,14 +21,11 @@ import sys
 from pathlib import Path
 
 from finetune import compat
+from finetune.errors import ResumeError  # noqa: F401  (raised here; compat raises it too)
 
 MARKER = "finetune_checkpoint.json"
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-class ResumeError(Exception):
-    """The checkpoint asked for cannot be resumed here; the message says why and what to do."""
 
 
 def folder_for(output_dir: str | Path, step: int) -> Path:

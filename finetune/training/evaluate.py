@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from finetune.data.prepare import IGNORE_INDEX, Collator
+from finetune.constants import IGNORE_INDEX
+from finetune.data.prepare import Collator
 from finetune.training import checkpoint, core
-from finetune.training.outputs import exit_with, rank0_print, write_json_atomic
+from finetune.process import exit_with
+from finetune.training.lifecycle import rank0_print, write_json_atomic
 
 SPLIT_FILE = "eval_split.json"
 

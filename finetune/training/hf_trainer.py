@@ -15,8 +15,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import compat
 from finetune.data.sampler import distributed_dataloader
-from finetune.training import checkpoint, core, evaluate
-from finetune.training.outputs import saving
+from finetune.training import checkpoint, evaluate, faults
+from finetune.training.lifecycle import saving
 
 
 class Trainer(transformers.Trainer):
@@ -134,7 +134,7 @@ class MethodTrainer(Trainer):
 
 
 class StopPoint(transformers.TrainerCallback):
-    """core.stop_point at the Trainer's step end (before its log, evaluate and save, as in the other paths)."""
+    """faults.stop_point at the Trainer's step end (before its log, evaluate and save, as in the other paths)."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        core.stop_point(state.global_step)
+        faults.stop_point(state.global_step)

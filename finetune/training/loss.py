@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from finetune.constants import IGNORE_INDEX
+
 _PENDING = "_finetune_loss_pending"
 _ACTIVE = "_finetune_loss_active"
 _INSTALLED = "_finetune_loss_installed"

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 
-from finetune.training import checkpoint, core, evaluate
+from finetune.training import checkpoint, core, evaluate, faults
 from finetune import methods
 from finetune.models import attention
-from finetune.training.outputs import describe_run, exit_with, rank0_print, resume_or_exit, save_final
+from finetune.process import exit_with
+from finetune.training.lifecycle import describe_run, rank0_print, resume_or_exit, save_final
 from finetune.models.verify import VerificationError
 
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     if cfg.evaluation.early_stopping_patience:
         callbacks.append(transformers.EarlyStoppingCallback(cfg.evaluation.early_stopping_patience,
                                                             cfg.evaluation.early_stopping_threshold))
-    if os.environ.get(core.STOP_VAR):
+    if os.environ.get(faults.STOP_VAR):
         callbacks.append(StopPoint())
     trainer = make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resume, callbacks)
     trainer.fingerprint = cfg.fingerprint

@@ -6,9 +6,8 @@ import difflib
 import json
 from typing import Any
 
+from finetune.constants import IGNORE_INDEX  # noqa: F401 (the formats' label for untrained tokens)
 from finetune.data.errors import DataError
-
-IGNORE_INDEX = -100
 
 
 def did_you_mean(value: Any, valid) -> str:

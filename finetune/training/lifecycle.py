@@ -1,5 +1,6 @@
-"""What a run prints and writes (the batch arithmetic at start, atomic final outputs), and how it stops on a user's
-mistake: one message from rank 0, exit 2 on every rank (each rank reaches the same check, so none is left waiting)."""
+"""A training run's lifecycle around the loop, the same on all three paths: resume (`latest`), the output folder's
+guard and the run's fingerprint, the data and the plan check at start, the batch arithmetic it prints, and the
+atomic, verified final save. A user's mistake found here stops every rank with one message (finetune.process)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from finetune.models.attention import PACKED_SDPA
+from finetune.process import exit_with
 
 # Written last when moving a finished save into place: its presence marks a complete model folder.
 _COMMIT_LAST = ("config.json", "adapter_config.json")
@@ -26,19 +27,6 @@ def is_rank0() -> bool:
 def rank0_print(*args, **kwargs) -> None:
     if is_rank0():
         print(*args, **kwargs, flush=True)
-
-
-def exit_with(message: str) -> NoReturn:
-    # Every rank reaches the same error (data errors reach the waiting ranks through the cache), so all exit. One
-    # line per node (its local rank 0): each node's launcher output says why its ranks stopped. The others give it
-    # time to print before their exit makes the launcher stop it.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"finetune: {message}", file=sys.stderr, flush=True)
-    else:
-        from finetune.config.parser import give_the_reporting_rank_time
-
-        give_the_reporting_rank_time()
-    raise SystemExit(2)
 
 
 def write_failure(folder: str | Path, exc: BaseException) -> str | None:

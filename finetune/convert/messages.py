@@ -1,0 +1,14 @@
+"""What the export commands say: ExportError (a user mistake or a failed verification, one clear message) and their
+progress lines on stderr. Both writers (export.py, gguf_export.py) use them; neither imports the other for them."""
+
+from __future__ import annotations
+
+import sys
+
+
+class ExportError(Exception):
+    """A user mistake or a failed verification: one clear message."""
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
