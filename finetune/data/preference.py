@@ -14,7 +14,6 @@ after it; the completion's trained tokens are found by the same prefix rendering
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import difflib
-import hashlib
 import json
 import operator
 import os

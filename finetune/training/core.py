@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 from finetune import compat, methods
-from finetune.constants import IGNORE_INDEX
 from finetune.methods.base import Context
 from finetune.process import exit_with
 from finetune.training import checkpoint, faults, watchdog

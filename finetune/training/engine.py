@@ -25,7 +25,7 @@ from functools import partial
 from finetune import methods
 from finetune.training import checkpoint, core, evaluate
 from finetune.process import exit_with
-from finetune.training.lifecycle import plan_or_exit, resume_or_exit
+from finetune.training.lifecycle import resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {

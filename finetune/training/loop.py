@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from finetune import methods
 from finetune.training import checkpoint, core, evaluate
-from finetune.training.lifecycle import plan_or_exit, rank0_print, resume_or_exit
+from finetune.training.lifecycle import rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
