@@ -111,7 +111,9 @@ def test_the_engine_path_refusal_comes_from_the_method():
 
     from finetune.training import core
 
-    cfg = SimpleNamespace(training=SimpleNamespace(), sources={}, deepspeed_config=None,
+    from finetune.config.preset import Preset
+
+    cfg = SimpleNamespace(training=SimpleNamespace(), sources={}, preset=Preset.named("ddp"),
                           objective=methods.get("dpo").config(method="dpo"))
     assert "engine" not in methods.get("dpo").paths
     assert core.refused_flags(cfg, "scripts/sft.py") == ["method dpo: not supported by scripts/sft.py "

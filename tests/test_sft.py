@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from finetune.config.preset import Preset
 from finetune.models import tiny
 from finetune.training import engine as sft  # scripts/sft.py is its launcher file
 from finetune.data.prepare import Collator
@@ -75,7 +76,7 @@ def test_data_seed_wins_over_seed():
 def test_flags_it_cannot_honour_are_refused():
     def cfg(**training):
         defaults = dict(resume_from_checkpoint=None, save_strategy="no", save_steps=500)
-        return SimpleNamespace(training=SimpleNamespace(**{**defaults, **training}), sources={})
+        return SimpleNamespace(training=SimpleNamespace(**{**defaults, **training}), sources={}, preset=Preset.named("ddp"))
 
     assert sft.unsupported(cfg()) == [] and sft.unsupported(cfg(save_strategy="steps")) == []
     assert sft.unsupported(cfg(resume_from_checkpoint="out/checkpoint-10")) == []  # resuming is supported now
