@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.apps.quickstart import exact_match
-    from finetune.convert.export import export_gguf
+    from finetune.convert.writers.gguf import write_folder
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         from finetune.convert.export import main as export_main
 
         model_dir = str(work / "merged")
-        export_main(["--adapter", args.adapter, "--base_model", args.model_dir, "--output_dir", model_dir])
+        export_main(["--adapter", args.adapter, "--model_name_or_path", args.model_dir, "--output_dir", model_dir])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     records = heldout(args.examples)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     for gguf_type in args.types.split(","):
         out = work / gguf_type / "model.gguf"
         t = time.time()
-        report = export_gguf(out, model_dir=model_dir, gguf_type=gguf_type)
+        report = write_folder(model_dir, out, gguf_type=gguf_type)
         seconds = time.time() - t
         llm = open_llamacpp(out, threads=args.threads)
         t = time.time()

@@ -78,7 +78,7 @@ def test_merge_to_bfloat16(files, tmp_path, capsys):
 
 def test_merge_refuses_adapter_for_another_base_and_existing_output(files, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        E.main(["--adapter", str(files["other_adapter"]), "--base_model", str(files["model"]), "--output_dir", str(tmp_path / "x")])
+        E.main(["--adapter", str(files["other_adapter"]), "--model_name_or_path", str(files["model"]), "--output_dir", str(tmp_path / "x")])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"was trained on base model {files['other']}, which differs from {files['model']}: hidden_size 32 vs 64" in err

@@ -192,7 +192,7 @@ def test_registered_family_is_written_as_gguf(mistral_family, tmp_path, capsys, 
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
     (src / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "gguf" / "m.gguf"
-    E.main(["--to", "gguf", "--model_dir", str(src), str(out)])  # verified: logits within 1e-5, weights exact
+    E.main(["--to", "gguf", "--model_name_or_path", str(src), str(out)])  # verified: logits within 1e-5, weights exact
     assert "transformers-loaded logits vs HF max diff" in capsys.readouterr().err
     back = tmp_path / "back"
     G.main([str(out), str(back)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.convert import export as E
-from finetune.convert import gguf_export as X
+from finetune.convert.writers import gguf as X
 from finetune.convert import gguf_import as G
 from finetune.models import tiny
 from finetune.models.families import llama
@@ -70,7 +70,7 @@ def test_export_round_trip(models, tmp_path, capsys, style, tied, gguf_type):
 
     src = models[(style, tied)]
     out = tmp_path / "gguf" / "model.gguf"
-    E.main(["--to", "gguf", "--model_dir", str(src), str(out), "--gguf_type", gguf_type])
+    E.main(["--to", "gguf", "--model_name_or_path", str(src), str(out), "--gguf_type", gguf_type])
     err = capsys.readouterr().err
     assert f"wrote {out} ({gguf_type}" in err
     assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "model.gguf"]  # no temp file left
@@ -197,7 +197,7 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
     (mistral / "config.json").write_text(json.dumps(cfg))
     out_dir = tmp_path / "out"
-    code, err = run_main(capsys, ["--to", "gguf", "--model_dir", str(mistral), str(out_dir / "m.gguf")])
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(mistral), str(out_dir / "m.gguf")])
     assert code == 2 and "model_type 'mistral' cannot be written as GGUF" in err, err
     assert not out_dir.exists()
 
@@ -207,7 +207,7 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     tj = json.loads((sp / "tokenizer.json").read_text())
     tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
     (sp / "tokenizer.json").write_text(json.dumps(tj))
-    code, err = run_main(capsys, ["--to", "gguf", "--model_dir", str(sp), str(out_dir / "m.gguf")])
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(sp), str(out_dir / "m.gguf")])
     assert code == 2 and "a 'BPE' vocabulary without byte fallback" in err, err
     assert not out_dir.exists()
 
@@ -215,10 +215,10 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     out_dir.mkdir()
     existing = out_dir / "m.gguf"
     existing.write_bytes(b"old")
-    code, err = run_main(capsys, ["--to", "gguf", "--model_dir", str(src), str(existing)])
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(src), str(existing)])
     assert code == 2 and "already exists; pass --overwrite" in err, err
     assert existing.read_bytes() == b"old" and sorted(p.name for p in out_dir.iterdir()) == ["m.gguf"]
-    E.main(["--to", "gguf", "--model_dir", str(src), str(existing), "--overwrite"])
+    E.main(["--to", "gguf", "--model_name_or_path", str(src), str(existing), "--overwrite"])
     assert existing.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in out_dir.iterdir()) == ["Modelfile", "m.gguf"]
 
     # An adapter whose base is not there.
@@ -229,23 +229,29 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
     before = sorted(p.name for p in tmp_path.iterdir())
     code, err = run_main(capsys, ["--to", "gguf", "--adapter", str(adapter), str(tmp_path / "a.gguf")])
-    assert code == 2 and "is not a local model folder; pass --base_model" in err, err
+    assert code == 2 and "is not a local model folder; pass --model_name_or_path" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
     # Flag mistakes, all at once.
     code, err = run_main(capsys, ["--to", "gguf", str(tmp_path / "x.bin"), "--gguf_type", "q4"])
     assert code == 2
-    for line in ("--model_dir, --adapter and --zero_checkpoint: give exactly one", "--gguf_type: 'q4' is not one of",
+    for line in ("--model_name_or_path, --adapter and --zero_checkpoint: give exactly one", "--gguf_type: 'q4' is not one of",
                  "must be a file name ending in .gguf"):
         assert line in err, err
 
 
-def test_other_chat_template_has_no_template(models, tmp_path, capsys):
+def test_other_chat_template_has_no_template(models, tmp_path, capsys, monkeypatch):
+    """(Given by the old spelling --model_dir, which still works and says the new name once.)"""
+    from finetune.config import parser
+
+    monkeypatch.setattr(parser, "_NOTED", set())
     src = tmp_path / "plain"
     tiny.build(src, "plain", seed=2)
     out = tmp_path / "o" / "p.gguf"
     E.main(["--to", "gguf", "--model_dir", str(src), str(out)])
-    assert "without TEMPLATE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "without TEMPLATE" in err
+    assert err.count("finetune export: --model_dir is now --model_name_or_path (the old spelling still works)") == 1, err
     assert (out.parent / "Modelfile").read_text() == "FROM ./p.gguf\n"
 
 
@@ -260,7 +266,7 @@ def test_smollm2_f32_and_q8_0(smollm2_dir, tmp_path, capsys):
     for gguf_type in ("f32", "q8_0"):
         out = tmp_path / gguf_type / "smollm2.gguf"
         start = time.perf_counter()
-        report = E.export_gguf(out, model_dir=str(smollm2_dir), gguf_type=gguf_type)
+        report = X.write_folder(smollm2_dir, out, gguf_type=gguf_type)
         seconds = time.perf_counter() - start
         _, meta = fields(out)
         assert meta["tokenizer.ggml.pre"] == "gpt-2" and meta["llama.attention.head_count_kv"] == 3
@@ -290,7 +296,7 @@ def test_quickstart_export_flag(models, tmp_path):
 
     run_dir = tiny.save_random_adapter(base, tmp_path / "run" / "model", seed=6)
     lines = []
-    path = Q.export_gguf(cfg, str(base), run_dir, tmp_path / "run" / "gguf" / "model.gguf", lines.append)
+    path = Q.export_run_as_gguf(cfg, str(base), run_dir, tmp_path / "run" / "gguf" / "model.gguf", lines.append)
     assert path.endswith("model.gguf") and "ollama create my-model -f" in lines[0]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -347,7 +353,7 @@ def test_sentencepiece_vocabulary(sentencepiece_model, tmp_path, capsys):
     src = sentencepiece_model
     tok = AutoTokenizer.from_pretrained(src)
     out = tmp_path / "f32" / "mistral-tiny.gguf"
-    report = X.export_gguf(src, out, gguf_type="f32")
+    report = X.write_folder(src, out, gguf_type="f32")
     assert report.logit_diff <= 1e-5 and report.weight_diff == 0.0
     _, meta = fields(out)
     assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import gguf_llamacpp as B  # noqa: E402
 
 from finetune.apps.quickstart import exact_match  # noqa: E402
-from finetune.convert import gguf_export as X  # noqa: E402
+from finetune.convert.writers import gguf as X  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ PROMPTS = 8  # held-out quickstart records decoded by every type
 
 
 def write(model_dir: Path, out: Path, gguf_type: str) -> Path:
-    """The exporter's file (export_gguf writes the same bytes, then verifies them with transformers, which
+    """The exporter's file (write_folder writes the same bytes, then verifies them with transformers, which
     test_gguf_export.py covers)."""
     from transformers import AutoModelForCausalLM
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.config.training import CONFIG_ALIASES
+from finetune.convert.writers import gguf as gguf_writer
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,10 +163,10 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--eval_threads: must be at least 1, got {cfg.eval_threads}")
     if cfg.learning_rate is not None and not cfg.learning_rate > 0:
         problems.append(f"--learning_rate: must be more than 0, got {cfg.learning_rate}")
-    if cfg.export not in (None, "gguf"):
-        problems.append(f"--export: '{cfg.export}' is not a format quickstart writes (gguf)")
-    if cfg.gguf_type not in ("f32", "f16", "bf16", "q8_0"):
-        problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of f32, f16, bf16, q8_0")
+    if cfg.export not in (None, gguf_writer.GGUF.name):
+        problems.append(f"--export: '{cfg.export}' is not a format quickstart writes ({gguf_writer.GGUF.name})")
+    if cfg.gguf_type not in gguf_writer.GGUF_TYPES:
+        problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of {', '.join(gguf_writer.GGUF_TYPES)}")
     if cfg.model_dir and cfg.gguf:
         problems.append("--model_dir and --gguf: choose one (a HF folder, or a GGUF file to import)")
     elif starts_from_sft_adapter(cfg):
@@ -420,7 +421,8 @@ def merge_sft_adapter(adapter: str, target: Path, log) -> tuple[str, dict]:
     """DPO after a LoRA SFT run: the SFT adapter merged into its base (finetune export --merge's merge_adapter,
     verified), so that DPO trains a new adapter whose reference, the model with adapters disabled, is the SFT
     model itself. Continuing the SFT adapter would make the reference the base model before SFT."""
-    from finetune.convert.export import ExportError, merge_adapter
+    from finetune.convert.messages import ExportError
+    from finetune.convert.writers.hf import merge_adapter
     from finetune.models.verify import VerificationError
 
     base = sft_adapter_base(adapter)
@@ -687,9 +689,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
                      max_new_tokens=base["max_new_tokens"], label=labels[1], log=log, pairs=pairs)
     timings["eval_finetuned"] = time.time() - t
     gguf_file = None
-    if cfg.export == "gguf":
+    if cfg.export == gguf_writer.GGUF.name:
         t = time.time()
-        gguf_file = export_gguf(cfg, model_dir, run_dir, out / "gguf" / "model.gguf", log)
+        gguf_file = export_run_as_gguf(cfg, model_dir, run_dir, out / "gguf" / "model.gguf", log)
         timings["export_gguf"] = time.time() - t
     timings["total"] = time.time() - started
 
@@ -716,14 +718,16 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     return metrics
 
 
-def export_gguf(cfg: QuickstartConfig, model_dir: str, run_dir: Path, path: Path, log) -> str:
+def export_run_as_gguf(cfg: QuickstartConfig, model_dir: str, run_dir: Path, path: Path, log) -> str:
     """The fine-tuned model as a verified GGUF file (a LoRA run is merged into its base first)."""
-    from finetune.convert.export import ExportError, export_gguf as write
+    from finetune.convert.messages import ExportError
+    from finetune.convert.writers.base import ExportArgs
     from finetune.models.verify import VerificationError
 
-    source = dict(adapter=str(run_dir), base_model=model_dir) if cfg.method == "lora" else dict(model_dir=str(run_dir))
+    source = dict(adapter=str(run_dir), model_name_or_path=model_dir) if cfg.method == "lora" else \
+        dict(model_name_or_path=str(run_dir))
     try:
-        report = write(path, gguf_type=cfg.gguf_type, overwrite=True, **source)
+        report = gguf_writer.write_source(ExportArgs(output_dir=str(path), overwrite=True, **source), cfg.gguf_type)
     except (ExportError, VerificationError) as e:
         raise QuickstartError(f"--export gguf: {e}") from None
     log(f"gguf: {report.path} ({report.size_bytes / 2**20:.0f} MiB, logits vs HF max diff {report.logit_diff:.3g}); "

@@ -9,6 +9,7 @@ Field metadata the parser reads:
     help        the --help line
     required    True: the command cannot run without it (reported with the other problems)
     aliases     other flag names for the same field (e.g. --model for --model_name_or_path)
+    old_aliases former names that still work: the first use in a process prints one line with the new name
     bare_aliases_ignored  True: an alias given without a value names nothing and is dropped (DeepSpeed's
                 on/off `--deepspeed` switch next to `--deepspeed_config FILE`)
     same        callable(a, b) -> bool: when an alias and the field are both given, do the values agree?
@@ -34,6 +35,9 @@ from typing import Any, Callable
 
 from finetune import process
 from finetune.errors import did_you_mean
+
+
+_NOTED: set[tuple[str, str]] = set()  # (command, former name) already noted in this process
 
 
 class ConfigError(Exception):
@@ -290,10 +294,12 @@ class Command:
                 if f.name in types_ and f.name not in self.flags and f.metadata.get("cli", True):
                     self.flags[f.name] = Flag(f.name, section, types_[f.name], f)
         self.aliases: dict[str, str] = {}
+        self.old_aliases: set[str] = set()
         for flag in list(self.flags.values()):
-            for alias in flag.meta.get("aliases", ()):
+            for alias in (*flag.meta.get("aliases", ()), *flag.meta.get("old_aliases", ())):
                 self.aliases[alias] = flag.name
                 self.flags.pop(alias, None)  # an alias wins over a same-named field of a later section
+            self.old_aliases.update(flag.meta.get("old_aliases", ()))
         self.positionals = [f for f in self.flags.values() if f.meta.get("positional")]
         self.builtin_recipe = recipe and "recipe" not in self.flags
 
@@ -325,6 +331,8 @@ class Command:
             spelled, eq, inline = token[2:].partition("=")
             spelled = spelled.replace("-", "_")
             key = self._canonical(spelled)
+            if spelled in self.old_aliases:
+                self._note_old_spelling(spelled, key, f"--{spelled}")
             flag = self.flags.get(key)
             is_bool = flag is not None and flag.is_bool
             is_list = flag is not None and flag.is_list
@@ -368,6 +376,14 @@ class Command:
             self._assign_positionals(bare, settings, problems)
         return settings, rest, problems
 
+    def _note_old_spelling(self, spelled: str, key: str, where: str) -> None:
+        """One line the first time a process reads a former name: the run goes on, the user learns the new name."""
+        if (self.prog, spelled) in _NOTED or int(os.environ.get("RANK", "0")) != 0:
+            return
+        _NOTED.add((self.prog, spelled))
+        old, new = (f"--{spelled}", f"--{key}") if where.startswith("--") else (f"{where}: {spelled}", key)
+        print(f"{self.prog}: {old} is now {new} (the old spelling still works)", file=sys.stderr, flush=True)
+
     def _put(self, settings: dict[str, Setting], key: str, setting: Setting, problems: list[str]) -> None:
         """Set a key; the same key under two spellings (a field and its alias) must agree."""
         old = settings.get(key)
@@ -406,6 +422,8 @@ class Command:
         for origin, settings in (("recipe", recipe), ("cli", cli)):
             for spelled, setting in settings.items():
                 key = self._canonical(spelled)
+                if spelled in self.old_aliases:  # a recipe's key (the command line's are noted by split)
+                    self._note_old_spelling(spelled, key, setting.where)
                 if key not in self.flags:
                     problems.append(f"{setting.where}: unknown key '{spelled}'{did_you_mean(spelled, valid)}")
                     continue
@@ -474,9 +492,9 @@ class Command:
             lines += ["", "arguments:"]
             for f in self.positionals:
                 lines += _help_entry(f.name.upper(), f.meta.get("help", ""), width)
-        reverse = {}
+        reverse, former = {}, {}
         for alias, key in self.aliases.items():
-            reverse.setdefault(key, []).append(alias)
+            (former if alias in self.old_aliases else reverse).setdefault(key, []).append(alias)
         for name, cls in self.sections.items():
             entries = [f for f in self.flags.values() if f.section == name and not f.meta.get("positional")]
             if not entries:
@@ -497,6 +515,8 @@ class Command:
                     help_ += f" (default: {_plain(default)})"
                 if f.meta.get("repeat"):
                     help_ += " (repeatable)"
+                if former.get(f.name):
+                    help_ += f" (formerly {', '.join('--' + n for n in former[f.name])})"
                 lines += _help_entry(names + kind, help_, width)
         if self.builtin_recipe:
             lines += ["", "recipe:"]

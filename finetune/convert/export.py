@@ -1,328 +1,72 @@
-"""Export a trained model as a plain Hugging Face folder (safetensors, config, tokenizer, generation config).
+"""`finetune export`: a trained model written as one of the export types of finetune.convert.writers (--to, default hf).
 
     finetune export --adapter OUT --output_dir merged            # merge a LoRA adapter into its base
-    finetune export --adapter OUT --base_model BASE --output_dir merged
+    finetune export --adapter OUT --model_name_or_path BASE --output_dir merged
     finetune export --zero_checkpoint OUT/checkpoint-500 --output_dir consolidated   # DeepSpeed ZeRO checkpoint
-    finetune export --to gguf --model_dir merged model.gguf --gguf_type q8_0          # GGUF for llama.cpp / Ollama
+    finetune export --to gguf --model_name_or_path merged model.gguf --gguf_type q8_0   # GGUF for llama.cpp / Ollama
     finetune export --to gguf --adapter OUT model.gguf                               # merged first, then GGUF
     python -m finetune.convert.export ...                                            # the same
 
-Merge: the base is loaded in full precision (--torch_dtype, default float32), also when the adapter was trained
-on a 4-bit or 8-bit base (QLoRA): merging into quantized weights would round the update away.
-ZeRO: the fp32 master weights are rebuilt from the DeepSpeed partitions (deepspeed.utils.zero_to_fp32), whatever
-the training precision; config and tokenizer come from the checkpoint folder (or --base_model).
-
-Every export is verified before it is moved into place: no empty or non-finite tensors, the folder reloads with
+Every export is verified before it is moved into place: hf: no empty or non-finite tensors, the folder reloads with
 from_pretrained, and the reloaded model's logits on a fixed input match the in-memory model within --atol
-(1e-5; fp32). A merge must also match base + adapter within --atol times the largest |logit|. A failed check is an error (exit 1), and
-the output folder is not written. --to gguf: see finetune/convert/gguf_export.py and docs/export.md.
+(1e-5; fp32); a merge must also match base + adapter within --atol times the largest |logit|. gguf: the file loads
+back to the weights written and to logits within its type's bound. A failed check is an error (exit 1), and the
+output is not written. See finetune/convert/writers/ and docs/export.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import fields
 from pathlib import Path
 
-from finetune import compat
-from finetune.convert import gguf_export
-from finetune.convert.gguf_export import GGUF_TYPES
-from finetune.convert.messages import ExportError, log
+from finetune.convert import writers
+from finetune.convert.messages import ExportError
+from finetune.convert.writers.base import EXPORT_DTYPES, SOURCES, ExportArgs
 from finetune.errors import did_you_mean
-from finetune.models.verify import DEFAULT_ATOL, VerificationError, fixed_input, logits_of, verify_saved
-
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-)
-
-
-# ----------------------------------------------------------------------------------------------
-# Staging and moving into place
-
-
-def _staging(output_dir: Path) -> Path:
-    staging = output_dir.parent / f".{output_dir.name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
-def _check_output(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
-        raise ExportError(f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace it")
-
-
-def _move_into_place(staging: Path, output_dir: Path) -> None:
-    """The verified folder replaces the output folder in one rename (a crash leaves the old one or the new one)."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
-        os.replace(output_dir, old)
-    os.replace(staging, output_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def copy_tokenizer(sources: list[Path], dest: Path) -> Path | None:
-    """Save the tokenizer of the first source folder that has one (through AutoTokenizer, so it is loadable)."""
-    from transformers import AutoTokenizer
-
-    for src in sources:
-        if src is not None and (src / "tokenizer_config.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(src))
-            tokenizer.save_pretrained(str(dest))
-            return src
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# LoRA merge
-
-
-def merge_adapter(
-    adapter: str | Path, output_dir: str | Path, *, base_model: str | None = None, torch_dtype: str = "float32",
-    atol: float = DEFAULT_ATOL, overwrite: bool = False, max_shard_size: str = "5GB",
-) -> dict:
-    """Merge a LoRA adapter into its base, save a plain HF folder, verify it. Returns the measured numbers."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from finetune.models.adapter import AdapterError, check_adapter
-    from finetune.models.load import WeightsError, check_loading_info, empty_model, resolve_dtype
-
-    adapter, output_dir = Path(adapter), Path(output_dir)
-    if not (adapter / "adapter_config.json").is_file():
-        raise ExportError(f"--adapter {adapter}: no adapter_config.json (is it a PEFT adapter folder?)")
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    base_path = base_model or cfg.get("base_model_name_or_path")
-    if not base_path or not (Path(base_path) / "config.json").is_file():
-        raise ExportError(
-            f"--adapter {adapter}: its base model {base_path!r} is not a local model folder; pass --base_model"
-        )
-    _check_output(output_dir, overwrite)
-    dtype = resolve_dtype(torch_dtype)
-    try:
-        check_adapter(str(adapter), base_path, empty_model(base_path, torch.float32))
-    except AdapterError as e:
-        raise ExportError(str(e)) from None
-
-    # Merge in fp32, where merged vs base + adapter is checked to --atol; cast to --torch_dtype afterwards.
-    base, info = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, output_loading_info=True)
-    try:
-        check_loading_info(info, base_path, flag="base model")
-    except WeightsError as e:
-        raise ExportError(str(e)) from None
-    with compat.quiet_checkpointing_alias():
-        model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False).eval()
-    ids = fixed_input(model.get_base_model().config.vocab_size)
-    with_adapter = logits_of(model, ids)
-    merged = model.merge_and_unload()
-    merged.eval()
-    merged_logits = logits_of(merged, ids)
-    merge_diff = (merged_logits - with_adapter).abs().max().item()
-    # W + s*B@A rounded to fp32 moves each logit by fp32 rounding of its own size: the bound scales with the largest
-    # |logit| (the quickstart's SmolLM2 adapter: 8.4e-5 at |logit| 35, 2.4e-6 relative). A wrong merge is off by >1%.
-    merge_limit = atol * max(1.0, with_adapter.abs().max().item())
-    if not merge_diff <= merge_limit:
-        raise VerificationError(
-            f"merging {adapter} into {base_path} changed the logits by {merge_diff:.3g} (limit {merge_limit:.3g}: "
-            f"--atol {atol:g} x the largest |logit|)"
-        )
-    merged.config.use_cache = True  # training saves use_cache=False; an exported model is for inference
-    if dtype != torch.float32:
-        # Cast the weights only: `.to(dtype)` would also cast buffers such as the rotary inv_freq, which
-        # from_pretrained(dtype=...) keeps in fp32, and the in-memory model would differ from every reload.
-        for param in merged.parameters():
-            param.data = param.data.to(dtype)
-    staging = _staging(output_dir)
-    try:
-        merged.save_pretrained(str(staging), safe_serialization=True, max_shard_size=max_shard_size)
-        copy_tokenizer([adapter, Path(base_path)], staging)
-        report = verify_saved(staging, merged, atol=atol, input_ids=ids)
-        _move_into_place(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    log(str(report).replace(str(staging), str(output_dir)))
-    log(f"merged {adapter} into {base_path}: merged vs base+adapter logits max diff {merge_diff:.3g} (fp32)"
-        + ("" if dtype == torch.float32 else f"; written as {str(dtype).replace('torch.', '')}"))
-    return {"merge_diff": merge_diff, "reload_diff": report.max_logit_diff, "output_dir": str(output_dir)}
-
-
-# ----------------------------------------------------------------------------------------------
-# DeepSpeed ZeRO checkpoint -> HF folder
-
-
-def _find_zero_checkpoint(path: Path, tag: str | None) -> tuple[Path, str | None]:
-    """Accept the Trainer's checkpoint-N folder (with a `latest` file) or the global_stepN folder itself."""
-    if not path.is_dir():
-        raise ExportError(f"--zero_checkpoint {path}: no such folder")
-    if list(path.glob("*_model_states.pt")):
-        return path.parent, tag or path.name
-    if tag is not None:
-        if not (path / tag).is_dir():
-            raise ExportError(f"--zero_checkpoint {path}: no {tag} folder inside")
-        return path, tag
-    if (path / "latest").is_file():
-        return path, None
-    steps = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
-    if len(steps) == 1:
-        return path, steps[0]
-    hint = f" (found {', '.join(steps)}; pick one with --tag)" if steps else ""
-    raise ExportError(f"--zero_checkpoint {path}: not a DeepSpeed checkpoint folder (no 'latest' file){hint}")
-
-
-def zero_state_dict(checkpoint: str | Path, tag: str | None = None) -> dict:
-    """The consolidated fp32 state dict of a ZeRO-1/2/3 checkpoint."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    ckpt_dir, tag = _find_zero_checkpoint(Path(checkpoint), tag)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    # The rebuilt tensors can be views of one flat buffer; safetensors wants each tensor on its own.
-    return {k: v.detach().contiguous().clone() for k, v in state.items()}
-
-
-def convert_zero_checkpoint(
-    checkpoint: str | Path, output_dir: str | Path, *, tag: str | None = None, base_model: str | None = None,
-    torch_dtype: str = "float32", atol: float = DEFAULT_ATOL, overwrite: bool = False, max_shard_size: str = "5GB",
-) -> dict:
-    """Write a ZeRO checkpoint's weights as a plain HF folder and verify it against the consolidated state dict."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from finetune.models.load import resolve_dtype
-
-    checkpoint, output_dir = Path(checkpoint), Path(output_dir)
-    ckpt_dir, _ = _find_zero_checkpoint(checkpoint, tag)
-    config_src = Path(base_model) if base_model else ckpt_dir
-    if not (config_src / "config.json").is_file():
-        raise ExportError(
-            f"{config_src}: no config.json to describe the model; pass --base_model with the folder training started from"
-        )
-    _check_output(output_dir, overwrite)
-    state = zero_state_dict(checkpoint, tag)
-    if any("lora_" in k for k in state):
-        raise ExportError(
-            f"{checkpoint} holds a LoRA model: its adapter is already consolidated in the checkpoint folder "
-            f"(adapter_model.safetensors); merge it with: finetune export --adapter {ckpt_dir} --output_dir DIR"
-        )
-    dtype = resolve_dtype(torch_dtype)
-    if dtype != torch.float32:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    config = AutoConfig.from_pretrained(str(config_src))
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    expected = set(skeleton.state_dict())
-    tied = {k for k in expected if k not in state and _is_tied(skeleton, k)}
-    missing = sorted(expected - set(state) - tied)
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ExportError(
-            f"{checkpoint}: its weights do not match {config_src}/config.json "
-            f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})"
-        )
-    skeleton.config.use_cache = True
-    staging = _staging(output_dir)
-    try:
-        skeleton.save_pretrained(str(staging), state_dict=dict(state), safe_serialization=True, max_shard_size=max_shard_size)
-        if (config_src / "generation_config.json").is_file():
-            GenerationConfig.from_pretrained(str(config_src)).save_pretrained(str(staging))
-        copy_tokenizer([ckpt_dir, Path(base_model) if base_model else None], staging)
-        report = verify_saved(staging, state, atol=atol)
-        _move_into_place(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    log(str(report).replace(str(staging), str(output_dir)))
-    return {"reload_diff": report.max_logit_diff, "tensor_diff": report.max_tensor_diff, "output_dir": str(output_dir)}
-
-
-def _is_tied(model, key: str) -> bool:
-    """Whether `key` is a tied alias (e.g. lm_head.weight when tie_word_embeddings is set)."""
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    return key in tied or bool(getattr(model.config, "tie_word_embeddings", False) and key == "lm_head.weight")
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-EXPORT_FORMATS = ("hf", "gguf")
-
-
-@dataclass
-class ExportArgs:
-    """What to export (one of --adapter, --zero_checkpoint or, for --to gguf, --model_dir), where, and how it is checked"""
-
-    output: str | None = field(
-        default=None, metadata={"help": "The file to write with --to gguf (OUT.gguf); the same as --output_dir.",
-                                "positional": True})
-    adapter: str | None = field(default=None, metadata={"help": "LoRA adapter folder to merge into its base."})
-    zero_checkpoint: str | None = field(
-        default=None, metadata={"help": "DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN)."})
-    output_dir: str | None = field(
-        default=None, metadata={"help": "Where the HF folder is written (required), or with --to gguf the .gguf file."})
-    to: str = field(default="hf", metadata={"help": "Output format: hf (a model folder) or gguf (one file for llama.cpp "
-                                                     "and Ollama, with a Modelfile beside it)."})
-    model_dir: str | None = field(
-        default=None, metadata={"help": "With --to gguf: a full HF model folder to write as GGUF."})
-    gguf_type: str = field(default="f32", metadata={"help": "With --to gguf: tensor type f32, f16, bf16 or q8_0 "
-                                                             "(norms stay f32)."})
-    base_model: str | None = field(
-        default=None,
-        metadata={"help": "Base model folder or Hub repo id (default: the adapter's base_model_name_or_path; for a ZeRO "
-                          "checkpoint, the folder with config.json and tokenizer when the checkpoint lacks them)."})
-    base_model_revision: str | None = field(
-        default=None, metadata={"help": "Branch, tag or commit of a Hub --base_model (default: the adapter's recorded "
-                                        "revision, else main)."})
-    tag: str | None = field(default=None, metadata={"help": "ZeRO checkpoint tag (global_stepN; default: the 'latest' file)."})
-    torch_dtype: str = field(default="float32", metadata={"help": "Dtype of the written weights: float32, bfloat16, float16."})
-    atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Largest logit difference verification accepts."})
-    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors shard written."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir (or an existing .gguf file)."})
+from finetune.models.verify import VerificationError
 
 
 def command():
     from finetune.config.parser import Command
 
-    return Command("finetune export", {"args": ExportArgs},
+    own = {w.name: w.flags for w in writers.WRITERS.values() if w.flags is not None}
+    return Command("finetune export", {"type": writers.ExportType, "args": ExportArgs, **own},
                    description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder, or write a GGUF file "
                                "for llama.cpp and Ollama (--to gguf).",
                    epilog=__doc__.split("\n\n", 1)[1])
 
 
+def _one_of(items: list[str], last: str) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])}{last}{items[-1]}"
+
+
 def check_args(parsed) -> list[str]:
     args: ExportArgs = parsed.args
+    to = parsed.type.to
     problems = []
-    if args.to not in EXPORT_FORMATS:
-        problems.append(f"--to: '{args.to}' is not one of {', '.join(EXPORT_FORMATS)}{did_you_mean(args.to, list(EXPORT_FORMATS))}")
+    writer = writers.get(to)
+    if writer is None:
+        problems.append(f"--to: '{to}' is not one of {', '.join(writers.names())}{did_you_mean(to, writers.names())}")
     if args.output and args.output_dir and args.output != args.output_dir:
         problems.append(f"OUTPUT and --output_dir: give one ({args.output!r} or {args.output_dir!r})")
     if not (args.output or args.output_dir):
         problems.append("--output_dir (or OUTPUT): required: where the export is written")
-    if args.to == "gguf":
-        if sum(map(bool, (args.adapter, args.zero_checkpoint, args.model_dir))) != 1:
-            problems.append("--model_dir, --adapter and --zero_checkpoint: give exactly one (a model folder, a LoRA adapter "
-                            "to merge, or a ZeRO checkpoint)")
-        if args.gguf_type not in GGUF_TYPES:
-            problems.append(f"--gguf_type: '{args.gguf_type}' is not one of {', '.join(GGUF_TYPES)}"
-                            f"{did_you_mean(args.gguf_type, list(GGUF_TYPES))}")
-        if args.torch_dtype != "float32":
-            problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
-        out = args.output or args.output_dir
-        if out and not out.endswith(".gguf"):
-            problems.append(f"OUTPUT: '{out}' must be a file name ending in .gguf (with --to gguf)")
-    else:
-        if bool(args.adapter) == bool(args.zero_checkpoint):
-            problems.append("--adapter and --zero_checkpoint: give exactly one (a LoRA adapter to merge, or a ZeRO checkpoint)")
-        if args.model_dir:
-            problems.append("--model_dir: goes with --to gguf (a model folder is already an HF export)")
-        if args.gguf_type != "f32":
-            problems.append("--gguf_type: goes with --to gguf")
+    if writer is not None:
+        if args.source not in writer.sources:
+            flags = [SOURCES[s][0] for s in writer.sources]
+            what = [SOURCES[s][1] for s in writer.sources]
+            problem = f"{_one_of(flags, ' and ')}: give exactly one ({_one_of(what, ', or ')})"
+            if args.source == "model":
+                problem += f"; --model_name_or_path alone is a model folder, which --to {to} does not take"
+            problems.append(problem)
+        for other in writers.WRITERS.values():
+            if other is not writer and other.flags is not None:
+                problems += [f"--{f.name}: goes with --to {other.name}" for f in fields(other.flags)
+                             if f.name in parsed.sources]
+        problems += writer.check(args, parsed.sections.get(to))
     if args.torch_dtype not in EXPORT_DTYPES:
         problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of {', '.join(EXPORT_DTYPES)}")
     if not args.atol >= 0:
@@ -332,69 +76,39 @@ def check_args(parsed) -> list[str]:
     return problems
 
 
-def _resolve_base(args: ExportArgs) -> str | None:
-    """A Hub base (given, or recorded in adapter_config.json) -> its snapshot folder in the HF cache."""
+def _resolve_model(args: ExportArgs) -> str | None:
+    """A Hub model (given, or the base recorded in adapter_config.json) -> its snapshot folder in the HF cache."""
     from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
 
-    base, revision = args.base_model, args.base_model_revision
-    if base is None and args.adapter and (Path(args.adapter) / "adapter_config.json").is_file():
+    model, revision = args.model_name_or_path, args.model_revision
+    if model is None and args.adapter and (Path(args.adapter) / "adapter_config.json").is_file():
         cfg = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
         if looks_like_repo_id(cfg.get("base_model_name_or_path")):
-            base, revision = cfg["base_model_name_or_path"], revision or cfg.get("revision")
-    if not looks_like_repo_id(base):
-        return args.base_model
+            model, revision = cfg["base_model_name_or_path"], revision or cfg.get("revision")
+    if not looks_like_repo_id(model):
+        return args.model_name_or_path
     try:
-        return resolve_model(base, revision or "main", flag="--base_model").folder
+        return resolve_model(model, revision or "main", flag="--model_name_or_path").folder
     except HubError as e:
         raise ExportError(str(e)) from None
 
 
-def export_gguf(
-    output: str | Path, *, model_dir: str | None = None, adapter: str | None = None, zero_checkpoint: str | None = None,
-    base_model: str | None = None, tag: str | None = None, gguf_type: str = "f32", overwrite: bool = False,
-    atol: float = DEFAULT_ATOL, max_shard_size: str = "5GB",
-):
-    """A model folder as it is; an adapter merged or a ZeRO checkpoint consolidated into a temporary HF folder first
-    (fp32, verified as for --to hf), then written as GGUF. The temporary folder is removed whatever happens."""
-    import tempfile
-
-    output = Path(output).absolute()
-    gguf_export.check_output(output, overwrite)
-    if model_dir:
-        return gguf_export.export_gguf(model_dir, output, gguf_type=gguf_type, overwrite=overwrite)
-    common = dict(base_model=base_model, torch_dtype="float32", atol=atol, overwrite=False, max_shard_size=max_shard_size)
-    # Next to the output when that folder exists (same disk as the result), else in the system temp folder.
-    with tempfile.TemporaryDirectory(prefix=".finetune-gguf-", dir=output.parent if output.parent.is_dir() else None) as tmp:
-        hf_dir = Path(tmp) / "hf"
-        if adapter:
-            merge_adapter(adapter, hf_dir, **common)
-        else:
-            convert_zero_checkpoint(zero_checkpoint, hf_dir, tag=tag, **common)
-        return gguf_export.export_gguf(hf_dir, output, gguf_type=gguf_type, overwrite=overwrite)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args: ExportArgs = command().parse_or_exit(argv, check_args).args
+    parsed = command().parse_or_exit(argv, check_args)
+    args: ExportArgs = parsed.args
+    writer = writers.get(parsed.type.to)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.output_dir = args.output_dir or args.output
-    common = dict(torch_dtype=args.torch_dtype, atol=args.atol, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     try:
-        args.base_model = _resolve_base(args)
-        if args.to == "gguf":
-            export_gguf(args.output_dir, model_dir=args.model_dir, adapter=args.adapter, zero_checkpoint=args.zero_checkpoint,
-                        base_model=args.base_model, tag=args.tag, gguf_type=args.gguf_type, overwrite=args.overwrite,
-                        atol=args.atol, max_shard_size=args.max_shard_size)
-        elif args.adapter:
-            merge_adapter(args.adapter, args.output_dir, base_model=args.base_model, **common)
-        else:
-            convert_zero_checkpoint(args.zero_checkpoint, args.output_dir, tag=args.tag, base_model=args.base_model, **common)
+        args.model_name_or_path = _resolve_model(args)
+        written = writer.write(args, parsed.sections.get(writer.name))
     except ExportError as e:
         print(f"finetune export: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except VerificationError as e:
         print(f"finetune export: verification failed: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(args.output_dir)
+    print(args.output_dir if written is None else written)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""An HF folder of a model family finetune writes as GGUF -> one GGUF file for llama.cpp and Ollama
-(`finetune export --to gguf`).
+"""The GGUF export type (`finetune export --to gguf`): an HF folder of a model family finetune writes as GGUF -> one
+GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it.
 
-    finetune export --to gguf --model_dir merged out/model.gguf --gguf_type q8_0
+    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0
     finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
     finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
 
@@ -10,7 +10,8 @@ byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), spec
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
 permuted). The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
-weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it.
+weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it. An adapter or a ZeRO checkpoint becomes an HF
+folder first (the HF export type's `hf_folder`, verified as for --to hf).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.convert.messages import ExportError, log
+from finetune.convert.writers.base import ExportArgs, Writer
+from finetune.convert.writers.hf import hf_folder
+from finetune.errors import did_you_mean
 from finetune.models import families
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
@@ -425,8 +429,8 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise ExportError(f"{output} is a folder; give a file name ending in .gguf")
 
 
-def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "f32", overwrite: bool = False,
-                modelfile: bool = True) -> GGUFReport:
+def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = "f32", overwrite: bool = False,
+                 modelfile: bool = True) -> GGUFReport:
     """Write, verify and rename into place MODEL_DIR as OUTPUT (.gguf), with an Ollama Modelfile beside it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -450,7 +454,8 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
     try:
         tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
-        logit_diff, bound, weight_diff = verify_gguf(tmp, model, tok["tokenizer"], tensors, gguf_type)
+        logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
+                                                       gguf_type=gguf_type)
         style = None
         if modelfile:
             text, style = modelfile_text(output.name, tok["tokenizer"], family.chat_templates)
@@ -472,3 +477,51 @@ def export_gguf(model_dir: str | Path, output: str | Path, *, gguf_type: str = "
             + (f" (TEMPLATE for the {style} chat format)" if style else
                " without TEMPLATE: the chat template is neither ChatML nor Llama-3; write one by hand"))
     return report
+
+
+def write_source(args: ExportArgs, gguf_type: str) -> GGUFReport:
+    """The export's source (a model folder as it is; an adapter merged or a ZeRO checkpoint consolidated into a
+    temporary HF folder first) written as a verified GGUF file at args.output_dir."""
+    output = Path(args.output_dir).absolute()
+    check_output(output, args.overwrite)
+    with hf_folder(args, near=output) as folder:
+        return write_folder(folder, output, gguf_type=gguf_type, overwrite=args.overwrite)
+
+
+# ----------------------------------------------------------------------------------------------
+# The export type
+
+
+@dataclass
+class GGUFFlags:
+    """With --to gguf"""
+
+    gguf_type: str = field(default="f32", metadata={"help": "Tensor type: f32, f16, bf16 or q8_0 (norms stay f32)."})
+
+
+class GGUF(Writer):
+    name = "gguf"
+    summary = "one file for llama.cpp and Ollama, with a Modelfile beside it"
+    flags = GGUFFlags
+    sources = ("model", "adapter", "zero_checkpoint")
+
+    def check(self, args: ExportArgs, flags: GGUFFlags) -> list[str]:
+        problems = []
+        if flags.gguf_type not in GGUF_TYPES:
+            problems.append(f"--gguf_type: '{flags.gguf_type}' is not one of {', '.join(GGUF_TYPES)}"
+                            f"{did_you_mean(flags.gguf_type, list(GGUF_TYPES))}")
+        if args.torch_dtype != "float32":
+            problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
+        out = args.output or args.output_dir
+        if out and not out.endswith(".gguf"):
+            problems.append(f"OUTPUT: '{out}' must be a file name ending in .gguf (with --to gguf)")
+        return problems
+
+    def write(self, args: ExportArgs, flags: GGUFFlags) -> Path:
+        write_source(args, flags.gguf_type)
+        return Path(args.output_dir)
+
+    def verify(self, written: Path, reference, *, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
+        """The file as transformers loads it: its weights exactly the stored ones, its logits within the type's
+        bound of REFERENCE's, its tokenizer encoding as the HF one (verify_gguf)."""
+        return verify_gguf(written, reference, tokenizer, tensors, gguf_type)
