@@ -243,6 +243,37 @@ def test_repeatable_flag_and_alias():
     assert e.value.problems == ["--model_name_or_path: required (Local base model folder or Hub repo id (org/name))"]
 
 
+def test_old_alias_works_and_says_the_new_name_once(capsys, monkeypatch, tmp_path):
+    """metadata "old_aliases": a former flag name still sets the field, and the first use in a process prints one
+    line with the new name (command line or recipe key); rank 1 stays quiet; --help shows it as "formerly"."""
+    from dataclasses import dataclass, field
+
+    from finetune.config import parser
+
+    @dataclass
+    class Args:
+        model_name_or_path: str | None = field(default=None, metadata={"help": "The model.",
+                                                                       "old_aliases": ("model_dir", "base_model")})
+
+    monkeypatch.setattr(parser, "_NOTED", set())
+    cmd = parser.Command("finetune x", {"args": Args})
+    assert cmd.parse(["--model_dir", "m"]).args.model_name_or_path == "m"
+    assert cmd.parse(["--model_dir", "n"]).args.model_name_or_path == "n"
+    assert capsys.readouterr().err == "finetune x: --model_dir is now --model_name_or_path (the old spelling still works)\n"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base_model: b\n")
+    assert cmd.parse(["--recipe", str(recipe)]).args.model_name_or_path == "b"
+    assert capsys.readouterr().err == f"finetune x: {recipe}:1: base_model is now model_name_or_path (the old spelling still works)\n"
+    with pytest.raises(parser.ConfigError) as e:
+        cmd.parse(["--base_model", "a", "--model_name_or_path", "b"])
+    assert e.value.problems == ["--base_model a and --model_name_or_path b: both set 'model_name_or_path'; give one"]
+    monkeypatch.setattr(parser, "_NOTED", set())
+    monkeypatch.setitem(os.environ, "RANK", "1")
+    cmd.parse(["--base_model", "m"])
+    assert capsys.readouterr().err == ""
+    assert "--model_name_or_path STR" in cmd.help() and "(formerly --model_dir, --base_model)" in cmd.help()
+
+
 def test_version_and_unknown_command(capsys):
     from finetune import __version__
 
