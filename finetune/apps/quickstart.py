@@ -418,7 +418,7 @@ def sft_adapter_base(adapter: str) -> str | None:
 
 
 def merge_sft_adapter(adapter: str, target: Path, log) -> tuple[str, dict]:
-    """DPO after a LoRA SFT run: the SFT adapter merged into its base (finetune export --merge's merge_adapter,
+    """DPO after a LoRA SFT run: the SFT adapter merged into its base (finetune export --adapter's merge_adapter,
     verified), so that DPO trains a new adapter whose reference, the model with adapters disabled, is the SFT
     model itself. Continuing the SFT adapter would make the reference the base model before SFT."""
     from finetune.convert.messages import ExportError
