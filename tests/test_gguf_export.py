@@ -310,7 +310,7 @@ def test_quickstart_export_flag(models, tmp_path):
 
 def test_pre_tokenizer_names(tmp_path):
     """tokenizer.json pre-tokenizers -> llama.cpp's names (the structures of GPT-2, SmolLM2 and Llama-3 files)."""
-    from finetune.convert.export import ExportError
+    from finetune.convert.messages import ExportError
 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     cases = {

@@ -1,5 +1,5 @@
 """What the export commands say: ExportError (a user mistake or a failed verification, one clear message) and their
-progress lines on stderr. Both writers (export.py, gguf_export.py) use them; neither imports the other for them."""
+progress lines on stderr. Every export type (finetune.convert.writers) uses them."""
 
 from __future__ import annotations
 

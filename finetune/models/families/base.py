@@ -112,7 +112,7 @@ class Family(ABC):
     # HF tensor names every GGUF file of the family holds (their GGUF names checked on import): a file without
     # them only claims the architecture.
     gguf_required: tuple[str, ...] = ()
-    # The chat formats this family's checkpoints ship with, as finetune.convert.gguf_export names them (the
+    # The chat formats this family's checkpoints ship with, as finetune.convert.writers.gguf names them (the
     # Ollama Modelfile's TEMPLATE); a template of any other format gets a Modelfile without one.
     chat_templates: tuple[str, ...] = ()
 
