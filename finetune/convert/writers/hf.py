@@ -243,12 +243,7 @@ class HF(Writer):
     summary = "a model folder (safetensors)"
 
     def write(self, args: ExportArgs, flags) -> Path:
-        common = dict(base_model=args.model_name_or_path, torch_dtype=args.torch_dtype, atol=args.atol,
-                      overwrite=args.overwrite, max_shard_size=args.max_shard_size)
-        if args.adapter:
-            merge_adapter(args.adapter, args.output_dir, **common)
-        else:
-            convert_zero_checkpoint(args.zero_checkpoint, args.output_dir, tag=args.tag, **common)
+        _write(args, Path(args.output_dir), torch_dtype=args.torch_dtype, overwrite=args.overwrite)
         return Path(args.output_dir)
 
     def verify(self, written: Path, reference, *, atol: float = DEFAULT_ATOL, input_ids=None):
@@ -266,10 +261,13 @@ def hf_folder(args: ExportArgs, near: Path) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix=".finetune-export-", dir=near.parent if near.parent.is_dir() else None) as tmp:
         folder = Path(tmp) / "hf"
-        common = dict(base_model=args.model_name_or_path, torch_dtype="float32", atol=args.atol, overwrite=False,
-                      max_shard_size=args.max_shard_size)
-        if args.adapter:
-            merge_adapter(args.adapter, folder, **common)
-        else:
-            convert_zero_checkpoint(args.zero_checkpoint, folder, tag=args.tag, **common)
+        _write(args, folder, torch_dtype="float32", overwrite=False)
         yield folder
+
+
+def _write(args: ExportArgs, output_dir: Path, *, torch_dtype: str, overwrite: bool) -> dict:
+    common = {"base_model": args.model_name_or_path, "torch_dtype": torch_dtype, "atol": args.atol,
+              "overwrite": overwrite, "max_shard_size": args.max_shard_size}
+    if args.adapter:
+        return merge_adapter(args.adapter, output_dir, **common)
+    return convert_zero_checkpoint(args.zero_checkpoint, output_dir, tag=args.tag, **common)
