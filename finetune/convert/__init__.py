@@ -1,4 +1,4 @@
-"""Conversions between formats: LoRA merge and ZeRO consolidation (export), GGUF import."""
+"""Conversions between formats: `finetune export` and its export types (writers/: HF folder, GGUF), GGUF import."""
 
 from finetune import compat as _compat
 
