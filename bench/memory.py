@@ -173,6 +173,10 @@ def worker(argv: list[str]) -> None:
         argv = argv[1:]
     timeline = [("start", _rss(), _maxrss())]
     sampler = _PhaseSampler()
+    if os.environ.get("FINETUNE_BENCH_NO_LIGER"):
+        # liger-kernel hidden: the chunked loss runs its own chunk loop, which the planner models (Liger's kernel
+        # it does not)
+        sys.modules["liger_kernel"] = None
 
     import torch
     import torch.optim.optimizer as torch_optimizer

@@ -33,6 +33,11 @@ CELLS = {  # name -> flags
     "full-fp32-autocast": ["--torch_dtype", "float32", "--bf16", "true"],
     "lora-bf16": ["--torch_dtype", "bfloat16", "--use_peft"],
     "lora-bf16-no-dropout": ["--torch_dtype", "bfloat16", "--use_peft", "--lora_dropout", "0"],
+    # DPO (finetune.training.dpo): 2 pairs a micro-batch, so 4 rows of 1,024 tokens as the SFT cells; log-probabilities
+    # from the logits (never chunked); LoRA's reference is the policy with its adapters off, full's a frozen copy.
+    "dpo-lora-bf16": ["--torch_dtype", "bfloat16", "--use_peft", "--method", "dpo",
+                      "--per_device_train_batch_size", str(MICRO // 2)],
+    "dpo-full-bf16": ["--torch_dtype", "bfloat16", "--method", "dpo", "--per_device_train_batch_size", str(MICRO // 2)],
 }
 
 
@@ -58,14 +63,21 @@ def predict(model: Path, flags: list[str]) -> dict:
             "saved_planned": pred.act.saved, "precision": planner.precision_of(job).name}
 
 
-def measure(model: Path, name: str, flags: list[str], work: Path, timeout: float) -> dict:
+def measure(model: Path, name: str, flags: list[str], work: Path, timeout: float, env: dict | None = None) -> dict:
+    """One cell in a fresh process (bench/memory.py's worker). env: extra environment variables for it (e.g.
+    FINETUNE_BENCH_NO_LIGER=1: liger-kernel hidden, so the chunked loss runs the planner's own chunk loop)."""
+    import os
+
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
+    if "dpo" in flags:  # DPO's pairs are cached under the data settings (the worker makes its own random pairs)
+        flags = [*flags, "--dataset", str(out / "unused.jsonl"), "--dataset_cache_dir", str(out / "cache")]
     cmd = [sys.executable, str(REPO / "bench" / "memory.py"), "worker", str(result), "--steps", "3", "--",
            "--model_name_or_path", str(model), "--output_dir", str(out / "out"), *flags]
     start = time.time()
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env={**os.environ, **(env or {})})
     if run.returncode != 0 or not Path(f"{result}.0").is_file():
         return {"error": f"exit {run.returncode}: {run.stderr[-3000:]}"}
     rank = json.loads(Path(f"{result}.0").read_text())

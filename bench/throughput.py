@@ -17,6 +17,10 @@ Rows (each in a forked child: modules imported once, peak memory per row):
   ft_packed sends);
 - bare: a plain PyTorch loop over the ft_packed batches (forward, backward, clip, AdamW): the floor for ft_packed.
 
+On a GPU, a preset with `liger=True` (bench/gpu.py sets it where liger-kernel runs) gives TRL's rows
+`use_liger_kernel=True` (Liger's RMSNorm, SwiGLU and RoPE kernels; TRL keeps its own LM head); the ft_ rows' chunked
+loss uses Liger's fused linear cross-entropy wherever liger-kernel imports (finetune.training.loss).
+
 Like with like: every row trains on every token (`--completion_only_loss false`, TRL's default for these
 records), fp32 on CPU, the same records, sequence length and per-device batch, and gradient checkpointing set the
 same way on both sides: each row runs with checkpointing off and (suffix `+gc`) on, and every ratio divides by
@@ -92,9 +96,10 @@ CONFIGS = ["ft_padded", "ft_packed", "ft_padding_free", "ft_packed_compiled", "f
            "trl_packing", "trl_packing_rows", "bare"]
 TRL = ("trl_default", "trl_packing", "trl_packing_rows")
 COMPILE_WARMUP = 3  # steps: the compiled row's first steps compile (and recompile for the first new shapes)
-# Dense bf16 peak FLOP/s by device name (no sparsity).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-             "A10G": 70e12, "RTX 4090": 165e12}
+# Dense bf16 peak FLOP/s by device name (no sparsity); the first key found in the name counts (PCIe and NVL H100s
+# before the SXM part's "H100").
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12,
+             "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12}
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "aten::_addmm_activation")
 ATTENTION = ("scaled_dot_product", "flash", "attention", "aten::_softmax", "aten::softmax")
 OPTIMIZER = ("adam", "_foreach", "optimizer")
@@ -390,6 +395,10 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
                       seed=0, disable_tqdm=True, gradient_checkpointing=gc, logging_steps=1000, learning_rate=1e-4)
         if not gpu:
             kwargs.update(use_cpu=True, bf16=False)  # fp32 on CPU, like the project's runs
+        if config == "trl_packing":
+            kwargs["padding_free"] = True  # what BFD packing implies anyway, said explicitly
+        if gpu and p.get("liger"):
+            kwargs["use_liger_kernel"] = True  # Liger's RMSNorm, SwiGLU and RoPE kernels (TRL keeps its own LM head)
         # With --use_peft, load_model has put the project's adapter on the model (as on the ft_ rows): TRL trains it.
         trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs),
                              train_dataset=datasets.Dataset.from_list(records), processing_class=tokenizer)
@@ -398,9 +407,12 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
             inner = _rows_collator(tokenizer)
         counting_ref[0] = counting = Counting(inner)
         trainer.data_collator = counting
+        result["trl_liger"] = bool(kwargs.get("use_liger_kernel"))
         result["trl_layout"] = "one flattened row" if getattr(trainer, "padding_free", False) and config != \
             "trl_packing_rows" else "rows"
         trainer.add_callback(timer)
+        if profile is not None:
+            trainer.add_callback(profile_callback(profile, timer))
         trainer.train()
         ends = timer.ends
     else:  # bare: the ft_packed batches through forward, backward, clip, AdamW
@@ -582,7 +594,12 @@ def summarize_profile(prof) -> dict:
     for e in events:
         groups[op_group(e.key)] = groups.get(op_group(e.key), 0.0) + e.self_cpu_time_total
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    by_device = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]
     return {
+        "total_self_device_ms": sum(getattr(e, "self_device_time_total", 0) for e in events) / 1000,
+        "top_device": [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1000,
+                        "self_device_ms": getattr(e, "self_device_time_total", 0) / 1000, "calls": e.count}
+                       for e in by_device],
         "total_self_cpu_ms": total / 1000,
         "groups_ms": {k: v / 1000 for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top": [{"op": e.key, "group": op_group(e.key), "self_cpu_ms": e.self_cpu_time_total / 1000,

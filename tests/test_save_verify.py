@@ -100,3 +100,46 @@ def test_bf16_save_is_verified_against_the_weights_dtype(script, tiny_chatml, tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "logits max diff 0 " in proc.stdout
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_adapter_held_in_bf16_verifies_against_its_own_weights(tiny_chatml, tmp_path):
+    # DeepSpeed's bf16 engine casts every parameter of the module to bf16, LoRA adapters included; peft reloads
+    # 16-bit adapter weights as fp32 and runs the LoRA branch in fp32. The saved values are exactly the in-memory
+    # ones, but the two forwards differed by bf16 rounding (3.9e-3 on this model: every --config zero1/zero2
+    # --use_peft --bf16 run's final save was refused). The reload now holds the adapters in the reference's dtype.
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.verify import verify_saved
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # peft's own choice
+    with torch.no_grad():
+        for p in model.parameters():  # what the engine does: parameters only (RoPE's inv_freq buffer stays fp32)
+            p.data = p.data.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "adapter")
+    report = verify_saved(tmp_path / "adapter", model)
+    assert report.kind == "adapter" and report.max_logit_diff == 0.0
+    # The fp32 adapters peft makes are still compared as fp32.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
+    model.save_pretrained(tmp_path / "adapter32")
+    assert verify_saved(tmp_path / "adapter32", model).max_logit_diff == 0.0
+
+
+@pytest.mark.slow  # 15-25 s each: a whole DeepSpeed run
+@pytest.mark.parametrize("script", ["finetune/train.py", "scripts/sft.py"])
+def test_bf16_lora_save_under_deepspeed_is_verified(script, tiny_chatml, tmp_path):
+    # The end-to-end case of the test above: the final save of a ZeRO-2 LoRA --bf16 run was refused at 2.9e-3.
+    dist = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dist and not k.startswith("ACCELERATE_")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, script, "--config", "zero2", "--use_peft", *_argv(tiny_chatml, tmp_path),
+                           "--bf16", "true"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified adapter" in proc.stdout and "logits max diff 0 " in proc.stdout
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

@@ -173,6 +173,25 @@ def _load_reference_into(model, reference: Mapping, kind: str) -> float:
     return diff
 
 
+def _adapter_dtypes_of(model, reference) -> None:
+    """Hold the reloaded adapter's weights in the dtypes the in-memory adapter computes in.
+
+    peft reloads 16-bit adapter weights as fp32 (PeftModel.from_pretrained's autocast_adapter_dtype) and then runs
+    the LoRA branch in fp32. A model whose adapters are 16-bit in memory (DeepSpeed's bf16/fp16 engine casts every
+    parameter, adapters included: --config zero1/zero2 --use_peft --bf16) computes the branch in 16 bits, so its
+    logits and the reload's differed by bf16 rounding (2.9e-3 to 3.9e-3 on the tiny test models) although the saved
+    values are exactly the in-memory ones. Each reloaded adapter weight is cast to its reference's dtype (the saved
+    16-bit values go to fp32 and back exactly), so the comparison is of the weights, not of two compute dtypes."""
+    import torch
+
+    wanted = {_strip(n): p.dtype for n, p in reference.named_parameters() if "lora_" in n and p.is_floating_point()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            dtype = wanted.get(_strip(name))
+            if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
 def _tied_keys(model) -> set[str]:
     """State-dict names that alias another weight (e.g. lm_head.weight tied to the embeddings)."""
     seen: dict[int, str] = {}
@@ -286,6 +305,8 @@ def verify_saved(
         model, kind = reload(folder, base_model=base_model, dtype=dtype, device=device, quantization=quant)
     if quant is not None:
         compat.same_4bit_layout(model, reference)
+    if is_module and kind == "adapter":
+        _adapter_dtypes_of(model, reference)
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else model.config.vocab_size
     ids = input_ids if input_ids is not None else fixed_input(int(vocab))
     reloaded = logits_of(model, ids)

@@ -1,0 +1,142 @@
+"""bench/gpu.py: the one-GPU bench, run end to end on CPU with tiny shapes (--cpu-smoke), and its report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu as G  # noqa: E402
+
+
+def test_peak_from_the_device_name():
+    assert G.peak_for("NVIDIA H100 80GB HBM3") == (989e12, "H100")
+    assert G.peak_for("NVIDIA H100 PCIe")[0] == 756e12
+    assert G.peak_for("NVIDIA H100 NVL")[0] == 835e12
+    assert G.peak_for("NVIDIA H200")[0] == 989e12
+    assert G.peak_for("cpu") == (None, "")
+
+
+def test_record_replaces_the_section_of_the_same_device(tmp_path):
+    data = {"mode": "gpu", "command": "bash bench/gpu_run.sh", "date": "2026-11-27 18:00 UTC", "wall": 400,
+            "budget": 450, "info": {"device": "NVIDIA H100 80GB HBM3", "versions": {}}, "sections": {
+                "padfree": {"error": "RuntimeError: boom"}}, "notes": []}
+    run = tmp_path / "gpu.json"
+    run.write_text(json.dumps(data))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmarks\n\n## Memory planner\n\nkeep me\n\n## Throughput\n\nkeep me too\n")
+    G.record(str(run), results)
+    data["wall"] = 123
+    run.write_text(json.dumps(data))
+    G.record(str(run), results)
+    text = results.read_text()
+    assert text.count("## GPU: NVIDIA H100 80GB HBM3 (bench/gpu.py)") == 1 and "123 s of a 450 s budget" in text
+    assert "keep me\n" in text and "keep me too" in text and "Section failed: RuntimeError: boom" in text
+    assert "`bash bench/gpu_run.sh`" in text
+
+
+@pytest.mark.slow  # about 2.5 minutes on 2 cores: every section in forked children, 18 throughput rows
+def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # A generous budget: under a loaded test machine nothing should be skipped for time.
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--cpu-smoke", "--budget", "900", "--write", str(out),
+                           "--work", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    data = json.loads((out / "gpu.json").read_text())
+    assert (out / "gpu.md").read_text().startswith("## GPU: cpu (bench/gpu.py)")
+    secs = data["sections"]
+    assert set(secs) == {"padfree", "bf16", "memory", "throughput"}
+    assert not any("error" in s for s in secs.values()), {k: s.get("error", "")[:500] for k, s in secs.items()}
+
+    # Padding-free and packed rows give the padded batch's loss on the same trained tokens.
+    (run,) = secs["padfree"]["runs"]
+    assert run["pass"], run["layouts"]
+    layouts = run["layouts"]
+    assert {"padded", "padding-free (one flat row)", "packed rows (per-record sdpa, finetune)"} <= set(layouts)
+    for name, r in layouts.items():
+        assert math.isfinite(r["loss"]) and r["same_targets"], (name, r)
+        if not r["control"]:
+            assert r["rel_diff"] <= G.PADFREE_RTOL, (name, r)
+    assert run["control_detected"] in ("loss", "gradient")
+
+    # bf16 mixed precision tracks fp32 step by step; every save reloads to the same logits.
+    runs = secs["bf16"]["runs"]
+    assert set(runs) == set(G.BF16_RUNS)
+    for name, r in runs.items():
+        assert "error" not in r, (name, r.get("error", "")[:2000])
+        assert len(r["losses"]) == secs["bf16"]["steps"] and all(map(math.isfinite, r["losses"])), (name, r["losses"])
+        assert r["save_pass"] and r["verify"]["max_logit_diff"] <= r["verify"]["atol"], (name, r["verify"])
+    mixed = runs["bf16 mixed (fp32 weights, --bf16)"]
+    assert mixed["loss_pass"] and mixed["max_rel_diff"] <= G.BF16_MIXED_RTOL
+    assert 0 < mixed["first_rel_diff"] < 1e-3  # autocast did run, and step 1 is the same forward up to rounding
+    assert runs["LoRA, bf16 base, --bf16"]["verify"]["kind"] == "adapter"
+
+    # The planner's numbers for each cell (no CUDA here, so nothing measured to compare).
+    rows = secs["memory"]["rows"]
+    assert [r["cell"] for r in rows] == list(G.SETTINGS["cpu-smoke"]["memory_cells"])
+    for r in rows:
+        assert "error" not in r, r["error"][:2000]
+        assert r["device"] > 0 and r["saved_planned"] > 0 and r["cuda"] is None
+
+    # Throughput: every row ran every repeat, and the ratio ft/TRL is taken within repeats with its spread.
+    tp = secs["throughput"]
+    assert not [r for r in tp["results"] if "error" in r]
+    assert not tp["notes"], tp["notes"]
+    summary = {(e["model"], e["method"]): e for e in tp["summary"]}
+    assert set(summary) == {("tiny", "lora"), ("tiny", "full")}
+    for e in summary.values():
+        for row in ("ft_packed", "trl_packing"):
+            assert e["rows"][row]["repeats"] == 3 and e["rows"][row]["tokens_per_s"][0] > 0
+        med, spread = e["ratio"]
+        assert 0.1 < med < 10 and 0 <= spread < 5
+        tps = {r["repeat"]: r["tokens_per_s"] for r in tp["results"]
+               if (r["model"], r["method"]) == (e["model"], e["method"]) and r["config"] == "ft_packed"}
+        trl = {r["repeat"]: r["tokens_per_s"] for r in tp["results"]
+               if (r["model"], r["method"]) == (e["model"], e["method"]) and r["config"] == "trl_packing"}
+        ratios = sorted(tps[k] / trl[k] for k in tps)
+        assert med == pytest.approx(ratios[1])
+    assert tp["peak"] is None  # no MFU without a known peak
+
+    # The section goes into RESULTS.md from the JSON alone.
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmarks\n")
+    rec = subprocess.run([sys.executable, "bench/gpu.py", "--record", str(out / "gpu.json"), "--results",
+                          str(results)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    text = results.read_text()
+    assert "## GPU: cpu (bench/gpu.py)" in text and "--cpu-smoke" in text and "| tiny | lora |" in text
+
+
+def _fails_with_liger(no_liger: bool, x: int) -> dict:
+    if not no_liger:
+        raise RuntimeError("triton: a kernel did not compile")
+    return {"x": x}
+
+
+def test_a_child_that_fails_with_liger_runs_again_without_it(tmp_path, monkeypatch):
+    import multiprocessing as mp
+
+    monkeypatch.setattr(G, "CTX", mp.get_context("fork"))
+    monkeypatch.setattr(G, "LOGS", tmp_path)
+    ctx = {"no_liger": False, "liger_failed": {}, "info": {"liger": True}, "budget": G.Budget(10_000)}
+    status, res, _ = G.run_guarded(ctx, "first", "ft_packed", _fails_with_liger, 1)
+    assert status == "ok" and res["x"] == 1 and "did not compile" in res["liger_hidden"]
+    assert "ft_packed" in ctx["liger_failed"]
+    status, res, _ = G.run_guarded(ctx, "second", "ft_packed", _fails_with_liger, 2)  # hidden from the start now
+    assert status == "ok" and res["x"] == 2 and "liger_hidden" in res
+    status, res, _ = G.run_guarded(ctx, "other", "trl_packing", _fails_with_liger, 3)  # another kind still tries
+    assert status == "ok" and res["x"] == 3 and len(list(tmp_path.glob("*other*.log"))) == 2
+    ctx["info"]["liger"] = False  # Liger not in use: a failure is a failure
+    status, res, _ = G.run_guarded(ctx, "plain", "bf16", _fails_with_liger, 4)
+    assert status == "error" and "did not compile" in res
