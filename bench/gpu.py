@@ -344,7 +344,8 @@ def padfree_child(no_liger: bool, model_dir: str, data: str, work: str, attn: st
 
     from finetune import config as C
     from finetune.data.packing import PackedCollator, bfd_pack
-    from finetune.data.prepare import Collator, prepare_dataset
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import Collator
     from finetune.models import attention
     from finetune.models.load import load_model, load_tokenizer
 

@@ -33,7 +33,7 @@ CELLS = {  # name -> flags
     "full-fp32-autocast": ["--torch_dtype", "float32", "--bf16", "true"],
     "lora-bf16": ["--torch_dtype", "bfloat16", "--use_peft"],
     "lora-bf16-no-dropout": ["--torch_dtype", "bfloat16", "--use_peft", "--lora_dropout", "0"],
-    # DPO (finetune.training.dpo): 2 pairs a micro-batch, so 4 rows of 1,024 tokens as the SFT cells; log-probabilities
+    # DPO (finetune.methods.dpo): 2 pairs a micro-batch, so 4 rows of 1,024 tokens as the SFT cells; log-probabilities
     # from the logits (never chunked); LoRA's reference is the policy with its adapters off, full's a frozen copy.
     "dpo-lora-bf16": ["--torch_dtype", "bfloat16", "--use_peft", "--method", "dpo",
                       "--per_device_train_batch_size", str(MICRO // 2)],
