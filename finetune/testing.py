@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "finetune" / "train.py")
 LOOP = str(REPO / "finetune" / "loop.py")
-SFT = str(REPO / "scripts" / "sft.py")
+ENGINE = str(REPO / "scripts" / "sft.py")  # the engine path's launcher file
 
 # Every process of a job inherits this variable; its value lists the tags of the jobs it belongs to (nested runs).
 TAG_VAR = "FINETUNE_TESTING_JOB"
@@ -82,7 +82,7 @@ def launcher(kind: str, nproc: int = 2, config_file: str | None = None, script: 
     raise ValueError(kind)
 
 
-def deepspeed_launcher(nproc: int = 2, script: str = SFT) -> list[str]:
+def deepspeed_launcher(nproc: int = 2, script: str = ENGINE) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script]
 
 

@@ -104,7 +104,7 @@ def test_resolve(tmp_path, capsys):
     (dict(world_size=1), "holds ZeRO-3 partitions for 2 processes, this run has 1: rerun with 2 processes, or convert"),
     (dict(world_size=4), "holds ZeRO-3 partitions for 2 processes, this run has 4"),
     (dict(zero_stage=2), "was saved under ZeRO stage 3, this run uses stage 2"),
-    (dict(path="sft"), "was written by the trainer path; resume it with that path"),
+    (dict(path="engine"), "was written by the trainer path; resume it with that path"),
 ])
 def test_incompatible_checkpoint_is_refused_with_the_conversion(tmp_path, change, message):
     folder = fake_checkpoint(tmp_path, 3)
@@ -116,6 +116,17 @@ def test_incompatible_checkpoint_is_refused_with_the_conversion(tmp_path, change
         assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder / 'global_step'} "
                 f"--output_folder {folder / 'global_step'}_universal") in str(e.value)
         assert '"load_universal": true' in str(e.value)
+
+
+def test_a_checkpoint_of_the_engine_path_under_its_former_name_still_resumes(tmp_path):
+    """Markers written before the DeepSpeed engine path was named "engine" say "sft": the engine path resumes them,
+    and another path refuses them naming the engine path."""
+    folder = fake_checkpoint(tmp_path, 3, path="sft")
+    kw = dict(world_size=2, zero_stage=3)
+    assert checkpoint.resolve("latest", tmp_path, path="engine", **kw) == folder
+    with pytest.raises(checkpoint.ResumeError) as e:
+        checkpoint.resolve("latest", tmp_path, path="loop", **kw)
+    assert "was written by the engine path; resume it with that path (this is the loop path" in str(e.value)
 
 
 def test_ddp_checkpoint_resumes_on_another_world_size(tmp_path):
@@ -192,7 +203,7 @@ STEPS, SAVE, KILL_AFTER = 8, 3, 3
 PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
     "loop": lambda: launcher("accelerate", 2, script=LOOP),
-    "sft": lambda: deepspeed_launcher(2),
+    "engine": lambda: deepspeed_launcher(2),
 }
 # DeepSpeed swaps an optimizer sub-group to disk only from 1 MiB up: hidden 192 puts each rank's partition
 # (~430k fp32 values) on disk, hidden 64 (~69k) stays in memory under zero3_nvme. Both must resume exactly.
@@ -200,8 +211,8 @@ HIDDEN = {"swapped": 192, "unswapped": 64}
 # CI: both sizes, on the Trainer and the engine; the loop and the swapped optimizer on the DeepSpeed launcher too with
 # FINETUNE_FULL_MATRIX=1 (the swap is the engine's, whichever launcher started it; the loop resumes through the core
 # the engine shares, after a kill -9 in tests/test_resume_trials.py and mid-epoch below).
-CASES = matrix([("trainer", "swapped"), ("loop", "swapped"), ("sft", "swapped"), ("sft", "unswapped")],
-               [("trainer", "swapped"), ("sft", "unswapped")])
+CASES = matrix([("trainer", "swapped"), ("loop", "swapped"), ("engine", "swapped"), ("engine", "unswapped")],
+               [("trainer", "swapped"), ("engine", "unswapped")])
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ class DPO(Method):
     title = "DPO"
     summary = "Direct Preference Optimization on {prompt, chosen, rejected} pairs (docs/preference.md)"
     config = DPOConfig
-    paths = ("trainer", "loop")  # the DeepSpeed engine script (scripts/sft.py) is not written for pairs yet
+    paths = ("trainer", "loop")  # the engine path (scripts/sft.py) is not written for pairs yet
     own_evaluation = True
     metrics = METRICS
     unit = "pairs"

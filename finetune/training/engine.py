@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     deepspeed.utils.logger.setLevel(args.get_process_log_level())
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
-    resume = resume_or_exit(cfg, path="sft", world_size=world)
+    resume = resume_or_exit(cfg, path="engine", world_size=world)
 
     # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node (local rank 0), cached.
     method = methods.get(cfg.objective.method)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("sft", cfg.preset.stage, partial(train_step, engine, session, world), save,
+    job = core.Job("engine", cfg.preset.stage, partial(train_step, engine, session, world), save,
                    engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
                    reporters=evaluate.Reporters(args, max_steps, engine.module),
                    metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
