@@ -64,6 +64,15 @@ def test_unknown_flag_gets_did_you_mean_and_exit_2(command, argv, suggestion, ca
     assert "configuration problem(s):" in err and "Traceback" not in err
 
 
+def test_the_former_name_of_the_engine_command_still_runs_it(capsys):
+    """`finetune sft` (the engine path's former name; sft is also a training method) runs `finetune engine`, saying so
+    in one line."""
+    code, _, err = finetune(capsys, "sft", "--gradient_acumulation_steps", "2")
+    assert code == 2, err
+    assert err.splitlines()[0] == "finetune: `finetune sft` is now `finetune engine`"
+    assert "did you mean 'gradient_accumulation_steps'?" in err
+
+
 # command, flags with two bad values, the two messages (both must be in one run's output)
 TWO_BAD = [
     ("train", ["--max_steps", "x", "--lora_r", "0"], ["max_steps: expected an integer, got 'x'", "lora_r: must be positive"]),
