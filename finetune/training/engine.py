@@ -100,16 +100,16 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("engine", cfg.preset.stage, partial(train_step, engine, session, world), save,
-                   engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
-                   reporters=evaluate.Reporters(args, max_steps, engine.module),
-                   metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
-    log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
+    path = core.TrainingPath("engine", cfg.preset.stage, partial(train_step, engine, session, world), save,
+                             engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
+                             reporters=evaluate.Reporters(args, max_steps, engine.module),
+                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
+    log, pos = core.train(args, path, loader, len(loader), max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     state_dict = core.consolidated_state_dict(engine, engine.module)
-    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps, evaluator),
-                    cfg)
+    state = core.trainer_state(log, pos.step, max_steps, evaluator)
+    core.save_final_module(engine.module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()
 
 
