@@ -37,6 +37,7 @@ from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
 from finetune.models.families import ModelShape, Tensor
+from finetune.models.hub import looks_like_repo_id
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
 
@@ -1062,7 +1063,7 @@ def parse_plan_args(argv: list[str]):
     problems += more + _preset_problems(model, data, launch, values, preset)
     if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
-    elif C.looks_like_repo_id(model.model_name_or_path):
+    elif looks_like_repo_id(model.model_name_or_path):
         # A Hub model: only its config.json is fetched (hf_hub_download), which is all a plan reads.
         problems += C.training.resolve_model_or_problems(model, config_only=True)
     if flags.accelerator not in (None, "gpu", "cpu"):

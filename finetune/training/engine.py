@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     # Engine: "auto" values filled from the TrainingArguments as the Trainer does; optimizer from the DeepSpeed
     # config if it has one (DeepSpeedCPUAdam when offloaded), else the Trainer's; the Trainer's LR schedule.
     try:
-        hf_ds = deepspeed_config(cfg, model, max_steps)
+        hf_ds = filled_ds_config(cfg, model, max_steps)
     except ValueError as e:  # a DeepSpeed value that contradicts a flag
         exit_with(str(e))
     ds_config = hf_ds.config
@@ -134,7 +134,7 @@ def build_loader(dataset, collate_fn, args, world: int, rank: int):
     )
 
 
-def deepspeed_config(cfg, model, max_steps: int):
+def filled_ds_config(cfg, model, max_steps: int):
     """The DeepSpeed config with every "auto" filled from the TrainingArguments (transformers' own code for it).
 
     Returns the HfTrainerDeepSpeedConfig; keep it alive (transformers reads it through a weak reference).
