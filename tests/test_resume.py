@@ -339,6 +339,16 @@ def epoch_job(tmp_path_factory):
     return root, model, data
 
 
+def epoch_command(path: str, epoch_job, out: Path) -> list[str]:
+    root, model, data = epoch_job
+    return PATHS[path]() + [
+        "--config", "ddp", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+        "--dataset_cache_dir", str(root / "cache"), "--max_steps", "8", "--save_steps", "4",
+        "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
+        "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
+    ]
+
+
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
             if p.is_file()}
@@ -352,12 +362,7 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     root, model, data = epoch_job
 
     def command_for(out: Path) -> list[str]:
-        return PATHS[path]() + [
-            "--config", "ddp", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
-            "--dataset_cache_dir", str(root / "cache"), "--max_steps", "8", "--save_steps", "4",
-            "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
-            "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
-        ]
+        return epoch_command(path, epoch_job, out)
 
     full, resumed = root / f"{path}-full", root / f"{path}-resumed"
     run(command_for(full), timeout=600).check()
@@ -389,3 +394,27 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
                                 "data)") == 1, refused.output[-3000:]
     assert "{'loss'" not in refused.output and _files(full) == before
+
+
+
+@pytest.mark.slow
+def test_an_engine_checkpoint_whose_marker_says_sft_resumes(epoch_job):
+    """A checkpoint written before the engine path was named "engine" (its marker says "sft") resumes on it, to the
+    uninterrupted run's losses. Reuses the mid-epoch test's engine run where it ran in this session."""
+    import shutil
+
+    root = epoch_job[0]
+    full, resumed = root / "engine-full", root / "engine-former-name"
+    if not (full / "trainer_state.json").exists():
+        run(epoch_command("engine", epoch_job, full), timeout=600).check()
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
+    marker = resumed / "checkpoint-4" / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    assert meta["path"] == "engine"
+    marker.write_text(json.dumps({**meta, "path": "sft"}, indent=1))
+    result = run(epoch_command("engine", epoch_job, resumed), timeout=600)
+    result.check()
+    assert f"resume: from {resumed / 'checkpoint-4'}" in result.output, result.output[-3000:]
+    expected, got = losses(full), losses(resumed)
+    assert len(expected) == len(got) == 8 and max(abs(a - b) for a, b in zip(expected, got)) <= 1e-6, (expected, got)
