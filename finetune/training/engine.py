@@ -44,7 +44,7 @@ STAGE0_CONFIG = {
 def main(argv: list[str] | None = None) -> None:
     # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is
     # accepted. The process group is up when it returns (DeepSpeed's communication layer, for `--config ddp` too).
-    cfg = core.start(argv, "deepspeed scripts/sft.py", script="scripts/sft.py", deepspeed_engine=True)
+    cfg = core.start(argv, "finetune engine", script="scripts/sft.py", deepspeed_engine=True)
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
     import deepspeed
     import torch.distributed as dist
