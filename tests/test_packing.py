@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import re
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
