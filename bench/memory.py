@@ -447,7 +447,7 @@ def step_counts(rank_result: dict) -> dict[str, int]:
 def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int, use_peft: bool = False,
             lora_r: int = 16, lora_dropout: float = 0.05, loss_chunk: int | None = None, pairs: bool = False,
             reference_copy: bool = False):
-    """The planner's Job for a measured run (full-length records: no padding mask). loss_chunk: the run's
+    """The planner's Workload for a measured run (full-length records: no padding mask). loss_chunk: the run's
     --loss_chunk_size; None for a run that does not pass it. pairs, reference_copy: a DPO run (micro = pairs)."""
     import dataclasses
 
@@ -456,9 +456,9 @@ def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int,
 
     if loss_chunk is None:
         # Such a run chunks its loss (the flag's default is not 0), which saves other tensors for backward than
-        # transformers' loss does, so the Job has to say so for its saved bytes to match.
+        # transformers' loss does, so the Workload has to say so for its saved bytes to match.
         loss_chunk = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "loss_chunk_size")
-    return plan.Job(plan.model_shape(plan.read_config(model)), plan.Strategy.from_config(preset), world_size=nproc,
+    return plan.Workload(plan.model_shape(plan.read_config(model)), plan.Strategy.from_config(preset), world_size=nproc,
                     devices_per_node=nproc, micro_batch=micro, seq_len=seq, use_peft=use_peft, lora_r=lora_r,
                     lora_dropout=lora_dropout, padding_mask=False, accelerator="cpu", loss_chunk=loss_chunk,
                     pairs=pairs, reference_copy=reference_copy)

@@ -5,7 +5,7 @@
 Each cell is one process of bench/memory.py's worker (the project's config -> load_model -> HF Trainer, fixed-length
 random-token records, a few steps) on a random Llama with Llama-3.2-1B's shape (the weights do not change the
 memory; nothing is downloaded). Measured: torch.cuda.max_memory_allocated over the run. Predicted: the planner's
-device total for the same flags (planner.job_from_config, accelerator gpu) less its allowance for the CUDA context
+device total for the same flags (planner.workload_from_config, accelerator gpu) less its allowance for the CUDA context
 and workspaces (GPU_DEVICE_OVERHEAD), which the allocator does not see.
 """
 
@@ -56,7 +56,7 @@ def predict(model: Path, flags: list[str]) -> dict:
     from finetune.plan import planner
 
     cfg = C.parse(["--model_name_or_path", str(model), *flags], check_paths=False)
-    job = planner.job_from_config(cfg, world_size=1, devices_per_node=1, accelerator="gpu").replace(padding_mask=False)
+    job = planner.workload_from_config(cfg, world_size=1, devices_per_node=1, accelerator="gpu").replace(padding_mask=False)
     pred = planner.predict(job)
     return {"device": pred.device_total - planner.GPU_DEVICE_OVERHEAD, "moment": pred.peak_moment,
             "breakdown": {k: v for k, v in pred.device.items() if k != "framework overhead"},

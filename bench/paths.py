@@ -7,7 +7,7 @@ One 20-step job (tiny random Llama, fixed seed, global batch 8, variable-length 
 (`accelerate launch finetune/train.py`), the DeepSpeed engine (`deepspeed scripts/sft.py`) and the prepare()
 loop (`accelerate launch finetune/loop.py`). Prints the loss table and the largest relative difference from
 the reference; with --write, replaces the "Three training paths" section of that file. The tests
-(tests/test_parity.py, tests/test_sft.py) hold the same agreement to 1e-4; this records the numbers.
+(tests/test_parity.py, tests/test_engine.py) hold the same agreement to 1e-4; this records the numbers.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ SECTION = "## Three training paths"
 RUNS = {
     "single": (lambda: launcher("python", script=TRAIN), "ddp", 8),
     "trainer_zero2": (lambda: launcher("accelerate", 2, script=TRAIN), "zero2", 4),
-    "sft_zero2": (lambda: deepspeed_launcher(2), "zero2", 4),
+    "engine_zero2": (lambda: deepspeed_launcher(2), "zero2", 4),
     "loop_zero2": (lambda: launcher("accelerate", 2, script=LOOP), "zero2", 4),
     "trainer_zero3": (lambda: launcher("accelerate", 2, script=TRAIN), "zero3", 4),
-    "sft_zero3": (lambda: deepspeed_launcher(2), "zero3", 4),
+    "engine_zero3": (lambda: deepspeed_launcher(2), "zero3", 4),
     "loop_zero3": (lambda: launcher("accelerate", 2, script=LOOP), "zero3", 4),
 }
 

@@ -35,7 +35,7 @@ STEPS, SAVE, RECORDS, TOL = 8, 2, 24, 1e-6
 PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
     "loop": lambda: launcher("accelerate", 2, script=LOOP),
-    "sft": lambda: deepspeed_launcher(2),
+    "engine": lambda: deepspeed_launcher(2),
     # DPO (full fine-tuning: under ZeRO-3 its frozen reference is partitioned too) on the Trainer path.
     "dpo": lambda: launcher("accelerate", 2, script=TRAIN),
 }

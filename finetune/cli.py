@@ -7,7 +7,7 @@ import sys
 COMMANDS = {
     "train": ("finetune.training.trainer", "fine-tune with the HF Trainer (same as finetune/train.py)"),
     "loop": ("finetune.training.loop", "fine-tune with a plain accelerate loop (same as finetune/loop.py)"),
-    "sft": ("finetune.training.engine", "fine-tune driving the DeepSpeed engine directly (same as scripts/sft.py)"),
+    "engine": ("finetune.training.engine", "fine-tune driving the DeepSpeed engine directly (same as scripts/sft.py)"),
     "plan": ("finetune.plan.planner", "predict per-device memory (no weights loaded) and pick the preset that fits"),
     "generate": ("finetune.inference.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
     "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder, or a GGUF file"),
@@ -17,8 +17,10 @@ COMMANDS = {
     "tiny": ("finetune.apps.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }
 # The commands that run finetune's workarounds for other libraries' internals (finetune.compat).
-CHECKS_VERSIONS = ("train", "loop", "sft", "generate", "export", "quickstart")
-TRAINING = ("train", "loop", "sft")
+CHECKS_VERSIONS = ("train", "loop", "engine", "generate", "export", "quickstart")
+TRAINING = ("train", "loop", "engine")
+# Former command names, still run: each says its new name once. (`sft` is a training method, --method sft.)
+RENAMED = {"sft": "engine"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"finetune {__version__}")
         return
+    if argv and argv[0] in RENAMED:
+        print(f"finetune: `finetune {argv[0]}` is now `finetune {RENAMED[argv[0]]}`", file=sys.stderr)
+        argv = [RENAMED[argv[0]], *argv[1:]]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]

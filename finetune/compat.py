@@ -41,7 +41,7 @@ TESTED: dict[str, Tested] = {
     "deepspeed": Tested(
         ">=0.19.8,<0.20",
         "resuming a DeepSpeed checkpoint (the NVMe-offload restore and the CPU Adam replay call private ZeRO-3 "
-        "optimizer methods and read its swap files) and the consolidated ZeRO-3 save of `finetune sft`",
+        "optimizer methods and read its swap files) and the consolidated ZeRO-3 save of `finetune engine`",
     ),
     "bitsandbytes": Tested(
         ">=0.50,<0.51",

@@ -66,7 +66,7 @@ def end_finished_process(code: int = 0, own_process: bool = False) -> None:
 
 def run_rank(main, *args, own_process: bool = False) -> None:
     """Run an entry point's main(*args); a launched rank, or the entry point's own process (own_process: the
-    training scripts' `__main__`, `finetune train|loop|sft`), that succeeded then ends by end_finished_process, whether
+    training scripts' `__main__`, `finetune train|loop|engine`), that succeeded then ends by end_finished_process, whether
     main returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing process
     keeps the usual way out: ending at once would let its launcher stop local rank 0 before that rank printed the
     error."""

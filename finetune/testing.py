@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "finetune" / "train.py")
 LOOP = str(REPO / "finetune" / "loop.py")
-SFT = str(REPO / "scripts" / "sft.py")
+ENGINE = str(REPO / "scripts" / "sft.py")  # the engine path's launcher file
 
 # Every process of a job inherits this variable; its value lists the tags of the jobs it belongs to (nested runs).
 TAG_VAR = "FINETUNE_TESTING_JOB"
@@ -55,7 +55,7 @@ def env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
         # Two ranks on two cores: more threads per rank only oversubscribes (3x slower).
         OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1",
-        # A process that gets SIGABRT (Job.abort, on a timeout) prints every thread's Python stack first.
+        # A process that gets SIGABRT (Launched.abort, on a timeout) prints every thread's Python stack first.
         PYTHONFAULTHANDLER="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
@@ -82,7 +82,7 @@ def launcher(kind: str, nproc: int = 2, config_file: str | None = None, script: 
     raise ValueError(kind)
 
 
-def deepspeed_launcher(nproc: int = 2, script: str = SFT) -> list[str]:
+def deepspeed_launcher(nproc: int = 2, script: str = ENGINE) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script]
 
 
@@ -147,7 +147,7 @@ def unexpected_warnings(output: str, allowed: dict[str, str] = ALLOWED_WARNINGS)
 
 
 def _in_child() -> None:
-    """Run in a job's process before its command: SIGINT as a terminal gives it, and no core file (Job.abort)."""
+    """Run in a job's process before its command: SIGINT as a terminal gives it, and no core file (Launched.abort)."""
     import resource
     import signal
 
@@ -175,7 +175,7 @@ def _running(p) -> bool:
         return False
 
 
-class Job:
+class Launched:
     """One started command: output read by a thread, its processes tracked, all of them killable."""
 
     def __init__(self, cmd: list[str], cwd: Path, environ: dict[str, str]):
@@ -327,7 +327,7 @@ class Job:
                                  f"({self.proc.returncode})\n{self.output[-6000:]}")
         return [p.pid for p in left]
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> "Launched":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -342,7 +342,7 @@ def run(cmd: list[str], timeout: float = 300, cwd: Path = REPO, **extra_env: str
 
     A process left running after the launcher exited, or anything still running at the timeout, is an error.
     """
-    with Job(cmd, cwd, env(**extra_env)) as job:
+    with Launched(cmd, cwd, env(**extra_env)) as job:
         if not job.wait(timeout):
             job.abort()
             raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{job.output[-12000:]}")
@@ -461,7 +461,7 @@ def run_and_kill_rank(cmd: list[str], when: Path | None, rank: int = 1, timeout:
     """
     if stop_at is not None:
         extra_env.update(stop_env(rank, *stop_at))
-    with Job(cmd, REPO, env(**extra_env)) as job:
+    with Launched(cmd, REPO, env(**extra_env)) as job:
         ready = when.exists if stop_at is None else (lambda: stopped_rank(job.proc.pid, rank) is not None)
         what = when if stop_at is None else f"rank {rank} stopped after step {stop_at[0]} (+{stop_at[1]} s)"
         if not job.wait(timeout, until=ready):
@@ -496,7 +496,7 @@ class Stopped:
     survivors: list[str]  # command lines still running at the bound (then killed)
 
 
-def find_process(job: "Job", target: str) -> int:
+def find_process(job: "Launched", target: str) -> int:
     """The pid of `target` in a running job: "launcher" (the command itself), "rank" (the process with RANK=1, or
     the only rank), or the first process whose command line contains `target` (e.g. deepspeed.launcher.launch)."""
     import psutil
@@ -524,7 +524,7 @@ def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout
     """Start `cmd`; once its output contains `ready`, send `sig` to `target` (see find_process) alone, not to a
     process group; then time how long until every process of the job (launchers and ranks, in whatever session)
     has exited, at most `bound` seconds. Whatever still runs then is killed and listed."""
-    with Job(cmd, REPO, env(**extra_env)) as job:
+    with Launched(cmd, REPO, env(**extra_env)) as job:
         if not job.wait(timeout, until=lambda: ready in job.output):
             job.abort()
             raise AssertionError(f"{ready!r} did not appear in {timeout}s\n{job.output[-12000:]}")
@@ -560,7 +560,7 @@ def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout
 
 def run_nodes(cmds: list[list[str]], timeout: float = 300, **extra_env: str) -> list[Result]:
     """Run one launch line per node at once, to their end (at most `timeout` s in all); no process may outlive it."""
-    jobs = [Job(cmd, REPO, env(**extra_env)) for cmd in cmds]
+    jobs = [Launched(cmd, REPO, env(**extra_env)) for cmd in cmds]
     try:
         deadline = time.monotonic() + timeout
         for job in jobs:
@@ -583,7 +583,7 @@ def run_nodes_and_kill_rank(cmds: list[list[str]], when, node: int = 1, timeout:
     `kill -9` the rank on node `node` (one rank per node). Then every node's launcher must exit by itself within
     `exit_bound` s, none left running. exit_seconds: from the kill to that node's launcher exit."""
     until = when.exists if isinstance(when, Path) else when
-    jobs = [Job(cmd, REPO, env(**extra_env)) for cmd in cmds]
+    jobs = [Launched(cmd, REPO, env(**extra_env)) for cmd in cmds]
     try:
         target = jobs[node]
         deadline = time.monotonic() + timeout
@@ -611,6 +611,6 @@ def run_nodes_and_kill_rank(cmds: list[list[str]], when, node: int = 1, timeout:
             job.__exit__()
 
 
-def _outputs(jobs: list[Job]) -> str:
+def _outputs(jobs: list[Launched]) -> str:
     return "\n".join(f"--- node {i}: {' '.join(job.cmd[:2])} (exit {job.returncode})\n{job.output[-4000:]}"
                      for i, job in enumerate(jobs))

@@ -1,11 +1,11 @@
-"""Fine-tune under DeepSpeed's own launcher, driving the engine directly: a launcher-friendly file for
-finetune.training.engine.
+"""The engine path's launcher: fine-tune under DeepSpeed's own launcher, driving the engine directly
+(finetune.training.engine). The file keeps its name, so `deepspeed scripts/sft.py` lines stay as they were.
 
     deepspeed --num_gpus 2 scripts/sft.py --deepspeed ds_configs/zero2.json \
         --model_name_or_path MODEL --dataset data.jsonl --output_dir out
     deepspeed --hostfile hosts scripts/sft.py --config zero3 ...      # several nodes
 
-`finetune sft` runs the same code.
+`finetune engine` runs the same code (the engine path; `finetune sft` is its former name).
 """
 
 import sys

@@ -217,7 +217,7 @@ def test_bad_flag_or_folder(case, tiny_chatml, data, tmp_path, monkeypatch, capf
     assert_no_debris(tmp_path)
 
 
-@pytest.mark.parametrize("path", ["sft", "loop"])
+@pytest.mark.parametrize("path", ["engine", "loop"])
 def test_ds_json_on_other_paths(path, tiny_chatml, data, tmp_path, monkeypatch, capfd, isolated, one_thread):
     ds = _ds(tmp_path, {"train_batch_size": 7, "zero_optimization": {"stage": 2, "overlap_com": True}})
     argv = [path, *train_args(tiny_chatml, data, tmp_path / "out", "--config", ds)[1:]]

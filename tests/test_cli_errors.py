@@ -25,7 +25,7 @@ LAUNCH_ENV = (
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
 )
-SCRIPTS = {"script": "finetune/train.py", "loop": "finetune/loop.py", "sft": "scripts/sft.py"}
+SCRIPTS = {"script": "finetune/train.py", "loop": "finetune/loop.py", "engine": "scripts/sft.py"}
 
 
 def _finetune_script() -> str:
@@ -55,7 +55,7 @@ def _command(how: str, args: list, tmp_path: Path) -> tuple[list[str], Path]:
 
 def in_a_process(how: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
     """how: 'cli' runs `finetune train ARGS` from tmp_path; 'script' runs `python finetune/train.py ARGS` from the repo;
-    'loop' and 'sft' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
+    'loop' and 'engine' run `python finetune/loop.py` and `python scripts/sft.py` the same way."""
     cmd, cwd = _command(how, args, tmp_path)
     return subprocess.run(cmd, cwd=cwd, env=_environ(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
 
@@ -189,7 +189,7 @@ def test_wrong_type(tiny_chatml, tmp_path, run):
     assert_user_error(proc, f"finetune: data error: {data}:1: messages[1].content must be a string, got int")
 
 
-@pytest.mark.parametrize("how", ["loop", "sft"])
+@pytest.mark.parametrize("how", ["loop", "engine"])
 def test_plan_check_is_on_every_path(how, tiny_chatml, tmp_path, run):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "one two"}\n')
@@ -239,8 +239,8 @@ def _wrong_config(tiny_model: Path, out: Path) -> Path:
 def _weights_cases() -> list:
     """Every case x path in this process; in a real process (slow) CI's cover takes one path per case, every path
     with FINETUNE_FULL_MATRIX=1."""
-    every = [(c, h, m) for m in ("here", "process") for c in ("module_prefix", "gpt2_config") for h in ("cli", "loop", "sft")]
-    cover = [x for x in every if x[2] == "here"] + [("module_prefix", "sft", "process"), ("gpt2_config", "cli", "process")]
+    every = [(c, h, m) for m in ("here", "process") for c in ("module_prefix", "gpt2_config") for h in ("cli", "loop", "engine")]
+    cover = [x for x in every if x[2] == "here"] + [("module_prefix", "engine", "process"), ("gpt2_config", "cli", "process")]
     return [pytest.param(c, h, m, id=f"{m}-{c}-{h}", marks=[pytest.mark.slow] if m == "process" else [])
             for c, h, m in matrix(every, cover)]
 

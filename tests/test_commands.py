@@ -40,7 +40,7 @@ def finetune(capsys, *argv) -> tuple[int, str, str]:
 TYPOS = [
     ("train", ["--learning_rat", "1e-3"], "learning_rate"),
     ("loop", ["--per_device_train_batch_sise", "2"], "per_device_train_batch_size"),
-    ("sft", ["--gradient_acumulation_steps", "2"], "gradient_accumulation_steps"),
+    ("engine", ["--gradient_acumulation_steps", "2"], "gradient_accumulation_steps"),
     ("plan", ["--devices_per_nod", "8"], "devices_per_node"),
     ("generate", ["--max_new_token", "5"], "max_new_tokens"),
     ("export", ["--zero_checkpont", "x"], "zero_checkpoint"),
@@ -64,12 +64,21 @@ def test_unknown_flag_gets_did_you_mean_and_exit_2(command, argv, suggestion, ca
     assert "configuration problem(s):" in err and "Traceback" not in err
 
 
+def test_the_former_name_of_the_engine_command_still_runs_it(capsys):
+    """`finetune sft` (the engine path's former name; sft is also a training method) runs `finetune engine`, saying so
+    in one line."""
+    code, _, err = finetune(capsys, "sft", "--gradient_acumulation_steps", "2")
+    assert code == 2, err
+    assert err.splitlines()[0] == "finetune: `finetune sft` is now `finetune engine`"
+    assert "did you mean 'gradient_accumulation_steps'?" in err
+
+
 # command, flags with two bad values, the two messages (both must be in one run's output)
 TWO_BAD = [
     ("train", ["--max_steps", "x", "--lora_r", "0"], ["max_steps: expected an integer, got 'x'", "lora_r: must be positive"]),
     ("loop", ["--learning_rate", "fast", "--max_seq_length", "1"],
      ["learning_rate: expected a number, got 'fast'", "max_seq_length: must be at least 2"]),
-    ("sft", ["--deepspeed", "zero4", "--use_peft", "maybe"],
+    ("engine", ["--deepspeed", "zero4", "--use_peft", "maybe"],
      ["--config: unknown preset 'zero4'; did you mean 'zero3'?", "use_peft: expected true or false, got 'maybe'"]),
     ("plan", ["--num_nodes", "0", "--device_memory", "lots"],
      ["--num_nodes: must be at least 1, got 0", "--device_memory: not a size: 'lots'"]),
@@ -109,7 +118,7 @@ def test_help(command, capsys):
     flags = {
         "train": ["--model_name_or_path", "--config, --deepspeed, --deepspeed_config", "--learning_rate", "--recipe"],
         "loop": ["--dataset", "--per_device_train_batch_size"],
-        "sft": ["--config, --deepspeed, --deepspeed_config", "--save_steps"],
+        "engine": ["--config, --deepspeed, --deepspeed_config", "--save_steps"],
         "plan": ["--devices_per_node", "--device_memory", "--host_memory", "--accelerator", "--json", "--use_peft"],
         "generate": ["--model_name_or_path, --model", "--prompt", "(repeatable)", "--device_map", "--load_in_4bit"],
         "export": ["--adapter", "--zero_checkpoint", "--output_dir", "(required)", "--atol"],
@@ -123,7 +132,7 @@ def test_help(command, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# --deepspeed is --config wherever a preset is taken (train, loop and sft: tests/test_config.py).
+# --deepspeed is --config wherever a preset is taken (train, loop and engine: tests/test_config.py).
 
 
 def test_plan_takes_deepspeed_as_config(tmp_path):

@@ -24,7 +24,7 @@ import pytest
 from finetune import config as C
 from finetune.models import tiny
 from finetune.training import core
-from launch import LOOP, REPO, SFT, TRAIN, deepspeed_launcher, launcher, matrix, run, tiny_job, unexpected_warnings
+from launch import ENGINE, LOOP, REPO, TRAIN, deepspeed_launcher, launcher, matrix, run, tiny_job, unexpected_warnings
 
 # ----------------------------------------------------------------------------------------------
 # Fast.
@@ -164,7 +164,7 @@ PRESETS = ["zero2", "zero3"]  # zero3: CPU offload, the JSON's own optimizer (De
 PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
     "loop": lambda: launcher("accelerate", 2, script=LOOP),
-    "sft": lambda: deepspeed_launcher(2, script=SFT),
+    "engine": lambda: deepspeed_launcher(2, script=ENGINE),
 }
 KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step")
 EVAL_KEYS = ("eval_loss", "eval_perplexity")
@@ -222,7 +222,7 @@ def relative(a: float, b: float) -> float:
 # CI's cover: each path once, each preset at least once (ZeRO-3 with the JSON's CPU Adam on the Trainer and the
 # engine); every path x preset with FINETUNE_FULL_MATRIX=1.
 @pytest.mark.parametrize("path, preset", matrix([(p, c) for c in PRESETS for p in PATHS],
-                                                [("trainer", "zero3"), ("loop", "zero2"), ("sft", "zero3")]))
+                                                [("trainer", "zero3"), ("loop", "zero2"), ("engine", "zero3")]))
 def test_non_default_flags_match_the_one_process_trainer(path, preset, job):
     # The one-process reference (made once per preset) and the 2-process run are independent: side by side.
     with ThreadPoolExecutor(2) as pool:

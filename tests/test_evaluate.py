@@ -26,7 +26,7 @@ from finetune.apps import report
 from finetune.data.prepare import IGNORE_INDEX, Collator, tokenize_record
 from finetune.models import tiny
 from finetune.training import evaluate
-from launch import LOOP, SFT, TRAIN, deepspeed_launcher, launcher, run, tiny_job
+from launch import ENGINE, LOOP, TRAIN, deepspeed_launcher, launcher, run, tiny_job
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ BEST_FLAGS = ["--config", "zero3_no_offload", "--max_steps", "12", "--learning_r
               "--report_to", "tensorboard"]
 BEST_PATHS = {"trainer": lambda: launcher("accelerate", 2, script=TRAIN),
               "loop": lambda: launcher("accelerate", 2, script=LOOP),
-              "sft": lambda: deepspeed_launcher(2, script=SFT)}
+              "engine": lambda: deepspeed_launcher(2, script=ENGINE)}
 
 
 @pytest.fixture(scope="module")

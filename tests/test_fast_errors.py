@@ -27,11 +27,11 @@ PLAN_BOGUS = """finetune plan: 2 configuration problem(s):
 ENTRY_POINTS = {
     "cli": [sys.executable, "-m", "finetune", "train"],
     "cli loop": [sys.executable, "-m", "finetune", "loop"],
-    "cli sft": [sys.executable, "-m", "finetune", "sft"],
+    "cli engine": [sys.executable, "-m", "finetune", "engine"],
     "cli plan": [sys.executable, "-m", "finetune", "plan"],
     "script": [sys.executable, "finetune/train.py"],
     "loop": [sys.executable, "finetune/loop.py"],
-    "sft": [sys.executable, "scripts/sft.py"],
+    "engine": [sys.executable, "scripts/sft.py"],
 }
 
 

@@ -182,7 +182,7 @@ def test_deepspeed_op_load_with_a_planted_dead_lock(tmp_path):
     private = tmp_path / "ext"
     shutil.copytree(source, private / "deepspeed_shm_comm")
     (private / "deepspeed_shm_comm" / "lock").touch()
-    with testing.Job([sys.executable, "-c", LOAD_SHM, "plain"], testing.REPO,
+    with testing.Launched([sys.executable, "-c", LOAD_SHM, "plain"], testing.REPO,
                      testing.env(TORCH_EXTENSIONS_DIR=str(private))) as plain:
         assert not plain.wait(20)
         assert "loaded" not in plain.output and "lock" not in plain.output

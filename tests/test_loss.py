@@ -216,7 +216,7 @@ RUNS = {
     "trainer_unchunked": ("python", "train", 1, ["--loss_chunk_size", "0"]),
     "trainer": ("python", "train", 1, []),
     "loop": ("python", "loop", 1, []),
-    "sft": ("python", "sft", 1, []),
+    "engine": ("python", "engine", 1, []),
     "trainer_compiled": ("python", "train", 1, ["--torch_compile"]),
     "loop_compiled": ("python", "loop", 1, ["--torch_compile"]),
     "zero3_lora_unchunked": ("accelerate", "train", 2, ["--loss_chunk_size", "0"]),
@@ -228,10 +228,10 @@ ZERO3_LORA = ["--config", "zero3_no_offload", "--use_peft", "--lora_target_modul
 
 @pytest.fixture(scope="module")
 def path_runs(tmp_path_factory):
-    from launch import LOOP, SFT, TRAIN, launcher, losses, run, tiny_job
+    from launch import ENGINE, LOOP, TRAIN, launcher, losses, run, tiny_job
 
     root, model, data = tiny_job(tmp_path_factory.mktemp("chunked"), records=40, seed=5)
-    scripts = {"train": TRAIN, "loop": LOOP, "sft": SFT}
+    scripts = {"train": TRAIN, "loop": LOOP, "engine": ENGINE}
     done = {}
 
     def get(name: str) -> list[float]:
@@ -258,7 +258,7 @@ def assert_losses(a: list[float], b: list[float], rel: float) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["trainer", "loop", "sft"])
+@pytest.mark.parametrize("name", ["trainer", "loop", "engine"])
 def test_paths_chunked_equal_unchunked(name, path_runs):
     reference = path_runs("trainer_unchunked")
     assert reference[-1] < reference[0] - 0.1, reference  # it trains

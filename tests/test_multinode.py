@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from finetune.training import checkpoint
-from launch import (LOOP, SFT, TRAIN, free_port, losses, matrix, node_launcher, run, run_nodes, run_nodes_and_kill_rank,
+from launch import (ENGINE, LOOP, TRAIN, free_port, losses, matrix, node_launcher, run, run_nodes, run_nodes_and_kill_rank,
                     write_hostfile)
 
 STEPS, SAVE = 6, 2  # 20 records, global batch 4: 5 steps per epoch, so the resumed run crosses into epoch 2
-SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": SFT}
+SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": ENGINE}
 # Two ranks sum the loss and gradients in another order than one process: a few float32 ulps at a loss of 6
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6

@@ -73,7 +73,7 @@ def run_each(run, request, tmp_path):
     return each
 
 
-PATHS = ("cli", "loop", "sft")
+PATHS = ("cli", "loop", "engine")
 
 
 def where(process_path: str) -> list:
@@ -118,7 +118,7 @@ def global_step(folder: Path) -> int:
     return json.loads((folder / "trainer_state.json").read_text())["global_step"]
 
 
-@pytest.mark.parametrize("how, entry", where("sft"), indirect=["entry"])
+@pytest.mark.parametrize("how, entry", where("engine"), indirect=["entry"])
 def test_latest_on_a_finished_run_does_nothing(how, job, run):
     out = job["out"]
     first = run(how, args(job, "--resume_from_checkpoint", "latest"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import re
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,9 +21,7 @@ from finetune.data.prepare import IGNORE_INDEX, make_collator, tokenize_record
 from finetune.models.load import load_tokenizer
 from finetune.training.lifecycle import describe_run
 from finetune.data.packing import PackedCollator, bfd_pack, collator_layout, pack_dataset
-from launch import LOOP, TRAIN, losses, run, tiny_job
-
-SFT = str(Path(__file__).resolve().parent.parent / "scripts" / "sft.py")
+from launch import ENGINE, LOOP, TRAIN, losses, run, tiny_job
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +301,7 @@ def test_three_paths_agree_with_packing(paths_setup):
     runs = {
         "trainer": [sys.executable, TRAIN, *_flags(paths_setup, "trainer", "--packing")],
         "loop": [sys.executable, LOOP, *_flags(paths_setup, "loop", "--packing")],
-        "sft": [sys.executable, SFT, *_flags(paths_setup, "sft", "--packing")],
+        "engine": [sys.executable, ENGINE, *_flags(paths_setup, "engine", "--packing")],
         # The same rows under eager attention and its block-diagonal mask: what per-record sdpa must reproduce.
         "eager": [sys.executable, TRAIN, *_flags(paths_setup, "eager", "--packing", "--attn_implementation", "eager")],
     }

@@ -140,7 +140,7 @@ def test_activation_bytes_equal_saved_tensors(method, ckpt, padded):
     mask = torch.ones_like(ids)
     if padded:
         mask[1, 30:] = 0
-    job = plan.Job(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
                    use_peft=method != "full", lora_r=4, lora_dropout=dropout, padding_mask=padded)
     assert plan.activations(job).saved == _saved_bytes(model, ids, mask)
 
@@ -172,13 +172,13 @@ def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_p
     folder = write_config(tmp_path / "gqa", **d, tie_word_embeddings=False)
     flags = ["--model_name_or_path", str(folder), "--max_seq_length", str(s), "--per_device_train_batch_size", str(b),
              "--packing", "--lora_r", "4", "--lora_dropout", str(dropout), "--loss_chunk_size", "0"] + (["--use_peft"] if method != "full" else [])
-    job = plan.job_from_config(C.parse(flags, check_paths=False), world_size=1, devices_per_node=1, accelerator="cpu")
+    job = plan.workload_from_config(C.parse(flags, check_paths=False), world_size=1, devices_per_node=1, accelerator="cpu")
     assert not job.padding_mask
     assert plan.activations(job).saved == saved
     # Without packing, or compiled (masked sdpa), the plan keeps its worst case: a mask, repeated heads.
     for extra in ([], ["--torch_compile"]):
         flags_other = [f for f in flags if f != "--packing"] if not extra else flags + extra
-        other = plan.job_from_config(C.parse(flags_other, check_paths=False), world_size=1, devices_per_node=1,
+        other = plan.workload_from_config(C.parse(flags_other, check_paths=False), world_size=1, devices_per_node=1,
                                      accelerator="cpu")
         assert other.padding_mask and plan.activations(other).saved > plan.activations(job).saved
 
@@ -206,7 +206,7 @@ def test_chunked_loss_activation_bytes_equal_saved_tensors(method, ckpt):
     assert loss.install(model, 16)
     model.train()
     ids = torch.randint(0, d["vocab_size"], (b, s))
-    job = plan.Job(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=ckpt,
                    use_peft=method == "lora", lora_r=4, lora_dropout=0.05, padding_mask=False, loss_chunk=16)
     unchunked = plan.activations(job.replace(loss_chunk=0))
     assert plan.activations(job).saved == _saved_bytes(model, ids, None) < unchunked.saved
@@ -222,7 +222,7 @@ def test_zero_paper_bytes_per_parameter():
     psi, n = shape.num_params, 8
 
     def states(config, accelerator="gpu"):
-        job = plan.Job(shape, plan.Strategy.from_config(config), world_size=n, devices_per_node=n,
+        job = plan.Workload(shape, plan.Strategy.from_config(config), world_size=n, devices_per_node=n,
                        accelerator=accelerator, weight_dtype="bfloat16", mixed_precision="bf16")
         st = plan.model_states(job, 0)
         return st.params + st.persistent, st.grads, st.optim
@@ -230,7 +230,7 @@ def test_zero_paper_bytes_per_parameter():
     params, grads, optim = states("zero1")
     assert params == 2 * psi and abs(optim - 12 * psi / n) < 64  # + one `step` tensor per group
     # ZeRO-1 keeps every gradient whole until the end of backward (the peak, with negligible activations)
-    job = plan.Job(shape, plan.Strategy.from_config("zero1"), world_size=n, devices_per_node=n, accelerator="gpu",
+    job = plan.Workload(shape, plan.Strategy.from_config("zero1"), world_size=n, devices_per_node=n, accelerator="gpu",
                    weight_dtype="bfloat16", mixed_precision="bf16", micro_batch=1, seq_len=8)
     assert plan.predict(job).device["gradients"] == 2 * psi
     params, grads, optim = states("zero2")
@@ -244,7 +244,7 @@ def test_zero_paper_bytes_per_parameter():
     for got, per_param in ((params, 2), (grads, 2), (optim, 12)):
         assert abs(got - per_param * psi / n) / (per_param * psi / n) < 0.001
     # fp32 on CPU, DDP: 4 + 4 + 8, no master copy; plus one 4-byte `step` tensor per parameter tensor.
-    job = plan.Job(shape, plan.Strategy("ddp", 0), world_size=1)
+    job = plan.Workload(shape, plan.Strategy("ddp", 0), world_size=1)
     st = plan.model_states(job)
     assert (st.params, st.grads, st.optim) == (4 * psi, 4 * psi, 8 * psi + 4 * len(shape.tensors()))
 
@@ -467,7 +467,7 @@ def _brute_worst_rank(job, groups):
                                          ("biases_head_dim", 13), ("biases_head_dim", 1000), ("gqa", 4096)])
 def test_worst_zero12_rank_equals_the_scan_over_every_rank(tmp_path, shape, world):
     config = {"model_type": "llama", **SHAPES[shape]}
-    job = plan.Job(shape=plan.model_shape(config), strategy=plan.Strategy.from_config("zero2"),
+    job = plan.Workload(shape=plan.model_shape(config), strategy=plan.Strategy.from_config("zero2"),
                    world_size=world)
     groups = [g for g in plan._groups(job, job.shape.tensors()) if g]
     assert plan._worst_zero12_rank(job, groups) == _brute_worst_rank(job, groups)

@@ -219,7 +219,7 @@ def test_the_json_is_read_once(tmp_path, opens, monkeypatch):
                        "--optim", "sgd"], check_paths=False)
         assert cfg.training.hf_deepspeed_config.config["zero_optimization"]["stage"] == 3
         assert "names its own optimizer" in core.refused_flags(cfg, "finetune/loop.py")[0]
-        job = planner.job_from_config(cfg, world_size=2, devices_per_node=2, accelerator="cpu")
+        job = planner.workload_from_config(cfg, world_size=2, devices_per_node=2, accelerator="cpu")
         assert job.strategy.stage == 3 and job.strategy.offload_optimizer and job.strategy.ds_optimizer
         rejected = planner.recommend(job, planner.Limits(1, 1)).rejected  # fits nowhere: every preset tried
         assert set(rejected) == set(C.PRESETS)

@@ -90,13 +90,13 @@ def test_a_finished_rank_or_entry_point_ends_without_the_shutdown(tmp_path, how,
 
 
 def test_training_commands_run_as_the_program_end_at_once(monkeypatch):
-    """Who passes own_process: the training scripts' __main__, and finetune.cli for train/loop/sft when it is the
+    """Who passes own_process: the training scripts' __main__, and finetune.cli for train/loop/engine when it is the
     program (argv from the command line); a caller of cli.main(argv), such as the tests here, goes on."""
     from finetune import cli
 
     for script in ("finetune/train.py", "finetune/loop.py", "scripts/sft.py", "finetune/apps/quickstart_worker.py"):
         assert "run_rank(main, own_process=True)" in (REPO / script).read_text(), script
-    assert cli.TRAINING == ("train", "loop", "sft")
+    assert cli.TRAINING == ("train", "loop", "engine")
     calls = []
     monkeypatch.setattr(compat, "check_versions", lambda: None)
     monkeypatch.setattr(process, "run_rank", lambda main, *args, own_process=False: calls.append((args, own_process)))

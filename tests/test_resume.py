@@ -104,7 +104,7 @@ def test_resolve(tmp_path, capsys):
     (dict(world_size=1), "holds ZeRO-3 partitions for 2 processes, this run has 1: rerun with 2 processes, or convert"),
     (dict(world_size=4), "holds ZeRO-3 partitions for 2 processes, this run has 4"),
     (dict(zero_stage=2), "was saved under ZeRO stage 3, this run uses stage 2"),
-    (dict(path="sft"), "was written by the trainer path; resume it with that path"),
+    (dict(path="engine"), "was written by the trainer path; resume it with that path"),
 ])
 def test_incompatible_checkpoint_is_refused_with_the_conversion(tmp_path, change, message):
     folder = fake_checkpoint(tmp_path, 3)
@@ -116,6 +116,17 @@ def test_incompatible_checkpoint_is_refused_with_the_conversion(tmp_path, change
         assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder / 'global_step'} "
                 f"--output_folder {folder / 'global_step'}_universal") in str(e.value)
         assert '"load_universal": true' in str(e.value)
+
+
+def test_a_checkpoint_of_the_engine_path_under_its_former_name_still_resumes(tmp_path):
+    """Markers written before the DeepSpeed engine path was named "engine" say "sft": the engine path resumes them,
+    and another path refuses them naming the engine path."""
+    folder = fake_checkpoint(tmp_path, 3, path="sft")
+    kw = dict(world_size=2, zero_stage=3)
+    assert checkpoint.resolve("latest", tmp_path, path="engine", **kw) == folder
+    with pytest.raises(checkpoint.ResumeError) as e:
+        checkpoint.resolve("latest", tmp_path, path="loop", **kw)
+    assert "was written by the engine path; resume it with that path (this is the loop path" in str(e.value)
 
 
 def test_ddp_checkpoint_resumes_on_another_world_size(tmp_path):
@@ -192,7 +203,7 @@ STEPS, SAVE, KILL_AFTER = 8, 3, 3
 PATHS = {
     "trainer": lambda: launcher("accelerate", 2, script=TRAIN),
     "loop": lambda: launcher("accelerate", 2, script=LOOP),
-    "sft": lambda: deepspeed_launcher(2),
+    "engine": lambda: deepspeed_launcher(2),
 }
 # DeepSpeed swaps an optimizer sub-group to disk only from 1 MiB up: hidden 192 puts each rank's partition
 # (~430k fp32 values) on disk, hidden 64 (~69k) stays in memory under zero3_nvme. Both must resume exactly.
@@ -200,8 +211,8 @@ HIDDEN = {"swapped": 192, "unswapped": 64}
 # CI: both sizes, on the Trainer and the engine; the loop and the swapped optimizer on the DeepSpeed launcher too with
 # FINETUNE_FULL_MATRIX=1 (the swap is the engine's, whichever launcher started it; the loop resumes through the core
 # the engine shares, after a kill -9 in tests/test_resume_trials.py and mid-epoch below).
-CASES = matrix([("trainer", "swapped"), ("loop", "swapped"), ("sft", "swapped"), ("sft", "unswapped")],
-               [("trainer", "swapped"), ("sft", "unswapped")])
+CASES = matrix([("trainer", "swapped"), ("loop", "swapped"), ("engine", "swapped"), ("engine", "unswapped")],
+               [("trainer", "swapped"), ("engine", "unswapped")])
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +339,16 @@ def epoch_job(tmp_path_factory):
     return root, model, data
 
 
+def epoch_command(path: str, epoch_job, out: Path) -> list[str]:
+    root, model, data = epoch_job
+    return PATHS[path]() + [
+        "--config", "ddp", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
+        "--dataset_cache_dir", str(root / "cache"), "--max_steps", "8", "--save_steps", "4",
+        "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
+        "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
+    ]
+
+
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
             if p.is_file()}
@@ -341,12 +362,7 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     root, model, data = epoch_job
 
     def command_for(out: Path) -> list[str]:
-        return PATHS[path]() + [
-            "--config", "ddp", "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
-            "--dataset_cache_dir", str(root / "cache"), "--max_steps", "8", "--save_steps", "4",
-            "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
-            "--max_seq_length", "128", "--disable_tqdm", "true", "--resume_from_checkpoint", "latest",
-        ]
+        return epoch_command(path, epoch_job, out)
 
     full, resumed = root / f"{path}-full", root / f"{path}-resumed"
     run(command_for(full), timeout=600).check()
@@ -378,3 +394,27 @@ def test_mid_epoch_resume_in_a_later_epoch_gives_the_same_losses(path, epoch_job
     assert refused.output.count(f"--output_dir {full} holds a final model of another run (it was trained on other "
                                 "data)") == 1, refused.output[-3000:]
     assert "{'loss'" not in refused.output and _files(full) == before
+
+
+
+@pytest.mark.slow
+def test_an_engine_checkpoint_whose_marker_says_sft_resumes(epoch_job):
+    """A checkpoint written before the engine path was named "engine" (its marker says "sft") resumes on it, to the
+    uninterrupted run's losses. Reuses the mid-epoch test's engine run where it ran in this session."""
+    import shutil
+
+    root = epoch_job[0]
+    full, resumed = root / "engine-full", root / "engine-former-name"
+    if not (full / "trainer_state.json").exists():
+        run(epoch_command("engine", epoch_job, full), timeout=600).check()
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
+    marker = resumed / "checkpoint-4" / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    assert meta["path"] == "engine"
+    marker.write_text(json.dumps({**meta, "path": "sft"}, indent=1))
+    result = run(epoch_command("engine", epoch_job, resumed), timeout=600)
+    result.check()
+    assert f"resume: from {resumed / 'checkpoint-4'}" in result.output, result.output[-3000:]
+    expected, got = losses(full), losses(resumed)
+    assert len(expected) == len(got) == 8 and max(abs(a - b) for a, b in zip(expected, got)) <= 1e-6, (expected, got)

@@ -286,8 +286,8 @@ def read_eval_records(path: str, limit: int) -> list[dict]:
 # Evaluation
 
 
-def evaluate(model_dir: str, adapter: str | None, records: list[dict], *, batch_size: int, max_new_tokens: int | None,
-             label: str, log, pairs: list[dict] | None = None) -> dict:
+def measure_model(model_dir: str, adapter: str | None, records: list[dict], *, batch_size: int,
+                  max_new_tokens: int | None, label: str, log, pairs: list[dict] | None = None) -> dict:
     """Eval loss and perplexity on the reference answers (teacher forcing, answer tokens only), and exact match
     of greedy completions; returns the numbers and every completion. With `pairs` (preference records), also the
     preference accuracy: the share of pairs whose chosen completion has the higher log-probability, scored as DPO
@@ -669,8 +669,8 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     t = time.time()
     labels = stage_labels(cfg.dpo)
-    base = evaluate(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                    label=labels[0], log=log, pairs=pairs)
+    base = measure_model(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
+                         label=labels[0], log=log, pairs=pairs)
     timings["eval_base"] = time.time() - t
     log(f"{labels[0]}: exact match {base['exact_match']:.1%}, eval loss {base['eval_loss']:.4f}"
         + (f", preference accuracy {base['preference_accuracy']:.1%}" if pairs else "") + f" ({timings['eval_base']:.0f} s)")
@@ -685,8 +685,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     t = time.time()
     adapter = str(run_dir) if cfg.method == "lora" else None
-    tuned = evaluate(str(run_dir) if cfg.method == "full" else model_dir, adapter, records, batch_size=cfg.eval_batch_size,
-                     max_new_tokens=base["max_new_tokens"], label=labels[1], log=log, pairs=pairs)
+    tuned = measure_model(str(run_dir) if cfg.method == "full" else model_dir, adapter, records,
+                          batch_size=cfg.eval_batch_size, max_new_tokens=base["max_new_tokens"], label=labels[1],
+                          log=log, pairs=pairs)
     timings["eval_finetuned"] = time.time() - t
     gguf_file = None
     if cfg.export == gguf_writer.GGUF.name:

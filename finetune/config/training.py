@@ -23,6 +23,7 @@ from finetune.config.parser import _plain
 from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Preset, nvme_problems, same_file  # noqa: F401
 from finetune.config.preset import value_problems
 from finetune.data import formats
+from finetune.data.sources import looks_like_dataset_id
 from finetune import methods
 from finetune.methods import ObjectiveConfig
 from finetune.methods.base import MethodConfig, own_flags
@@ -568,7 +569,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         if not data.dataset:
             problems.append("dataset: required (a local data file or save_to_disk folder)")
         for name in data.datasets():
-            if not Path(name).exists() and not is_hub_dataset_name(name):
+            if not Path(name).exists() and not looks_like_dataset_id(name):
                 problems.append(f"dataset: {name}: no such file or folder")
         from finetune.data.prepare import cache_root
 
@@ -612,9 +613,9 @@ def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) 
     """A Hub repo id becomes its snapshot folder in the HF cache; then the local-folder checks apply to whatever
     model_name_or_path now names. `model._hub` (an attribute, not a flag: finetune.models.hub.HubModel) keeps the
     repo id and the commit for the saved config and recipe."""
-    from finetune.models.hub import HubError, looks_like_repo_id as is_repo, resolve_model
+    from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
 
-    if getattr(model, "_hub", None) is None and is_repo(model.model_name_or_path):
+    if getattr(model, "_hub", None) is None and looks_like_repo_id(model.model_name_or_path):
         try:
             model._hub = resolve_model(model.model_name_or_path, model.model_revision,
                                        allow_pickle=model.allow_pickle, config_only=config_only)
@@ -631,18 +632,6 @@ def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) 
         problems = [f"{problems[0]} (the cached snapshot of {hub.repo_id} at {hub.revision}; go online, without "
                     "HF_HUB_OFFLINE, to fetch the rest)"]
     return problems
-
-
-def is_hub_dataset_name(name: str) -> bool:
-    from finetune.data.sources import looks_like_repo_id as is_repo
-
-    return is_repo(name)
-
-
-def looks_like_repo_id(name: str) -> bool:
-    from finetune.models.hub import looks_like_repo_id as is_repo
-
-    return is_repo(name)
 
 
 def writable_problem(flag: str, folder) -> str | None:

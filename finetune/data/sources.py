@@ -7,21 +7,18 @@ masks, tokenize cache, packing and data order as a local file's.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
-# The same rule as finetune.models.hub's (data imports no other subpackage): org/name that is not a local path.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
+from finetune.constants import COMMIT, REPO_ID
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
-def looks_like_repo_id(name: str | None) -> bool:
-    """org/name that is not a local path; a name ending in a data file suffix is taken for a (missing) local file."""
-    return (bool(name) and _REPO_ID.match(name) is not None and not Path(name).exists()
+def looks_like_dataset_id(name: str | None) -> bool:
+    """A data set's org/name (constants.REPO_ID) that is not a local path; a name ending in a data file suffix is
+    taken for a (missing) local file."""
+    return (bool(name) and REPO_ID.match(name) is not None and not Path(name).exists()
             and not name.lower().endswith(LOCAL_SUFFIXES))
 
 
@@ -38,7 +35,7 @@ class HubData:
 
 
 def is_hub_dataset(cfg) -> bool:
-    return looks_like_repo_id(cfg.dataset)
+    return looks_like_dataset_id(cfg.dataset)
 
 
 def load_hub(cfg) -> HubData:

@@ -57,7 +57,7 @@ class DPO(Method):
     title = "DPO"
     summary = "Direct Preference Optimization on {prompt, chosen, rejected} pairs (docs/preference.md)"
     config = DPOConfig
-    paths = ("trainer", "loop")  # the DeepSpeed engine script (scripts/sft.py) is not written for pairs yet
+    paths = ("trainer", "loop")  # the engine path (scripts/sft.py) is not written for pairs yet
     own_evaluation = True
     metrics = METRICS
     unit = "pairs"
@@ -129,7 +129,7 @@ class DPOSession(Session):
         return self.window.pop(reduce)
 
     def evaluate(self, model, examples: Examples, batch_size: int, *, prefix: str = "eval") -> dict:
-        return evaluate(model, self.reference, examples, batch_size, self.options, prefix=prefix)
+        return pair_metrics(model, self.reference, examples, batch_size, self.options, prefix=prefix)
 
     def describe(self) -> str:
         return self.reference.describe()
@@ -473,8 +473,8 @@ class Reference:
             return sequence_logps(module, batch)
 
 
-def evaluate(model, reference: Reference, pairs: Examples, batch_size: int, options: DPOConfig, *,
-             prefix: str = "eval") -> dict:
+def pair_metrics(model, reference: Reference, pairs: Examples, batch_size: int, options: DPOConfig, *,
+                 prefix: str = "eval") -> dict:
     """The DPO loss and metrics over every eval pair (each exactly once over the ranks; every rank runs as many
     forwards, as ZeRO-3 needs): {eval_loss, eval_rewards/..., eval_logps/..., eval_samples, eval_runtime}."""
     import math

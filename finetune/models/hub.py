@@ -13,9 +13,10 @@ ranks download at once, huggingface_hub's per-blob file locks let one of them fe
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from finetune.constants import COMMIT, REPO_ID
 
 # What a training / inference job needs from a model repository; *.bin only with --allow_pickle.
 MODEL_PATTERNS = [
@@ -24,9 +25,6 @@ MODEL_PATTERNS = [
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 ]
 PICKLE_PATTERNS = ["*.bin", "pytorch_model.bin.index.json"]
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
-# org/name: Hub repo ids are one "/" and letters, digits, "-", "_", "."; a leading "." or "/" means a local path.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
 class HubError(Exception):
@@ -42,8 +40,9 @@ class HubModel:
 
 
 def looks_like_repo_id(name: str | None) -> bool:
-    """True for 'org/name' that is not an existing local path (a local folder always wins)."""
-    return bool(name) and _REPO_ID.match(name) is not None and not Path(name).exists()
+    """True for a model's 'org/name' (constants.REPO_ID) that is not an existing local path (a local folder always
+    wins)."""
+    return bool(name) and REPO_ID.match(name) is not None and not Path(name).exists()
 
 
 def cache_dir() -> str:

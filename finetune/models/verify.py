@@ -7,7 +7,8 @@ model's logits on a fixed input match the model that was saved.
     print(report)                                     # raises VerificationError when anything is off
 
 A failed verification is an error, never a warning: a folder that does not reload to the same model is not a
-model. Used after `finetune export` and, through outputs.save_final, after training.
+model. Used after `finetune export` and, through finetune.training's final saves (lifecycle.save_final_trainer,
+core.save_final_module), after training.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
 from finetune.models.families import ModelShape, Tensor
+from finetune.models.hub import looks_like_repo_id
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
 
@@ -170,7 +171,10 @@ class Strategy:
 
 
 @dataclass
-class Job:
+class Workload:
+    """What the planner predicts memory for: a model's shape under a parallelism strategy, with the batch, sequence
+    length, precision, LoRA, quantization and the method's terms of one training run."""
+
     shape: ModelShape
     strategy: Strategy
     world_size: int = 1
@@ -208,7 +212,7 @@ class Job:
     def num_nodes(self) -> int:
         return max(1, self.world_size // max(1, self.devices_per_node))
 
-    def replace(self, **kw) -> "Job":
+    def replace(self, **kw) -> "Workload":
         return dataclasses.replace(self, **kw)
 
 
@@ -223,13 +227,13 @@ class Precision:
     note: str
 
 
-def fp32_adapters(job: Job) -> bool:
+def fp32_adapters(job: Workload) -> bool:
     """peft keeps the LoRA adapters in fp32 on a 16-bit base (autocast_adapter_dtype) and casts each target's input
     to fp32: their states and what the LoRA branch saves are fp32 (measured on a GPU, bench/memory_gpu.py)."""
     return job.use_peft and precision_of(job).name == "bf16"
 
 
-def precision_of(job: Job) -> Precision:
+def precision_of(job: Workload) -> Precision:
     """The bytes per element of each model state, for this job.
 
     - CPU / fp32 (validated byte for byte): 4 weights + 4 grads + 8 Adam. DeepSpeed ZeRO still clones a
@@ -295,7 +299,7 @@ class StateBytes:
         return self.host_params + self.host_grads + self.host_optim
 
 
-def _groups(job: Job, trainable: list[Tensor]) -> list[list[Tensor]]:
+def _groups(job: Workload, trainable: list[Tensor]) -> list[list[Tensor]]:
     """The optimizer's param groups: the Trainer's (decay, no-decay), or one group if DeepSpeed builds the optimizer."""
     if job.strategy.ds_optimizer:
         return [trainable]
@@ -317,7 +321,7 @@ def _overlap(group: list[Tensor], lo: int, hi: int, ends: list[int] | None = Non
     return ends[last] - (ends[first - 1] if first else 0)
 
 
-def _worst_zero12_rank(job: Job, groups: list[list[Tensor]]) -> int:
+def _worst_zero12_rank(job: Workload, groups: list[list[Tensor]]) -> int:
     """The rank holding the most gradient elements under ZeRO-1/2 (tensors cut by its partition's edges).
 
     A rank's count changes only next to a rank whose partition holds a tensor boundary or the group's end (in
@@ -344,7 +348,7 @@ def _worst_zero12_rank(job: Job, groups: list[list[Tensor]]) -> int:
     return worst
 
 
-def model_states(job: Job, rank: int | None = None) -> StateBytes:
+def model_states(job: Workload, rank: int | None = None) -> StateBytes:
     """Per-rank bytes of parameters, gradients and optimizer states; `rank` None = the largest rank."""
     n = job.world_size
     if rank is None:
@@ -514,14 +518,14 @@ class Activations:
     stages: list[Stage]
 
 
-def _dropout_saved(job: Job, features: int, elt: int) -> int:
+def _dropout_saved(job: Workload, features: int, elt: int) -> int:
     """Bytes one LoRA dropout keeps per token: its output (for lora_A) and, on CPU, a float noise mask
     (torch's composite dropout); on GPU the fused kernel keeps a 1-byte mask."""
     mask = elt if job.accelerator == "cpu" else 1
     return (elt + mask) * features
 
 
-def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
+def layer_saved_per_token(job: Workload, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
     """Bytes one decoder layer (the Llama layout) saves for backward, per token (SDPA, no dropout in attention).
 
     `first`: layer 0 under LoRA without checkpointing, whose input does not require grad.
@@ -578,7 +582,7 @@ def layer_saved_per_token(job: Job, first: bool = False) -> int:  # noqa: C901 -
     return per
 
 
-def _lora_linears(job: Job) -> list:
+def _lora_linears(job: Workload) -> list:
     """The layer's linears that get LoRA adapters."""
     chosen = job.shape.family.lora_targets(list(job.lora_targets))
     return [lin for lin in job.shape.linears() if lin.name in chosen]
@@ -603,7 +607,7 @@ def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: i
     return total
 
 
-def activations(job: Job, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
+def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
     """Saved activations of one micro-batch, tensor class by tensor class, and the backward pass as stages."""
     b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1)
     ckpt = job.grad_ckpt if grad_ckpt is None else grad_ckpt
@@ -764,7 +768,7 @@ GPU_PROCESS_HOST_OVERHEAD = 5 * 10**9
 
 @dataclass
 class Prediction:
-    job: Job
+    job: Workload
     device: dict[str, int]  # per device (rank), at the peak
     host: dict[str, int]  # per host (node)
     notes: list[str]
@@ -781,7 +785,7 @@ class Prediction:
         return sum(self.host.values())
 
 
-def predict(job: Job) -> Prediction:
+def predict(job: Workload) -> Prediction:
     """Per-device and per-host memory at the predicted peak of training.
 
     Three moments are compared: the end of the forward, the backward pass (stage by stage) and the optimizer
@@ -859,7 +863,7 @@ def predict(job: Job) -> Prediction:
     return Prediction(job, device, host, notes, peak_name, st, act)
 
 
-def reference_model_bytes(job: Job) -> int:
+def reference_model_bytes(job: Workload) -> int:
     """DPO's frozen reference (full fine-tuning) on one rank: the weights again, or under ZeRO-3 this rank's
     partition of them, padded per parameter as the policy's are, plus the small parameters the reference's engine
     keeps whole (its persistence threshold is the policy's; held unpadded, unlike the policy's: counted on odd
@@ -876,12 +880,12 @@ def reference_model_bytes(job: Job) -> int:
     return weight * held
 
 
-def _checkpoint_bytes(job: Job) -> int:
+def _checkpoint_bytes(job: Workload) -> int:
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}[job.weight_dtype]
     return elt * job.shape.num_params
 
 
-def rank_state_bytes(job: Job, rank: int) -> dict[str, int]:
+def rank_state_bytes(job: Workload, rank: int) -> dict[str, int]:
     """Model-state bytes one rank holds when the optimizer step starts (what bench/memory.py counts)."""
     st = model_states(job, rank)
     return {
@@ -926,7 +930,7 @@ def fits(pred: Prediction, limits: Limits) -> tuple[bool, str]:
     return (not problems), "; ".join(problems)
 
 
-def _throughput(job: Job, micro: int, ckpt: bool) -> float:
+def _throughput(job: Workload, micro: int, ckpt: bool) -> float:
     """A proxy for tokens/s, only to rank settings that fit: preset cost, recompute (~1/3 more), and
     small micro-batches' lower device efficiency."""
     tokens = micro * job.seq_len
@@ -961,7 +965,7 @@ class Recommendation:
         return out
 
 
-def recommend(job: Job, limits: Limits, candidates: tuple[str, ...] | None = None) -> Recommendation:
+def recommend(job: Workload, limits: Limits, candidates: tuple[str, ...] | None = None) -> Recommendation:
     """The preset, micro-batch and checkpointing setting that fit with the best throughput proxy.
 
     Presets are tried from cheapest communication to most offload; the first that fits at some micro-batch
@@ -1059,7 +1063,7 @@ def parse_plan_args(argv: list[str]):
     problems += more + _preset_problems(model, data, launch, values, preset)
     if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
-    elif C.looks_like_repo_id(model.model_name_or_path):
+    elif looks_like_repo_id(model.model_name_or_path):
         # A Hub model: only its config.json is fetched (hf_hub_download), which is all a plan reads.
         problems += C.training.resolve_model_or_problems(model, config_only=True)
     if flags.accelerator not in (None, "gpu", "cpu"):
@@ -1107,7 +1111,7 @@ def read_config(folder: str | Path) -> dict:
         raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
 
 
-def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Job:
+def workload_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Workload:
     args = cfg.training
     model = cfg.model
     config = read_config(model.model_name_or_path)
@@ -1123,7 +1127,7 @@ def job_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator:
     objective = getattr(cfg, "objective", None)
     terms = methods.get(getattr(objective, "method", methods.DEFAULT)).planner_terms(objective, use_peft=model.use_peft)
     per_record = attention.applies(cfg, SimpleNamespace(**config))
-    return Job(
+    return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
         grad_accum=args.gradient_accumulation_steps, grad_ckpt=bool(args.gradient_checkpointing),
@@ -1176,7 +1180,7 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
     else:
         device = host // per_node
     try:
-        job = job_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator)
+        job = workload_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator)
     except ValueError as e:
         raise PlanError(str(e)) from None
     limits = Limits(device, host)
@@ -1186,7 +1190,7 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
     return _as_data(job, pred, ok, why, rec, limits), flags
 
 
-def _as_data(job: Job, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
+def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
     sh = job.shape
     prec = precision_of(job)
     trainable = (sum(t.numel for t in lora_tensors(sh, job.lora_r, list(job.lora_targets))) if job.use_peft
@@ -1305,7 +1309,7 @@ def plan_check(cfg) -> str | None:
     host = _host_memory()
     device = gpu_mem if accelerator == "gpu" else host // max(1, per_node)
     try:
-        job = job_from_config(cfg, world_size=world, devices_per_node=per_node, accelerator=accelerator)
+        job = workload_from_config(cfg, world_size=world, devices_per_node=per_node, accelerator=accelerator)
     except ValueError as e:
         return f"--plan_check: cannot plan this run: {e}"
     pred = predict(job)

@@ -25,6 +25,9 @@ from finetune.errors import ResumeError  # noqa: F401  (raised here; compat rais
 
 MARKER = "finetune_checkpoint.json"
 PREFIX = "checkpoint-"
+# The path names a marker records: "trainer", "loop", "engine". Markers written before the DeepSpeed engine path was
+# named "engine" say "sft"; they are that path's checkpoints and still resume on it.
+FORMER_PATH_NAMES = {"sft": "engine"}
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -252,8 +255,9 @@ def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_si
 
 def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int) -> None:
     meta = read_meta(folder)
-    if meta["path"] != path:
-        raise ResumeError(f"{folder} was written by the {meta['path']} path; resume it with that path "
+    saved_path = FORMER_PATH_NAMES.get(meta["path"], meta["path"])
+    if saved_path != path:
+        raise ResumeError(f"{folder} was written by the {saved_path} path; resume it with that path "
                           f"(this is the {path} path: the checkpoint formats differ)")
     saved_stage, saved_world = meta["zero_stage"], meta["world_size"]
     if saved_stage != zero_stage:

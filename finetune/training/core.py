@@ -422,14 +422,15 @@ class Position:
 
 
 @dataclass
-class Job:
-    """What train() needs of a path: its name and ZeRO stage (checkpoint marker), and two functions.
+class TrainingPath:
+    """A hand-written training path as train() runs it: its name ("loop", "engine") and ZeRO stage (for the
+    checkpoint marker), its device, and its functions.
 
     step(chunk, n_items) -> (this rank's loss sum as a tensor, the learning rate the step used, grad norm): one
     optimizer step over this rank's micro-batches, n_items what the global batch's loss is normalized by (the
     method's count, all ranks). save(folder, position) writes the engine's checkpoint files."""
 
-    path: str
+    name: str
     zero_stage: int
     step: Callable
     save: Callable
@@ -448,12 +449,13 @@ def _show(entry: dict) -> None:
     rank0_print({k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()})
 
 
-def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: Path | None) -> tuple[LogWindow, Position]:
+def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int,
+          resume: Path | None) -> tuple[LogWindow, Position]:
     """Run from the resumed position (or step 0) to max_steps, or until early stopping; evaluates, checkpoints every
     --save_steps, and with --load_best_model_at_end ends with the best checkpoint's weights in the model."""
     pos = Position.read(resume)
     log = LogWindow.for_run(args, max_steps, pos.log)
-    ev = job.evaluator
+    ev = path.evaluator
     if ev is not None:
         ev.load(pos.evaluation)
     save_every = checkpoint.save_interval(args, max_steps)
@@ -462,8 +464,8 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
 
     def report(entry: dict) -> None:
         _show(entry)
-        if job.reporters is not None:
-            job.reporters.log(entry)
+        if path.reporters is not None:
+            path.reporters.log(entry)
 
     def evaluate(epoch: float) -> bool:
         metrics = ev.run()
@@ -485,13 +487,13 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             # The epoch's last step may have fewer micro-batches (as the Trainer's).
             chunk = [next(batches) for _ in range(min(accum, micro_per_epoch - pos.micro_done))]
             pos.micro_done += len(chunk)
-            log.count(chunk, job.device)
-            loss, lr, grad_norm = job.step(chunk, global_count(job.count, chunk, job.device))
+            log.count(chunk, path.device)
+            loss, lr, grad_norm = path.step(chunk, global_count(path.count, chunk, path.device))
             pos.step += 1
             faults.stop_point(pos.step)
             epoch = pos.epoch + pos.micro_done / micro_per_epoch
             entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
-                            None if grad_norm is None else float(grad_norm), epoch, job.metrics)
+                            None if grad_norm is None else float(grad_norm), epoch, path.metrics)
             if entry is not None:
                 report(entry)
             # Then evaluate, then save: the Trainer's order (_maybe_log_save_evaluate).
@@ -500,7 +502,7 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
             if save_every and pos.step % save_every == 0 and pos.step < max_steps:
                 if ev is not None:
                     ev.saving(args.output_dir, pos.step)
-                save_checkpoint(args, job, pos.to_json(args, log, ev))
+                save_checkpoint(args, path, pos.to_json(args, log, ev))
             if stop:
                 break
         if pos.micro_done >= micro_per_epoch:
@@ -509,12 +511,12 @@ def train(args, job: Job, loader, micro_per_epoch: int, max_steps: int, resume: 
                 stop = evaluate(float(pos.epoch))
     if ev is not None and (best := ev.best_to_load(pos.step)) is not None:
         rank0_print(f"loading the best model: {best.name} ({args.metric_for_best_model or 'loss'} {ev.best_metric})")
-        job.load(best)
+        path.load(best)
     log.finish(pos.step, pos.epoch + pos.micro_done / micro_per_epoch if pos.micro_done < micro_per_epoch
                else float(pos.epoch), args.per_device_train_batch_size * accum * world())
-    if job.reporters is not None:
-        job.reporters.log(log.history[-1])
-        job.reporters.close()
+    if path.reporters is not None:
+        path.reporters.log(log.history[-1])
+        path.reporters.close()
     return log, pos
 
 
@@ -523,17 +525,17 @@ def set_epoch(loader, epoch: int) -> None:
     (loader if hasattr(loader, "set_epoch") else loader.sampler).set_epoch(epoch)
 
 
-def save_checkpoint(args, job: Job, position: dict) -> None:
+def save_checkpoint(args, path: TrainingPath, position: dict) -> None:
     """All ranks: the engine's files (write), this rank's RNG states and, from rank 0, the data position and log
     window; then the completion marker once every rank is done."""
     folder = checkpoint.folder_for(args.output_dir, position["global_step"])
     with saving(folder, f"checkpoint {folder.name}", partial=folder):
-        job.save(folder, position)
+        path.save(folder, position)
         checkpoint.save_rng(folder, rank())
         if rank() == 0:
             write_json_atomic(folder / POSITION, position)
-        checkpoint.mark_complete(folder, path=job.path, world_size=world(), zero_stage=job.zero_stage,
-                                 global_step=position["global_step"], fingerprint=job.fingerprint)
+        checkpoint.mark_complete(folder, path=path.name, world_size=world(), zero_stage=path.zero_stage,
+                                 global_step=position["global_step"], fingerprint=path.fingerprint)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,7 +550,7 @@ def consolidated_state_dict(ds_engine, module):
     return compat.zero3_consolidated_state_dict(ds_engine, exclude_frozen_parameters=hasattr(module, "peft_config"))
 
 
-def save_final(module, state_dict, tokenizer, output_dir, state: dict, cfg=None) -> None:
+def save_final_module(module, state_dict, tokenizer, output_dir, state: dict, cfg=None) -> None:
     """Every rank: model (or adapter) + tokenizer + trainer_state.json written to a staging folder, verified to
     reload to the same logits, then moved in with config.json / adapter_config.json last, so a crash never leaves a
     folder that looks complete but is not. Under ZeRO-3 the gathered state dict is the reference, else the module."""

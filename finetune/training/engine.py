@@ -44,7 +44,7 @@ STAGE0_CONFIG = {
 def main(argv: list[str] | None = None) -> None:
     # Config: the project's parser (`--deepspeed PATH` is `--config PATH` there); `--local_rank=N` from the launcher is
     # accepted. The process group is up when it returns (DeepSpeed's communication layer, for `--config ddp` too).
-    cfg = core.start(argv, "deepspeed scripts/sft.py", script="scripts/sft.py", deepspeed_engine=True)
+    cfg = core.start(argv, "finetune engine", script="scripts/sft.py", deepspeed_engine=True)
     args = cfg.training  # built before the model: under ZeRO-3 the weights then load partitioned
     import deepspeed
     import torch.distributed as dist
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     deepspeed.utils.logger.setLevel(args.get_process_log_level())
     # Resume: checked before anything heavy loads (a checkpoint for another world size or stage is refused).
-    resume = resume_or_exit(cfg, path="sft", world_size=world)
+    resume = resume_or_exit(cfg, path="engine", world_size=world)
 
     # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node (local rank 0), cached.
     method = methods.get(cfg.objective.method)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     # Engine: "auto" values filled from the TrainingArguments as the Trainer does; optimizer from the DeepSpeed
     # config if it has one (DeepSpeedCPUAdam when offloaded), else the Trainer's; the Trainer's LR schedule.
     try:
-        hf_ds = deepspeed_config(cfg, model, max_steps)
+        hf_ds = filled_ds_config(cfg, model, max_steps)
     except ValueError as e:  # a DeepSpeed value that contradicts a flag
         exit_with(str(e))
     ds_config = hf_ds.config
@@ -100,16 +100,16 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train: one optimizer step = gradient_accumulation_steps micro-batches (fewer at an epoch's end, as the Trainer).
     engine.train()
-    job = core.Job("sft", cfg.preset.stage, partial(train_step, engine, session, world), save,
-                   engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
-                   reporters=evaluate.Reporters(args, max_steps, engine.module),
-                   metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
-    log, pos = core.train(args, job, loader, len(loader), max_steps, resume)
+    path = core.TrainingPath("engine", cfg.preset.stage, partial(train_step, engine, session, world), save,
+                             engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
+                             reporters=evaluate.Reporters(args, max_steps, engine.module),
+                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
+    log, pos = core.train(args, path, loader, len(loader), max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     state_dict = core.consolidated_state_dict(engine, engine.module)
-    core.save_final(engine.module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps, evaluator),
-                    cfg)
+    state = core.trainer_state(log, pos.step, max_steps, evaluator)
+    core.save_final_module(engine.module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()
 
 
@@ -134,7 +134,7 @@ def build_loader(dataset, collate_fn, args, world: int, rank: int):
     )
 
 
-def deepspeed_config(cfg, model, max_steps: int):
+def filled_ds_config(cfg, model, max_steps: int):
     """The DeepSpeed config with every "auto" filled from the TrainingArguments (transformers' own code for it).
 
     Returns the HfTrainerDeepSpeedConfig; keep it alive (transformers reads it through a weak reference).

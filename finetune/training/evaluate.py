@@ -225,7 +225,8 @@ def generations(module, es: EvalSet, device, synced_gpus: bool = False) -> tuple
     return predictions, references
 
 
-def evaluate(model, module, es: EvalSet, device, *, synced_gpus: bool = False, prefix: str = "eval") -> dict:
+def eval_set_metrics(model, module, es: EvalSet, device, *, synced_gpus: bool = False,
+                     prefix: str = "eval") -> dict:
     """One evaluation of `model` (what the path trains: DDP module, DeepSpeed engine, or the model) and its unwrapped
     `module` (for generate): {eval_loss, eval_perplexity, eval_tokens, eval_samples[, eval_exact_match, hook's],
     eval_runtime}. Leaves the model in training mode."""
@@ -348,7 +349,7 @@ def method_evaluator(cfg, method, session, tokenizer, held_out, model, module, d
         return evaluator(cfg, lambda: session.evaluate(model, held_out, cfg.training.per_device_eval_batch_size),
                          max_steps)
     es = eval_set(cfg, tokenizer, held_out and held_out.dataset)
-    return evaluator(cfg, lambda: evaluate(model, module, es, device, synced_gpus=synced_gpus), max_steps)
+    return evaluator(cfg, lambda: eval_set_metrics(model, module, es, device, synced_gpus=synced_gpus), max_steps)
 
 
 # ----------------------------------------------------------------------------------------------

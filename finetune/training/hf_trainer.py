@@ -60,8 +60,8 @@ class Trainer(transformers.Trainer):
         # Logged, and handed to the callbacks (early stopping), as Trainer.evaluate does.
         eval_set = self.eval_set if eval_dataset is None else dataclasses.replace(self.eval_set, dataset=eval_dataset)
         synced = self.zero_stage() == 3 and self.accelerator.num_processes > 1
-        metrics = evaluate.evaluate(self.model_wrapped, self.accelerator.unwrap_model(self.model), eval_set,
-                                    self.args.device, synced_gpus=synced, prefix=metric_key_prefix)
+        metrics = evaluate.eval_set_metrics(self.model_wrapped, self.accelerator.unwrap_model(self.model), eval_set,
+                                            self.args.device, synced_gpus=synced, prefix=metric_key_prefix)
         self.log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -359,7 +359,7 @@ def verify_staged(staging: Path, reference, *, is_main: bool) -> None:
         raise VerificationError(f"the final save failed verification and was not committed: {verdict[0]}")
 
 
-def save_final(trainer, output_dir: str | Path, cfg=None) -> None:
+def save_final_trainer(trainer, output_dir: str | Path, cfg=None) -> None:
     """Trainer path: model (or adapter) + tokenizer + trainer_state.json, staged, verified, then committed."""
     staging = staging_dir(output_dir)
     if trainer.args.should_save:

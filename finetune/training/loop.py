@@ -113,18 +113,18 @@ def main(argv: list[str] | None = None) -> None:
 
     # Train.
     model.train()
-    job = core.Job("loop", zero_stage, step, save, accelerator.device, method.count, cfg.fingerprint,
-                   evaluator=evaluator, load=lambda folder: accelerator.load_state(str(folder)),
-                   reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
-                   metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
-    log, pos = core.train(args, job, dataloader, micro_per_epoch, max_steps, resume)
+    path = core.TrainingPath("loop", zero_stage, step, save, accelerator.device, method.count, cfg.fingerprint,
+                             evaluator=evaluator, load=lambda folder: accelerator.load_state(str(folder)),
+                             reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
+                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
+    log, pos = core.train(args, path, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(model)
     state_dict = core.consolidated_state_dict(model if deepspeed else None, module)
-    core.save_final(module, state_dict, tokenizer, args.output_dir, core.trainer_state(log, pos.step, max_steps, evaluator),
-                    cfg)
+    state = core.trainer_state(log, pos.step, max_steps, evaluator)
+    core.save_final_module(module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()
 
 

@@ -18,7 +18,7 @@ from finetune.training import checkpoint, core, evaluate, faults
 from finetune import methods
 from finetune.models import attention
 from finetune.process import exit_with
-from finetune.training.lifecycle import describe_run, rank0_print, resume_or_exit, save_final
+from finetune.training.lifecycle import describe_run, rank0_print, resume_or_exit, save_final_trainer
 from finetune.models.verify import VerificationError
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
 
     # Save: full model (consolidated under ZeRO-3) or adapter, tokenizer, per-step losses; atomically.
     try:
-        save_final(trainer, args.output_dir, cfg)
+        save_final_trainer(trainer, args.output_dir, cfg)
     except VerificationError as e:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")

@@ -24,6 +24,21 @@ def need_str(record: dict, key: str, fmt: str, where: str, optional: bool = Fals
         raise DataError(f"{where}: field '{key}' must be a string, got {type(record[key]).__name__}")
 
 
+def need_turns(record: dict, key: str, fmt: str, where: str, fields: tuple[str, str]) -> list[dict]:
+    """A chat format's turns: field `key` present, a non-empty list, each turn an object (with `fields`, which the
+    format checks)."""
+    turns = record.get(key)
+    if turns is None:
+        raise DataError(f"{where}: missing field '{key}' (format {fmt})")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of {{{', '.join(fields)}}}, "
+                        f"got {type(turns).__name__}")
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(f"{where}: {key}[{j}] must be an object with '{fields[0]}' and '{fields[1]}'")
+    return turns
+
+
 def record_tools(record: dict, where: str) -> list[dict] | None:
     """The record's `tools` (function schemas the template renders into the prompt): a list, or JSON text of one."""
     tools = record.get("tools")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.data.errors import DataError
-from finetune.data.formats.base import Format, did_you_mean, record_tools
+from finetune.data.formats.base import Format, did_you_mean, need_turns, record_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,14 +31,8 @@ class Messages(Format):
         return "messages" in record
 
     def validate(self, record: dict, where: str) -> None:
-        msgs = record.get("messages")
-        if msgs is None:
-            raise DataError(f"{where}: missing field 'messages' (format messages)")
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got {type(msgs).__name__}")
+        msgs = need_turns(record, "messages", "messages", where, ("role", "content"))
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
             role = m.get("role")
             if role not in ROLES:
                 raise DataError(f"{where}: messages[{j}].role is {role!r}; expected one of {', '.join(ROLES)}{did_you_mean(role, ROLES)}")

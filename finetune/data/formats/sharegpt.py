@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from finetune.data.errors import DataError
-from finetune.data.formats.base import Format, did_you_mean, record_tools
+from finetune.data.formats.base import Format, did_you_mean, need_turns, record_tools
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
 
@@ -17,15 +17,9 @@ class ShareGPT(Format):
         return "conversations" in record
 
     def validate(self, record: dict, where: str) -> None:
-        turns = record.get("conversations")
-        if turns is None:
-            raise DataError(f"{where}: missing field 'conversations' (format sharegpt)")
-        if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: field 'conversations' must be a non-empty list of {{from, value}}, got {type(turns).__name__}")
+        turns = need_turns(record, "conversations", "sharegpt", where, ("from", "value"))
         names = ", ".join(SHAREGPT_ROLES)
         for j, t in enumerate(turns):
-            if not isinstance(t, dict):
-                raise DataError(f"{where}: conversations[{j}] must be an object with 'from' and 'value'")
             speaker = t.get("from")
             if speaker not in SHAREGPT_ROLES:
                 raise DataError(f"{where}: conversations[{j}].from is {speaker!r}; expected one of {names}"

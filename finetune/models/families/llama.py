@@ -72,18 +72,20 @@ class LlamaFamily(Family):
         return meta
 
     def to_gguf(self, hf_name: str, array, sh: ModelShape):
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            return permute(array, sh.num_heads, sh.num_heads)
-        if hf_name.endswith("self_attn.k_proj.weight"):
-            return permute(array, sh.num_heads, sh.num_kv_heads)
-        return array
+        return _qk_rows(permute, hf_name, array, sh)
 
     def from_gguf(self, hf_name: str, array, sh: ModelShape):
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            return unpermute(array, sh.num_heads, sh.num_heads)
-        if hf_name.endswith("self_attn.k_proj.weight"):
-            return unpermute(array, sh.num_heads, sh.num_kv_heads)
-        return array
+        return _qk_rows(unpermute, hf_name, array, sh)
+
+
+def _qk_rows(change, hf_name: str, array, sh: ModelShape):
+    """`change` (permute, or its inverse) applied to the weights llama.cpp stores permuted: Q's rows by the attention
+    heads, K's by the key/value heads; every other weight as it is."""
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return change(array, sh.num_heads, sh.num_heads)
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return change(array, sh.num_heads, sh.num_kv_heads)
+    return array
 
 
 LLAMA = LlamaFamily(

@@ -1,4 +1,4 @@
-"""scripts/sft.py: the same job under DeepSpeed's own launcher, driving the engine directly.
+"""The engine path (scripts/sft.py): the same job under DeepSpeed's own launcher, driving the engine directly.
 
 The fast tests pin the pieces that make it the *same* job (data order, flag mapping); the slow ones
 launch `deepspeed --num_gpus 2 scripts/sft.py` for real and compare its per-step losses and saved
@@ -19,13 +19,13 @@ import torch
 
 from finetune.config.preset import Preset
 from finetune.models import tiny
-from finetune.training import engine as sft  # scripts/sft.py is its launcher file
+from finetune.training import engine  # scripts/sft.py is its launcher file
 from finetune.data.prepare import Collator
 from finetune.training.lifecycle import staging_dir
 from finetune.data.sampler import DistributedBatchOrder, rank_indices
 from launch import BIN, REPO, eval_entries, free_port, losses, run, tiny_job, unexpected_warnings
 
-SFT = REPO / "scripts" / "sft.py"
+ENGINE = REPO / "scripts" / "sft.py"
 STEPS = 20
 
 
@@ -44,14 +44,15 @@ def _dataset(n: int):
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_loader_order_is_distributed_samplers(n, drop_last, world):
-    """Per rank and epoch, sft.py's loader yields exactly finetune.data.sampler.rank_indices (DistributedSampler's stream),
-    cut into micro-batches, and that is what the Trainer's batch order deals to the same rank."""
+    """Per rank and epoch, the engine path's loader yields exactly finetune.data.sampler.rank_indices
+    (DistributedSampler's stream), cut into micro-batches, and that is what the Trainer's batch order deals to the
+    same rank."""
     dataset = _dataset(n)
     args = SimpleNamespace(per_device_train_batch_size=3, data_seed=None, seed=1234, dataloader_drop_last=drop_last,
                            dataloader_num_workers=0, dataloader_pin_memory=True)
     trainer_order = DistributedBatchOrder(n, world, 3, shuffle=True, seed=1234, drop_last=drop_last)
     for rank in range(world):
-        loader = sft.build_loader(dataset, Collator(0), args, world, rank)
+        loader = engine.build_loader(dataset, Collator(0), args, world, rank)
         for epoch in range(3):
             loader.sampler.set_epoch(epoch)
             expected = rank_indices(n, world, rank, True, 1234, drop_last, epoch)
@@ -69,7 +70,7 @@ def test_loader_order_is_distributed_samplers(n, drop_last, world):
 def test_data_seed_wins_over_seed():
     args = SimpleNamespace(per_device_train_batch_size=4, data_seed=7, seed=1234, dataloader_drop_last=False,
                            dataloader_num_workers=0, dataloader_pin_memory=False)
-    loader = sft.build_loader(_dataset(20), Collator(0), args, 2, 1)
+    loader = engine.build_loader(_dataset(20), Collator(0), args, 2, 1)
     assert list(loader.sampler) == rank_indices(20, 2, 1, True, 7, False, 0)
 
 
@@ -78,9 +79,9 @@ def test_flags_it_cannot_honour_are_refused():
         defaults = dict(resume_from_checkpoint=None, save_strategy="no", save_steps=500)
         return SimpleNamespace(training=SimpleNamespace(**{**defaults, **training}), sources={}, preset=Preset.named("ddp"))
 
-    assert sft.unsupported(cfg()) == [] and sft.unsupported(cfg(save_strategy="steps")) == []
-    assert sft.unsupported(cfg(resume_from_checkpoint="out/checkpoint-10")) == []  # resuming is supported now
-    problems = sft.unsupported(cfg(save_strategy="epoch"))
+    assert engine.unsupported(cfg()) == [] and engine.unsupported(cfg(save_strategy="steps")) == []
+    assert engine.unsupported(cfg(resume_from_checkpoint="out/checkpoint-10")) == []  # resuming is supported now
+    problems = engine.unsupported(cfg(save_strategy="epoch"))
     assert len(problems) == 1 and "'epoch'" in problems[0]
 
 
@@ -89,15 +90,15 @@ def test_save_interval():
         return SimpleNamespace(training=SimpleNamespace(**{"save_strategy": "no", "save_steps": 500, **training}),
                                sources={k: "cli" for k in sources})
 
-    assert sft.save_interval(cfg(), 20) == 0  # the project default: save_strategy no
-    assert sft.save_interval(cfg(("save_steps",), save_steps=10), 20) == 10  # --save_steps alone turns it on
-    assert sft.save_interval(cfg(("save_steps", "save_strategy"), save_steps=10), 20) == 0  # ... unless --save_strategy no
-    assert sft.save_interval(cfg(save_strategy="steps", save_steps=0.25), 20) == 5  # a ratio of the run
+    assert engine.save_interval(cfg(), 20) == 0  # the project default: save_strategy no
+    assert engine.save_interval(cfg(("save_steps",), save_steps=10), 20) == 10  # --save_steps alone turns it on
+    assert engine.save_interval(cfg(("save_steps", "save_strategy"), save_steps=10), 20) == 0  # ... unless --save_strategy no
+    assert engine.save_interval(cfg(save_strategy="steps", save_steps=0.25), 20) == 5  # a ratio of the run
 
 
 def test_bad_config_exits_with_every_problem(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        sft.main(["--deepspeed", "zero4", "--dataset", str(tmp_path / "none.jsonl"), "--local_rank=0"])
+        engine.main(["--deepspeed", "zero4", "--dataset", str(tmp_path / "none.jsonl"), "--local_rank=0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unknown preset 'zero4'" in err and "model_name_or_path: required" in err and "none.jsonl" in err
@@ -109,7 +110,7 @@ def test_bad_config_exits_with_every_problem(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root, model, data = tiny_job(tmp_path_factory.mktemp("sft"), records=72, seed=7)
+    root, model, data = tiny_job(tmp_path_factory.mktemp("engine"), records=72, seed=7)
     tiny.write_jsonl(root / "eval.jsonl", tiny.synthetic_records(13, seed=99))  # uneven over 2 ranks
     return root, model, data
 
@@ -144,8 +145,8 @@ def trainer_run(setup):
     return out
 
 
-def sft_run(setup, name: str, *flags: str) -> tuple[Path, str]:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SFT), *flags,
+def engine_run(setup, name: str, *flags: str) -> tuple[Path, str]:
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(ENGINE), *flags,
            "--per_device_train_batch_size", "4", *common_flags(setup, setup[0] / name)]
     return launch(name, cmd, micro=4, world=2)
 
@@ -166,15 +167,15 @@ def assert_complete(out: Path, weights: str = "model.safetensors", marker: str =
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ds_json", ["ds_configs/zero2.json", "ds_configs/zero3_offload.json"])
-def test_sft_matches_the_trainer(ds_json, setup, trainer_run):
+def test_engine_matches_the_trainer(ds_json, setup, trainer_run):
     name = Path(ds_json).stem
     extra = ["--save_steps", "10"] if "zero3" in name else []
-    out, text = sft_run(setup, name, "--deepspeed", ds_json, *extra)
+    out, text = engine_run(setup, name, "--deepspeed", ds_json, *extra)
     ref, got = losses(trainer_run), losses(out)
     assert len(ref) == len(got) == STEPS
     assert ref[-1] < ref[0] - 0.5, f"loss did not fall: {ref}"  # the run really trains
     for step, (a, b) in enumerate(zip(ref, got), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"{name} step {step}: sft {b} vs trainer {a}"
+        assert abs(a - b) <= 1e-4 * abs(a), f"{name} step {step}: engine {b} vs trainer {a}"
     # The learning rate each step used: the Trainer's schedule (linear, 2 warmup steps).
     lrs = [e["learning_rate"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"]
            if "loss" in e]
@@ -208,12 +209,12 @@ def test_sft_matches_the_trainer(ds_json, setup, trainer_run):
 
 
 @pytest.mark.slow
-def test_sft_lora_adapter_reloads(setup):
+def test_engine_lora_adapter_reloads(setup):
     """LoRA under ZeRO-3 (partitioned base): the adapter is gathered, saved, and reloads with PeftModel."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out, text = sft_run(setup, "lora", "--config", "zero3_no_offload", "--use_peft", "--lora_r", "8", "--lora_alpha", "16")
+    out, text = engine_run(setup, "lora", "--config", "zero3_no_offload", "--use_peft", "--lora_r", "8", "--lora_alpha", "16")
     assert "weights: partitioned across ranks at load (ZeRO-3)" in text
     got = losses(out)
     assert len(got) == STEPS and got[-1] < got[0] - 0.05, got
