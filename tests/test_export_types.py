@@ -21,43 +21,18 @@ from finetune.convert.writers.base import ExportArgs, Writer
 from finetune.convert.writers.hf import hf_folder
 from finetune.models.verify import VerificationError
 
-PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
-
-
-def export_type_comparisons(tree: ast.AST, names) -> list[tuple[int, str]]:
-    """(line, name) of each comparison with an export type's name as a string literal: `args.to == "gguf"`,
-    `x in ("hf", ...)`, `match to: case "gguf"`."""
-
-    def literals(node) -> list[str]:
-        if isinstance(node, ast.Constant) and node.value in names:
-            return [node.value]
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
-        return []
-
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            found += [(node.lineno, n) for side in (node.left, *node.comparators) for n in literals(side)]
-        elif isinstance(node, ast.MatchValue):
-            found += [(node.lineno, n) for n in literals(node.value)]
-    return found
+from registry_check import comparisons_outside, name_comparisons
 
 
 def test_the_check_finds_a_branch():
     tree = ast.parse('if args.to == "gguf": pass\nok = t in ("hf", "x")\nmatch t:\n    case "gguf": pass\n')
-    assert export_type_comparisons(tree, set(writers.WRITERS)) == [(1, "gguf"), (2, "hf"), (4, "gguf")]
+    assert name_comparisons(tree, set(writers.WRITERS)) == [(1, "gguf"), (2, "hf"), (4, "gguf")]
 
 
 def test_the_registry_is_the_one_list_of_export_types():
     """What differs between export types lives in their modules: no other module compares with a type's name (it asks
     the writer: its flags, its sources, its checks, write)."""
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if (PACKAGE / "convert" / "writers") in path.parents:
-            continue
-        for line, name in export_type_comparisons(ast.parse(path.read_text(), str(path)), set(writers.WRITERS)):
-            offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: compares with '{name}'")
+    offenders = comparisons_outside(set(writers.WRITERS), "convert/writers")
     assert not offenders, "\n".join(offenders)
 
 

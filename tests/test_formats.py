@@ -8,6 +8,7 @@ or taken from the template itself (apply_chat_template with tokenize=True), neve
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 from pathlib import Path
@@ -871,31 +872,15 @@ def test_a_registered_format_is_detected_validated_and_tokenized(tok_chatml, tmp
         formats.detect({"question": 1}, "q.jsonl:1")
 
 
-def _format_branches(source: str, known) -> list[int]:
-    """Lines of `source` that compare a format variable (a name with 'fmt' or 'format' in it) with a format's name."""
-    import ast
-
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare):
-            parts = [node.left, *node.comparators]
-            about_format = any("fmt" in ast.unparse(p) or "format" in ast.unparse(p) for p in parts)
-            if about_format and any(isinstance(c, ast.Constant) and c.value in known for p in parts for c in ast.walk(p)):
-                lines.append(node.lineno)
-    return lines
-
-
 def test_the_registry_is_the_one_list_of_formats():
-    """No module outside data/formats/ branches on a format's name: a new format touches no other file.
-    models/tiny.py's synthetic_records, which writes demo records in the format asked for, is the one exception."""
+    """No module outside data/formats/ branches on a format's name: a new format touches no other file."""
     from finetune.data import formats
+    from registry_check import comparisons_outside, name_comparisons
 
-    assert _format_branches('if fmt == "alpaca":\n    pass\nif cfg.dataset_format in ("text", "x"):\n    pass\n',
-                            formats.FORMATS) == [1, 3]
-    root = Path(__file__).resolve().parent.parent / "finetune"
-    found = []
-    for path in root.rglob("*.py"):
-        where = path.relative_to(root)
-        if "formats" not in where.parts and str(where) != "models/tiny.py":
-            found += [f"{where}:{n}" for n in _format_branches(path.read_text(), formats.FORMATS)]
-    assert not found, found
+    assert name_comparisons(ast.parse('if fmt == "alpaca": pass\nok = f in ("text", "x")\n'), set(formats.FORMATS)) \
+        == [(1, "alpaca"), (2, "text")]
+    offenders = comparisons_outside(set(formats.FORMATS), "data/formats", allowed={
+        "models/tiny.py": "synthetic_records writes demo records in the format asked for",
+        "data/one_pass.py": "'messages' there is the chat template's Jinja variable, not a format",
+    })
+    assert not offenders, "\n".join(offenders)

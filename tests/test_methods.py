@@ -4,52 +4,25 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from finetune import methods
 from finetune.methods.base import Method, MethodConfig, own_flags
 
-PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
-
-
-def method_name_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, name) of each comparison with a method's name as a string literal: `x == "dpo"`, `x in ("sft", ...)`,
-    `match x: case "dpo"`."""
-    names = set(methods.METHODS)
-
-    def literals(node) -> list[str]:
-        if isinstance(node, ast.Constant) and node.value in names:
-            return [node.value]
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
-        return []
-
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            found += [(node.lineno, n) for side in (node.left, *node.comparators) for n in literals(side)]
-        elif isinstance(node, ast.MatchValue):
-            found += [(node.lineno, n) for n in literals(node.value)]
-    return found
+from registry_check import PACKAGE, comparisons_outside, name_comparisons
 
 
 def test_no_code_outside_the_methods_branches_on_a_method_name():
     """After the move, what differs between methods lives in their modules: no other module compares with a method's
     name (it asks the method: its paths, its count, its planner terms, ...)."""
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if (PACKAGE / "methods") in path.parents:
-            continue
-        for line, name in method_name_comparisons(ast.parse(path.read_text(), str(path))):
-            offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: compares with '{name}'")
+    offenders = comparisons_outside(set(methods.METHODS), "methods")
     assert not offenders, "\n".join(offenders)
 
 
 def test_the_check_finds_a_branch():
     tree = ast.parse('if cfg.method == "dpo": pass\nok = m in ("sft", "x")\nmatch m:\n    case "dpo": pass\n')
-    assert method_name_comparisons(tree) == [(1, "dpo"), (2, "sft"), (4, "dpo")]
+    assert name_comparisons(tree, set(methods.METHODS)) == [(1, "dpo"), (2, "sft"), (4, "dpo")]
 
 
 def test_methods_do_not_import_the_layers_above():
