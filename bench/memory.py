@@ -185,14 +185,14 @@ def worker(argv: list[str]) -> None:
     from finetune import config as C
     from finetune.data.prepare import Collator
     from finetune.models.load import load_model
+    from finetune.training import core
 
-    cfg = C.parse(argv + ["--max_steps", str(steps), "--disable_tqdm", "true", "--save_strategy", "no"], check_paths=False)
+    cfg = C.parse(argv + ["--max_steps", str(steps), "--disable_tqdm", "true", "--save_strategy", "no"], check_paths=False,
+                  before_arguments=core.process_group_for)
     args = cfg.training
     timeline.append(("imported", _rss(), _maxrss()))
     sampler.phase = "load"
     model = load_model(cfg.model, args)
-    from finetune.training import core
-
     core.install_loss(model, cfg)  # --loss_chunk_size, as every training path installs it
     timeline.append(("loaded", _rss(), _maxrss()))
     sampler.phase = "setup"

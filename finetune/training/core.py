@@ -98,15 +98,7 @@ def start(argv: list[str] | None, prog: str, *, script: str | None = None, deeps
     from finetune import config as C
 
     start_run()  # no rank outlives its launcher; no silent wait
-
-    def before_arguments(preset) -> None:
-        # A DeepSpeed preset: the process group before TrainingArguments. Its DeepSpeed config check (train_batch_size
-        # = micro x accum x world) runs when TrainingArguments is built, with world size 1 if no group exists yet;
-        # and the HfDeepSpeedConfig TrainingArguments registers is what makes ZeRO-3 load the weights partitioned.
-        if preset.is_deepspeed:
-            start_process_group()
-
-    cfg = C.load_or_exit(argv, prog, before_arguments=before_arguments)
+    cfg = C.load_or_exit(argv, prog, before_arguments=process_group_for)
     plan_or_exit(cfg)
     if script is not None:
         check_flags_or_exit(cfg, script)
@@ -114,6 +106,15 @@ def start(argv: list[str] | None, prog: str, *, script: str | None = None, deeps
         # `--config ddp` on the DeepSpeed engine path: DeepSpeed's stage 0 needs its communication layer too.
         start_process_group()
     return cfg
+
+
+def process_group_for(preset) -> None:
+    """config.parse's `before_arguments` for anything that trains: a DeepSpeed preset's process group before
+    TrainingArguments. Its DeepSpeed config check (train_batch_size = micro x accum x world) runs when TrainingArguments
+    is built, with world size 1 if no group exists yet; and the HfDeepSpeedConfig TrainingArguments registers is what
+    makes ZeRO-3 load the weights partitioned."""
+    if preset.is_deepspeed:
+        start_process_group()
 
 
 def start_process_group() -> None:
