@@ -25,7 +25,7 @@ from finetune import config as C
 from finetune.apps import report
 from finetune.data.prepare import IGNORE_INDEX, Collator, tokenize_record
 from finetune.models import tiny
-from finetune.training import evaluate
+from finetune.training import evaluate, examples
 from launch import ENGINE, LOOP, TRAIN, deepspeed_launcher, launcher, run, tiny_job
 
 
@@ -100,14 +100,14 @@ def test_eval_loss_is_the_whole_sets_token_mean(world, batch, eval_records, tiny
 
 
 def test_split_is_seeded_and_disjoint():
-    train, held = evaluate.split_indices(100, 0.05, seed=1234)
+    train, held = examples.split_indices(100, 0.05, seed=1234)
     assert len(held) == 5 and len(train) == 95 and sorted(train + held) == list(range(100))
-    assert evaluate.split_indices(100, 0.05, seed=1234) == (train, held)  # reproducible
-    assert evaluate.split_indices(100, 0.05, seed=1)[1] != held  # the seed matters
-    assert len(evaluate.split_indices(100, 7, seed=0)[1]) == 7  # a count of records
+    assert examples.split_indices(100, 0.05, seed=1234) == (train, held)  # reproducible
+    assert examples.split_indices(100, 0.05, seed=1)[1] != held  # the seed matters
+    assert len(examples.split_indices(100, 7, seed=0)[1]) == 7  # a count of records
     for bad in (0.001, 100, 1000):
         with pytest.raises(ValueError, match="at least one on each side"):
-            evaluate.split_indices(100, bad, seed=0)
+            examples.split_indices(100, bad, seed=0)
 
 
 def test_prompt_and_answer(eval_records):
@@ -342,7 +342,7 @@ def test_best_model_and_early_stopping(path, best_job, one_thread):
     assert (state["best_global_step"], state["best_metric"]) == (2, losses_[0])
     assert state["best_model_checkpoint"].endswith("checkpoint-2")
     # The split: 9 of 72 held out, disjoint, every eval record counted once on 2 ranks.
-    split = evaluate.read_split(out)
+    split = examples.read_split(out)
     assert len(split["eval_indices"]) == 9 and split["seed"] == 1234 and split["examples"] == 72
     assert all(e["eval_samples"] == 9 for e in evals)
     assert "verified model" in output  # the best model's save is verified like every save

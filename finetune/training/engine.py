@@ -23,7 +23,7 @@ import copy
 from functools import partial
 
 from finetune import methods
-from finetune.training import checkpoint, core, evaluate
+from finetune.training import checkpoint, core, evaluate, examples
 from finetune.process import exit_with
 from finetune.training.lifecycle import resume_or_exit
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node (local rank 0), cached.
     method = methods.get(cfg.objective.method)
-    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, args.local_process_index)
+    tokenizer, train, held_out, stats = examples.datasets_or_exit(cfg, method, args.local_process_index)
     collator = method.collator(cfg, tokenizer)
     loader = build_loader(train.dataset, collator, args, world, rank)
     max_steps = core.max_steps_of(args, len(loader))

@@ -13,7 +13,7 @@ log_history to the Trainer's.
 from __future__ import annotations
 
 from finetune import methods
-from finetune.training import checkpoint, core, evaluate
+from finetune.training import checkpoint, core, evaluate, examples
 from finetune.training.lifecycle import rank0_print, resume_or_exit
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Tokenizer and data: the method's examples (finetune.methods), tokenized once per node and cached.
     method = methods.get(cfg.objective.method)
-    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, accelerator.local_process_index)
+    tokenizer, train, held_out, stats = examples.datasets_or_exit(cfg, method, accelerator.local_process_index)
     collator = method.collator(cfg, tokenizer)
     dataloader = distributed_dataloader(
         train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,

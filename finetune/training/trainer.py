@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from finetune.training import checkpoint, core, evaluate, faults
+from finetune.training import checkpoint, core, evaluate, examples, faults
 from finetune import methods
 from finetune.models import attention
 from finetune.process import exit_with
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     method = methods.get(cfg.objective.method)
     if "trainer" not in method.paths:
         exit_with(f"method {method.name}: not supported by finetune/train.py")
-    tokenizer, train, held_out, stats = evaluate.datasets_or_exit(cfg, method, args.local_process_index)
+    tokenizer, train, held_out, stats = examples.datasets_or_exit(cfg, method, args.local_process_index)
     collator = method.collator(cfg, tokenizer)
 
     # Model (and LoRA).
