@@ -210,16 +210,19 @@ def trainable_parameters(model) -> list:
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
-    """Trainer.create_optimizer's groups: weight decay on all but biases and norm weights."""
+    """Trainer.create_optimizer's groups: weight decay on all but biases and norm weights. An empty group is left
+    out: ZeRO's optimizer drops it, and a schedule built on the optimizer before prepare() would then step one group
+    more than there is (LoRA trains no bias or norm: `--config zero2 --use_peft` on the loop path failed so)."""
     from transformers import Trainer
 
     # get_decay_parameter_names only reads the model: call it rather than copy its name patterns.
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(args, model, ds_config: dict | None = None):
