@@ -1,21 +1,18 @@
 """Model families (finetune.models.families): Llama's counts equal the real model's tensors at Llama-3.2-1B's and
 Llama-3-8B's shapes, its GGUF names are the ones transformers' GGUF loader reads back (every tensor, Q/K layout
-included), its LoRA default is peft's all-linear; and a second family registered at test time is planned and
-written as GGUF with no other change (what adding a family's module does)."""
+included), its LoRA default is peft's all-linear; a model_type or GGUF architecture no family covers is refused by name. The
+other families, each one module and a registry line, are tested in test_families_qwen_mistral.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from finetune.convert import export as E
-from finetune.convert import gguf_import as G
-from finetune.models import families, tiny
+from finetune.models import families
 from finetune.models.families.llama import LLAMA
 from finetune.models.load import lora_target_modules
 from finetune.plan import planner as plan
@@ -34,12 +31,10 @@ LLAMA_3_8B = dict(
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
 )
-# mistralai/Mistral-7B-v0.1's shapes: the Llama layout under another model_type.
-MISTRAL_7B = dict(
-    model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
-    sliding_window=4096,
+# microsoft/Phi-3-mini-4k-instruct's shapes: a family finetune does not cover yet (fused qkv_proj, gate_up_proj).
+PHI3_MINI = dict(
+    model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
+    intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
 )
 
 
@@ -82,13 +77,15 @@ def test_llama_parameter_count_equals_the_model(config, total, tmp_path):
 
 
 def test_unknown_family_is_refused_by_name(tmp_path):
-    with pytest.raises(families.FamilyError, match=r"no model family for model_type 'qwen3' \(known: llama\)"):
-        families.family_of({"model_type": "qwen3", "hidden_size": 8})
-    with pytest.raises(families.FamilyError, match=r"no model family for GGUF architecture 'gemma3' \(known: llama\)"):
+    with pytest.raises(families.FamilyError, match=r"no model family for model_type 'gemma3' "
+                                                   r"\(known: llama, qwen2, qwen3, mistral\)"):
+        families.family_of({"model_type": "gemma3", "hidden_size": 8})
+    with pytest.raises(families.FamilyError, match=r"no model family for GGUF architecture 'gemma3' "
+                                                   r"\(known: llama, qwen2, qwen3\)"):
         families.by_gguf_arch("gemma3")
     assert families.by_gguf_arch("llama") is LLAMA
-    with pytest.raises(plan.PlanError, match="no model family for model_type 'mistral'"):
-        plan.make_plan(["--model_name_or_path", str(write_config(tmp_path / "m", MISTRAL_7B))])
+    with pytest.raises(plan.PlanError, match="no model family for model_type 'phi3'"):
+        plan.make_plan(["--model_name_or_path", str(write_config(tmp_path / "m", PHI3_MINI))])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +143,7 @@ def test_lora_default_is_the_family_linears_and_peft_all_linear():
     assert ours == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert wrapped(ours) == wrapped("all-linear")
     assert lora_target_modules(config, ["q_proj"]) == ["q_proj"]
-    assert lora_target_modules(SimpleConfig("qwen3"), ["all-linear"]) == "all-linear"  # no family: peft's rule
+    assert lora_target_modules(SimpleConfig("phi3"), ["all-linear"]) == "all-linear"  # no family: peft's rule
     with pytest.raises(ValueError, match="'qkv_proj' is not a linear projection of a llama model"):
         LLAMA.lora_targets(["qkv_proj"])
 
@@ -154,50 +151,3 @@ def test_lora_default_is_the_family_linears_and_peft_all_linear():
 @dataclasses.dataclass
 class SimpleConfig:
     model_type: str
-
-
-# ----------------------------------------------------------------------------------------------
-# A second family is its module and a registry entry: nothing else changes.
-
-
-@pytest.fixture
-def mistral_family(monkeypatch):
-    """A family for model_type "mistral" with Llama's layout (llama.cpp writes Mistral as "llama"), registered
-    as a family module's registry line would register it."""
-    family = dataclasses.replace(LLAMA, name="mistral", model_types=("mistral",), hf_classes=("MistralForCausalLM",))
-    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES + (family,))
-    return family
-
-
-def test_registered_family_is_planned(mistral_family, tmp_path):
-    model = meta_model(MISTRAL_7B)
-    assert type(model).__name__ == "MistralForCausalLM"
-    expected = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    shape = plan.model_shape(MISTRAL_7B)
-    assert shape.family is mistral_family
-    assert [(t.name, t.shape) for t in shape.tensors()] == expected
-    assert shape.num_params == sum(np.prod(s) for _, s in expected) == 7_241_732_096
-    data = plan.make_plan(["--model_name_or_path", str(write_config(tmp_path / "m", MISTRAL_7B)), "--use_peft",
-                           "--accelerator", "gpu", "--device_memory", "80GB", "--host_memory", "1TB"])
-    assert data["model"]["model_type"] == "mistral" and data["model"]["parameters"] == 7_241_732_096
-
-
-def test_registered_family_is_written_as_gguf(mistral_family, tmp_path, capsys, one_thread):
-    from transformers import AutoModelForCausalLM
-
-    src = tmp_path / "mistral"
-    tiny.build(tmp_path / "llama", "chatml", seed=3)
-    shutil.copytree(tmp_path / "llama", src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
-    (src / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "gguf" / "m.gguf"
-    E.main(["--to", "gguf", "--model_name_or_path", str(src), str(out)])  # verified: logits within 1e-5, weights exact
-    assert "transformers-loaded logits vs HF max diff" in capsys.readouterr().err
-    back = tmp_path / "back"
-    G.main([str(out), str(back)])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    imported = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
-    assert type(model).__name__ == "MistralForCausalLM"
-    got = imported.state_dict()
-    assert all(torch.equal(got[n], w) for n, w in model.state_dict().items())

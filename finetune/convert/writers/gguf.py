@@ -38,6 +38,8 @@ LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08}
 LLAMA3_SPLIT = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 )
+# Qwen2's and Qwen3's: Llama-3's with single digits (transformers 5 builds it for every Qwen2Tokenizer).
+QWEN2_SPLIT = LLAMA3_SPLIT.replace("\\p{N}{1,3}", "\\p{N}")
 
 
 @dataclass
@@ -139,7 +141,7 @@ def gguf_tensors(model, gguf_type: str):
 
 def pre_tokenizer_name(tokenizer_json: dict, where: Path) -> str:
     """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer.json, recognised by its structure
-    (llama.cpp hashes a sample's encoding; the three families here are the ones finetune's models use)."""
+    (llama.cpp hashes a sample's encoding; the four here are the ones finetune's model families ship)."""
     pre = tokenizer_json.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     types = [p.get("type") for p in parts]
@@ -150,9 +152,11 @@ def pre_tokenizer_name(tokenizer_json: dict, where: Path) -> str:
     if types == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
         if parts[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
             return "llama-bpe"
+        if parts[0].get("pattern", {}).get("Regex") == QWEN2_SPLIT:
+            return "qwen2"
     raise ExportError(
         f"{where}/tokenizer.json: pre-tokenizer {json.dumps(pre)[:160]} is not one finetune can name for llama.cpp "
-        "(known: GPT-2 byte-level, SmolLM digits + byte-level, Llama-3 split)"
+        "(known: GPT-2 byte-level, SmolLM digits + byte-level, Llama-3 split, Qwen2 split)"
     )
 
 

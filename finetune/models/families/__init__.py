@@ -7,8 +7,12 @@ from typing import Any
 
 from finetune.models.families.base import Family, Linear, ModelShape, Tensor
 from finetune.models.families.llama import LLAMA
+from finetune.models.families.mistral import MISTRAL
+from finetune.models.families.qwen2 import QWEN2
+from finetune.models.families.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA,)
+# The first family of a GGUF architecture is the one its files import as (Mistral is written as "llama").
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL)
 
 # The family of a config.json without model_type (transformers needs the key; configs written by hand for
 # `finetune plan` may leave it out, and were always read as Llama).
@@ -48,7 +52,7 @@ def by_gguf_arch(name: str) -> Family:
 
 
 def gguf_archs() -> list[str]:
-    return [f.gguf_arch for f in FAMILIES if f.gguf_arch is not None]
+    return list(dict.fromkeys(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None))
 
 
 def _model_type(config: Any) -> str | None:
