@@ -221,7 +221,7 @@ PAIRS = [
     {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
      "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "five"}]},
 ]
-LR, STEPS = 0.5, 3
+LR, STEPS = 0.05, 3
 FLAGS = {"simpo": ("--beta", "2.0", "--simpo_gamma", "0.5"), "orpo": ("--beta", "0.1")}
 
 
