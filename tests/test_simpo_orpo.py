@@ -160,8 +160,9 @@ def trl_nll(model, batch):
 
 @pytest.mark.parametrize("name, options", CASES, ids=[f"{n}-{o['beta']}" for n, o in CASES])
 def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options):
-    """TRL's trainer scores our tokens (its own tokenization of string records joins prompt and answer before
-    tokenizing: a difference on purpose, docs/preference.md), so the loss functions meet on identical batches. The
+    """TRL's trainer on its own tokens and collator, which on these records are ours (TRL tokenizes a string record
+    by joining prompt and answer first, a difference on purpose that other tokenizers may show: docs/preference.md),
+    so the loss functions meet on identical batches. The
     float64 computation decides: both within 1e-5 of it. ORPO's NLL differs on purpose (TRL's covers the prompt, a
     token mean over the micro-batch; ours the chosen completion, per pair): the odds-ratio term, the per-example
     log-probabilities and, with TRL's NLL put in ours, the loss and gradients equal TRL's."""
@@ -181,11 +182,22 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options)
             p.add_(0.05 * torch.randn_like(p))
     records = [r for r in RECORDS if isinstance(r["prompt"], str)]
     trainer = trl_trainer(name, model, tokenizer, tmp_path, records, options)
-    batch = PR.PairCollator(tokenizer.pad_token_id)(pair_features(tokenizer, records))
+    features = pair_features(tokenizer, records)
+    batch = PR.PairCollator(tokenizer.pad_token_id)(features)
     n = len(records)
+    tokenized = [trainer.train_dataset[i] for i in range(n)]
+    for o, t in zip(features, tokenized):  # on these records TRL's own tokens are ours, and so are the scored ones
+        for side in ("chosen", "rejected"):
+            assert t[f"{side}_input_ids"] == o["prompt_ids"] + o[f"{side}_ids"]
+            assert [x for x in t[f"{side}_labels"] if x != -100] == o[f"{side}_labels"]
+    trl_inputs = trainer.data_collator(tokenized)  # TRL's collator: our rows, padded to each side's longest
+    for key, value in trl_batch(batch).items():
+        side = key.split("_")[0]
+        for i, length in enumerate(trl_inputs[f"{side}_attention_mask"].sum(1).tolist()):
+            assert trl_inputs[key][i, :length].tolist() == value[i, :length].tolist(), key
 
     model.zero_grad()
-    theirs, metrics = trainer.get_batch_loss_metrics(model, trl_batch(batch))
+    theirs, metrics = trainer.get_batch_loss_metrics(model, trl_inputs)
     theirs.backward()
     want = grads(model)
     model.zero_grad()
@@ -201,7 +213,8 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options)
     grad_diff = max((p.grad - want[k]).abs().max().item() for k, p in model.named_parameters())
     print(f"\n{name} {options}: ours {ours_total:.8f} TRL {trl_total:.8f} float64 {f64:.8f} | ours-f64 "
           f"{abs(ours_total - f64):.1e} TRL-f64 {abs(trl_total - f64):.1e} ours-TRL {abs(ours_total - trl_total):.1e}"
-          f" | max grad diff {grad_diff:.1e}")
+          f" | max grad diff {grad_diff:.1e}" + (f" | ORPO as defined here (completion NLL) {got.item():.8f}"
+                                                 if name == "orpo" else ""))
     assert abs(ours_total - f64) < 1e-5 and abs(trl_total - f64) < 1e-5 and abs(ours_total - trl_total) < 1e-5
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], atol=1e-5, rtol=1e-5)
@@ -259,21 +272,39 @@ def full_batch(model_dir):
     return PR.PairCollator(t.pad_token_id)(pair_features(t, PAIRS))
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("method", ["simpo", "orpo"])
-def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, method):
+def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, method, lora):
+    """Step 1 is the model as loaded (LoRA's B starts at zero): the float64 loss of the whole batch."""
     from transformers import AutoModelForCausalLM
 
     _, model_dir, _ = job
-    want = train(job, f"{method}-trainer", method, "--max_steps", str(STEPS))
-    got = train(job, f"{method}-loop", method, "--max_steps", str(STEPS), path="loop")
+    flags = ("--max_steps", str(STEPS)) + (("--use_peft", "--lora_r", "4", "--lora_dropout", "0",
+                                             "--learning_rate", "0.02") if lora else ())
+    name = f"{method}-{'lora' if lora else 'full'}"
+    want = train(job, f"{name}-trainer", method, *flags)
+    got = train(job, f"{name}-loop", method, *flags, path="loop")
     model64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     opts = dict(zip([f.lstrip("-") for f in FLAGS[method][::2]], map(float, FLAGS[method][1::2])))
     opts.setdefault("label_smoothing", 0.0)
     with torch.no_grad():
         first = f64_loss(method, model64, full_batch(model_dir), **opts).item()
+    if not lora:  # every step: the run written out in float64 (full-batch loss, p -= lr * grad)
+        by_hand = []
+        for _ in range(STEPS):
+            model64.zero_grad()
+            loss = f64_loss(method, model64, full_batch(model_dir), **opts)
+            loss.backward()
+            with torch.no_grad():
+                for p in model64.parameters():
+                    p -= LR * p.grad
+            by_hand.append(loss.item())
+        assert [e["loss"] for e in want] == pytest.approx(by_hand, rel=1e-5), ([e["loss"] for e in want], by_hand)
+        print(f"\n{method}: by hand in float64 {by_hand}, max relative diff to the Trainer "
+              f"{max(abs(e['loss'] - h) / abs(h) for e, h in zip(want, by_hand)):.1e}")
     a, b = [e["loss"] for e in want], [e["loss"] for e in got]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    print(f"\n{method}: trainer {a} | loop {b} | max relative diff {rel:.1e} | step 1 float64 {first:.8f} "
+    print(f"\n{name}: trainer {a} | loop {b} | max relative diff {rel:.1e} | step 1 float64 {first:.8f} "
           f"(trainer {abs(a[0] - first):.1e} off)")
     assert [e["step"] for e in want] == [e["step"] for e in got] == [1, 2, 3]
     assert rel < 1e-5, (a, b)
@@ -302,8 +333,8 @@ def test_engine_path_refuses_by_name():
 
 @pytest.mark.parametrize("flags, problem", [
     (["--simpo_gamma", "0.2"], "simpo_gamma: a SimPO option; add --method simpo"),
-    (["--method", "orpo", "--label_smoothing", "0.1"], "label_smoothing: an option of DPO, SimPO; add --method dpo "
-                                                      "or simpo"),
+    (["--method", "orpo", "--label_smoothing", "0.1"], ("label_smoothing: an option of DPO, SimPO; add --method "
+                                                       "dpo or simpo")),
     (["--method", "orpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "simpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "simpo", "--packing"], "packing: not supported with --method simpo yet"),
@@ -321,7 +352,7 @@ def test_each_method_gets_its_own_defaults(job, tmp_path):
     """--beta is DPO's, SimPO's and ORPO's (TRL's name): each method's default where it is not given."""
     from finetune import config as C
 
-    root, model, data = job
+    _, model, data = job
     base = ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(tmp_path / "o")]
     s = C.parse(base + ["--method", "simpo"], check_paths=False).objective
     assert (type(s), s.beta, s.simpo_gamma, s.label_smoothing) == (simpo.SimPOConfig, 2.0, 0.5, 0.0)
