@@ -327,8 +327,38 @@ def test_evaluation_on_both_paths(job, isolated, one_thread, method):
     assert want[0]["eval_samples"] == 2
 
 
-def test_engine_path_refuses_by_name():
-    assert "engine" not in SIMPO.paths and "engine" not in ORPO.paths
+@pytest.mark.parametrize("method", ["simpo", "orpo"])
+def test_engine_path_refuses_by_name(method):
+    """scripts/sft.py (the DeepSpeed engine path) is not written for pairs: it refuses them by name, as DPO."""
+    from types import SimpleNamespace
+
+    from finetune.config.preset import Preset
+    from finetune.training import core
+
+    cfg = SimpleNamespace(training=SimpleNamespace(), sources={}, preset=Preset.named("ddp"),
+                          objective=METHOD[method][1](method=method))
+    assert core.refused_flags(cfg, "scripts/sft.py") == [f"method {method}: not supported by scripts/sft.py "
+                                                         "(finetune/train.py supports it)"]
+    assert core.refused_flags(cfg, "finetune/loop.py") == core.refused_flags(cfg, "finetune/train.py") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["trainer", "loop"])
+@pytest.mark.parametrize("method", ["simpo", "orpo"])
+def test_resume_gives_the_same_losses(job, isolated, one_thread, method, path):
+    """The run's own mid-epoch checkpoint (step 3 of 4) resumed in a new folder: the same steps and metrics."""
+    import shutil
+
+    root = job[0]
+    name = f"resume-{method}-{path}"
+    common = ("--max_steps", "4", "--save_steps", "3", "--gradient_accumulation_steps", "1")
+    whole = train(job, name, method, *common, path=path)
+    shutil.copytree(root / name / "checkpoint-3", root / f"{name}-resumed" / "checkpoint-3")
+    resumed = train(job, f"{name}-resumed", method, *common, "--resume_from_checkpoint", "latest", path=path)
+    assert [e["step"] for e in whole] == [e["step"] for e in resumed] == [1, 2, 3, 4]
+    for w, r in zip(whole, resumed):
+        for k in ("loss", "grad_norm", *METHOD[method][0].metrics):
+            assert r[k] == pytest.approx(w[k], abs=1e-6), (k, whole, resumed)
 
 
 @pytest.mark.parametrize("flags, problem", [
