@@ -86,7 +86,9 @@ def mean_logps(model, batch: dict):
     from finetune.data.prepare import IGNORE_INDEX
 
     sums = dpo.sequence_logps(model, batch)
-    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+    # A pair's completions keep trained tokens through truncation (finetune.data.preference keeps half of
+    # max_seq_length for them); the floor keeps a row without any at 0, as DPO's sum is, not NaN.
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
     return sums / tokens.to(sums.dtype)
 
 
