@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from finetune import methods
 from finetune.models import tiny
 from tests.launch import matrix
 from tests.test_dpo import reference_loss
@@ -110,8 +111,9 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
 
 
 @pytest.mark.parametrize("flags, problem", [
-    (["--method", "dop"], "method: 'dop' is not one of sft, dpo; did you mean 'dpo'?"),
-    (["--beta", "0.2"], "beta: a DPO option; add --method dpo"),
+    (["--method", "dop"], f"method: 'dop' is not one of {', '.join(methods.names())}; did you mean 'dpo'?"),
+    (["--precompute_ref_log_probs"], "precompute_ref_log_probs: a DPO option; add --method dpo"),
+    (["--beta", "0.2"], "beta: an option of DPO, "),  # --beta is TRL's name in SimPO and ORPO too
     (["--method", "dpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "dpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
