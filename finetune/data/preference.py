@@ -57,7 +57,7 @@ def pair_of(record: dict, where: str, chat: bool) -> tuple:
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] is None:
-            hint = "" if record.get("messages") is None else " (an SFT record: --method dpo trains on preference pairs)"
+            hint = "" if record.get("messages") is None else " (an SFT record: the preference methods, --method dpo and others, train on prompt/chosen/rejected pairs)"
             raise DataError(f"{where}: missing field '{key}' (format preference: prompt, chosen, rejected){hint}")
     prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
     full = isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) and chosen[0].get("role") != "assistant"
@@ -287,7 +287,7 @@ def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print):
     from finetune.data import pipeline
 
     if isinstance(cfg.dataset, list):
-        raise DataError("--method dpo takes one --dataset (mixing preference sets is not supported yet)")
+        raise DataError("a preference method takes one --dataset (mixing preference sets is not supported yet)")
     num_proc = getattr(cfg, "dataset_num_proc", None) or pipeline.default_num_proc()
     hub = P.load_hub(cfg)
     return pipeline.prepare_source(cfg, tokenizer, hub, local_rank=local_rank, num_proc=num_proc, log=log,
