@@ -881,6 +881,28 @@ def render(data: dict) -> str:
             for note in mem.get("notes", []):
                 lines.append(f"- {note}")
         lines.append("")
+
+    prof = secs.get("profile")
+    if prof is not None:
+        lines += ["### Profile: the packed step taken apart", ""]
+        if "error" in prof:
+            lines += [f"Section failed: {_first_line(prof['error'])}", ""]
+        else:
+            lines += [f"{prof['model']}, full fine-tuning, the throughput rows' settings; one step of ft_packed and of "
+                      "trl_packing under torch.profiler after the timed ones.", "",
+                      "| variant | tok/s | step | profiled step: self CPU | self device | top op by self CPU |",
+                      "|---|---|---|---|---|---|"]
+            for name, r in prof["variants"].items():
+                if "error" in r:
+                    lines.append(f"| {name} | {_first_line(r['error'])[:150]} | | | | |")
+                    continue
+                p = r.get("profile") or {}
+                top = p.get("top", [{}])[0] if p.get("top") else {}
+                lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1000 * r['step_s']:,.0f} ms | "
+                             + (f"{p['total_self_cpu_ms']:,.0f} ms | {p.get('total_self_device_ms', 0):,.0f} ms | "
+                                f"{top.get('op', '')[:50]} ({top.get('self_cpu_ms', 0):,.0f} ms, {top.get('calls', 0)} "
+                                "calls) |" if p else "| | |"))
+        lines.append("")
     for note in data.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip("\n") + "\n"

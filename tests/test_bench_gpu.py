@@ -43,7 +43,7 @@ def test_record_replaces_the_section_of_the_same_device(tmp_path):
     assert "`bash bench/gpu_run.sh`" in text
 
 
-@pytest.mark.slow  # about 2.5 minutes on 2 cores: every section in forked children, 18 throughput rows
+@pytest.mark.slow  # about 3 minutes on 2 cores: every section in forked children, 18 throughput rows, 4 profiled
 def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {k: v for k, v in os.environ.items()
@@ -56,7 +56,7 @@ def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     data = json.loads((out / "gpu.json").read_text())
     assert (out / "gpu.md").read_text().startswith("## GPU: cpu (bench/gpu.py)")
     secs = data["sections"]
-    assert set(secs) == {"padfree", "bf16", "memory", "throughput"}
+    assert set(secs) == {"padfree", "bf16", "memory", "throughput", "profile"}
     assert not any("error" in s for s in secs.values()), {k: s.get("error", "")[:500] for k, s in secs.items()}
 
     # Padding-free and packed rows give the padded batch's loss on the same trained tokens.
@@ -107,6 +107,16 @@ def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
         ratios = sorted(tps[k] / trl[k] for k in tps)
         assert med == pytest.approx(ratios[1])
     assert tp["peak"] is None  # no MFU without a known peak
+
+    # The profile: every variant timed; the two profiled ones say where their step went.
+    variants = secs["profile"]["variants"]
+    assert set(variants) == set(G.PROFILE_VARIANTS)
+    for name, r in variants.items():
+        assert "error" not in r and r["tokens_per_s"] > 0, (name, r)
+    for name in ("ft_packed", "trl_packing"):
+        prof = variants[name]["profile"]
+        assert prof["total_self_cpu_ms"] > 0 and prof["top"] and sum(prof["groups_ms"].values()) > 0, prof
+    assert "### Profile: the packed step taken apart" in (out / "gpu.md").read_text()
 
     # The section goes into RESULTS.md from the JSON alone.
     results = tmp_path / "RESULTS.md"
