@@ -148,9 +148,9 @@ def test_preference_accuracy_equals_direct_log_probs(tiny_chatml, one_thread):
     (["--eval_examples", "0"], "--eval_examples: must be at least 1"),
     (["--learning_rate", "-1"], "--learning_rate: must be more than 0"),
     (["--train_file", "nope.jsonl"], "--train_file: nope.jsonl: no such file"),
-    (["--model_dir", "no/such/folder"], "--model_dir: no/such/folder: no such folder"),
-    (["--model_dir", ".", "--gguf", "x.gguf"], "--model_dir and --gguf: choose one"),
-    (["--dpo"], "--dpo: give --model_dir, the SFT result to start from"),
+    (["--model_name_or_path", "no/such/folder"], "--model_name_or_path: no/such/folder: no such folder"),
+    (["--model_name_or_path", ".", "--gguf", "x.gguf"], "--model_name_or_path and --gguf: choose one"),
+    (["--dpo"], "--dpo: give --model_name_or_path, the SFT result to start from"),
     (["--dpo", "--model_dir", str(REPO / "tests"), "--beta", "0"], "--beta: must be more than 0"),
 ])
 def test_bad_flags_exit_2(argv, fragment, capsys):
@@ -194,7 +194,7 @@ def test_quickstart_short_run(smollm2_dir, tmp_path):
     """A real run, small: 3 LoRA steps on 2 CPU processes, 8 held-out records. Files exist and agree; loss fell."""
     out = tmp_path / "qs"
     proc = subprocess.run(
-        [sys.executable, "-m", "finetune", "quickstart", "--model_dir", str(smollm2_dir), "--max_steps", "3",
+        [sys.executable, "-m", "finetune", "quickstart", "--model_name_or_path", str(smollm2_dir), "--max_steps", "3",
          "--eval_examples", "8", "--max_minutes", "3", "--output_dir", str(out)],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
@@ -282,3 +282,13 @@ def test_quickstart_dpo_stage_on_a_tiny_model(tiny_chatml, tmp_path, one_thread)
     assert f"| preference accuracy (5 held-out pairs) | {b['preference_accuracy']:.1%} | {t['preference_accuracy']:.1%} |" in text
     assert "| SFT model | after DPO |" in text and "DPO (beta 0.5) on the SFT model" in text
     assert f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on 5 held-out pairs" in proc.stdout
+
+
+def test_model_dir_is_the_old_spelling_of_model_name_or_path():
+    """The model flag is --model_name_or_path on every command; the quickstart's former --model_dir still works and
+    says the new name (once a process: a process of its own here)."""
+    proc = subprocess.run([sys.executable, "-m", "finetune", "quickstart", "--model_dir", "no/such/folder"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "--model_dir is now --model_name_or_path" in proc.stderr
+    assert "--model_name_or_path: no/such/folder: no such folder" in proc.stderr

