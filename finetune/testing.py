@@ -165,6 +165,23 @@ class Result:
         return self
 
 
+def _abort_main_thread(pid: int) -> None:
+    """SIGABRT to the process's main thread (tgkill), not the process: a signal sent to a stopped process waits for
+    any thread to take it, and when a helper thread did, the main thread ran on while the dump was written (a
+    launcher whose rank had just died left its wait and was found in interpreter shutdown, not where it had waited:
+    test_a_timeout_shows_where_each_process_waits, once in a full suite). The main thread takes it before it runs
+    another line."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    tgkill = getattr(libc, "tgkill", None)
+    if tgkill is None or tgkill(pid, pid, signal.SIGABRT) != 0:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+
+
 def _running(p) -> bool:
     """Alive and not a zombie (an orphan's exit is collected by PID 1, which may take its time)."""
     import psutil
@@ -287,12 +304,13 @@ class Launched:
 
         self.watch()
         procs = sorted(self.alive(), key=lambda p: -p.pid) + ([self.root] if self.proc.poll() is None else [])
-        for sig in (signal.SIGSTOP, signal.SIGABRT):
-            for p in procs:
-                try:
-                    p.send_signal(sig)
-                except psutil.Error:
-                    pass
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except psutil.Error:
+                pass
+        for p in procs:
+            _abort_main_thread(p.pid)
         for p in procs:
             try:
                 p.send_signal(signal.SIGCONT)

@@ -352,13 +352,13 @@ def test_best_model_and_early_stopping(path, best_job, one_thread):
     tok = AutoTokenizer.from_pretrained(out)
     ensure_pad_token(tok)
     records = tiny.synthetic_records(72, seed=7)
-    examples = []
+    held_out = []
     for i in split["eval_indices"]:
         ids, labels = tokenize_record(tok, records[i], "messages", True)
-        examples.append({"input_ids": ids, "labels": labels})
+        held_out.append({"input_ids": ids, "labels": labels})
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
-        saved = evaluate.finish(evaluate.rank_sums(evaluate.model_forward(model), evaluate.EvalSet(examples, tok, 4),
+        saved = evaluate.finish(evaluate.rank_sums(evaluate.model_forward(model), evaluate.EvalSet(held_out, tok, 4),
                                                    "cpu", 1, 0), 9)
     assert abs(saved["loss"] - losses_[0]) <= 1e-4 * losses_[0], (saved, losses_)
     assert abs(saved["loss"] - losses_[-1]) > 1e-3
