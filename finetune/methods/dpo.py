@@ -52,6 +52,22 @@ class DPOConfig(MethodConfig):
 
 
 
+def pair_data_problems(method: str, data, training: dict, evaluation, hints: dict | None = None) -> list[str]:
+    """What the preference-pair data path does not support yet, refused by name for every method that trains on
+    pairs (DPO, SimPO, ORPO)."""
+    problems = []
+    for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
+                     ("eval_generate", bool(evaluation and evaluation.eval_generate)),
+                     ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
+                     ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
+                     ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
+        if on:
+            problems.append(f"{flag}: not supported with --method {method} yet{(hints or {}).get(flag, '')}")
+    if isinstance(data.dataset, list):
+        problems.append(f"dataset: --method {method} takes one --dataset (mixing preference sets is not supported yet)")
+    return problems
+
+
 class DPO(Method):
     name = "dpo"
     title = "DPO"
@@ -69,17 +85,8 @@ class DPO(Method):
             problems.append(f"beta: must be positive, got {options.beta}")
         if not 0.0 <= options.label_smoothing < 0.5:
             problems.append(f"label_smoothing: must be in [0, 0.5), got {options.label_smoothing}")
-        for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
-                         ("eval_generate", bool(evaluation and evaluation.eval_generate)),
-                         ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
-                         ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
-                         ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
-            if on:
-                hint = " (DPO's own is --label_smoothing)" if flag == "label_smoothing_factor" else ""
-                problems.append(f"{flag}: not supported with --method dpo yet{hint}")
-        if isinstance(data.dataset, list):
-            problems.append("dataset: --method dpo takes one --dataset (mixing preference sets is not supported yet)")
-        return problems
+        return problems + pair_data_problems("dpo", data, training, evaluation,
+                                             hints={"label_smoothing_factor": " (DPO's own is --label_smoothing)"})
 
     def eval_metrics(self, evaluation) -> list[str]:  # evaluate's
         return ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"]

@@ -42,17 +42,7 @@ class ReferenceFree(Method):
         problems = []
         if options.beta <= 0:
             problems.append(f"beta: must be positive, got {options.beta}")
-        for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
-                         ("eval_generate", bool(evaluation and evaluation.eval_generate)),
-                         ("label_smoothing_factor", bool(training.get("label_smoothing_factor"))),
-                         ("use_liger_kernel", bool(training.get("use_liger_kernel"))),
-                         ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
-            if on:
-                problems.append(f"{flag}: not supported with --method {self.name} yet")
-        if isinstance(data.dataset, list):
-            problems.append(f"dataset: --method {self.name} takes one --dataset (mixing preference sets is not "
-                            "supported yet)")
-        return problems
+        return problems + dpo.pair_data_problems(self.name, data, training, evaluation)
 
     def eval_metrics(self, evaluation) -> list[str]:
         return ["loss", *self.metrics]
