@@ -3,7 +3,8 @@ where the tokenizer has one, else the Alpaca prompt."""
 
 from __future__ import annotations
 
-from finetune.data.formats.base import IGNORE_INDEX, Format, need_str
+from finetune.constants import IGNORE_INDEX
+from finetune.data.formats.base import Format, need_str
 
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = (

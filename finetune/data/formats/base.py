@@ -6,7 +6,6 @@ import difflib
 import json
 from typing import Any
 
-from finetune.constants import IGNORE_INDEX  # noqa: F401 (the formats' label for untrained tokens)
 from finetune.data.errors import DataError
 
 
