@@ -199,6 +199,16 @@ def write_report(output_dir: str | Path, report_dir: str | Path | None = None) -
     return report
 
 
+def check_args(parsed) -> list[str]:
+    from finetune.config.training import writable_problem
+
+    args: ReportArgs = parsed.args
+    where = Path(args.report_dir) if args.report_dir else Path(args.output_dir) / "report"
+    # The report is staged beside where it goes.
+    problem = writable_problem("--report_dir" if args.report_dir else "OUTPUT_DIR", where.resolve().parent)
+    return [problem] if problem else []
+
+
 def main(argv: list[str] | None = None) -> None:
     import sys
 
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = Command("finetune report", {"args": ReportArgs},
                   description="Write OUTPUT_DIR/report/: loss, learning-rate and throughput curves (PNG), the final "
                               "metrics as markdown and JSON.")
-    args: ReportArgs = cmd.parse_or_exit(argv).args
+    args: ReportArgs = cmd.parse_or_exit(argv, check_args).args
     try:
         print(write_report(args.output_dir, args.report_dir))
     except ReportError as e:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from finetune.config.parser import Command
 from finetune.errors import did_you_mean
@@ -19,6 +21,8 @@ class TinyArgs:
     hidden: int = field(default=64, metadata={"help": "Hidden size."})
     layers: int = field(default=2, metadata={"help": "Decoder layers."})
     seed: int = field(default=0, metadata={"help": "Seed of the random weights."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace what OUT_DIR holds (else a non-empty folder "
+                                                             "is refused: it may be a trained run)."})
 
 
 def check_args(parsed) -> list[str]:
@@ -31,6 +35,12 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--hidden: must be a positive multiple of 8, got {args.hidden}")
     if args.layers < 1:
         problems.append(f"--layers: must be at least 1, got {args.layers}")
+    out = Path(args.out_dir)
+    if out.is_file():
+        problems.append(f"OUT_DIR {out}: is a file; give a folder")
+    elif out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        problems.append(f"OUT_DIR {out}: not empty (it may hold a trained model); give an empty or new folder, or "
+                        "--overwrite to replace its contents")
     return problems
 
 
@@ -38,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     cmd = Command("finetune tiny", {"args": TinyArgs},
                   description="Build a tiny random Llama with a local tokenizer (no downloads).")
     args: TinyArgs = cmd.parse_or_exit(argv, check_args).args
+    if args.overwrite and Path(args.out_dir).is_dir():
+        shutil.rmtree(args.out_dir)  # checkpoints of an earlier run must not outlive the weights they belong to
     build(args.out_dir, args.style, args.seed, args.hidden, args.layers)
     print(args.out_dir)
 

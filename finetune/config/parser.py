@@ -413,7 +413,10 @@ class Command:
         if self.recipe and "recipe" in cli and cli["recipe"].value:
             recipe, recipe_problems = read_recipe(str(cli["recipe"].value))
             problems += recipe_problems
-            recipe.pop("recipe", None)
+            if "recipe" in recipe:
+                nested = recipe.pop("recipe")
+                problems.append(f"{nested.where}: recipe: {nested.value}: a recipe cannot name another recipe (it "
+                                "would be ignored); copy the keys you want from it into this one")
         if self.builtin_recipe:
             cli.pop("recipe", None)
         merged: dict[str, Setting] = {k: Setting(v, "default") for k, v in self.defaults.items()}
@@ -442,7 +445,9 @@ class Command:
                     raise ValueError("needs a value")
                 values[flag.section][key] = convert(setting.value, flag.type)
             except (ValueError, TypeError) as e:
-                problems.append(f"{setting.where}: {key}: {e}")
+                # A recipe line names its key; a flag names itself.
+                named = setting.where if setting.where.startswith("--") else f"{setting.where}: {key}"
+                problems.append(f"{named}: {e}")
         for flag in self.flags.values():
             if flag.required and flag.name not in merged:
                 name = flag.name.upper() if flag.meta.get("positional") else f"--{flag.name}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -473,6 +474,12 @@ def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, An
     elif ev.early_stopping_patience and not training.get("load_best_model_at_end"):
         problems.append("early_stopping_patience: needs --load_best_model_at_end true (the run keeps and saves the "
                         "best model it found), with an eval set")
+    elif ev.early_stopping_patience and not has_eval:
+        problems.append("early_stopping_patience: needs an eval set to stop on: --eval_dataset FILE or "
+                        "--eval_split_size 0.05")
+    if training.get("load_best_model_at_end") and not has_eval:
+        problems.append("load_best_model_at_end: needs an eval set to pick the best model: --eval_dataset FILE or "
+                        "--eval_split_size 0.05")
     metric = training.get("metric_for_best_model")
     if metric and (training.get("load_best_model_at_end") or ev.early_stopping_patience) and not ev.eval_metric:
         known = (methods.get(method) or methods.METHODS[methods.DEFAULT]).eval_metrics(ev)
@@ -531,6 +538,9 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         n = len(data.datasets())
         if len(data.dataset_weights) != n:
             problems.append(f"dataset_weights: {len(data.dataset_weights)} weights for {n} data set(s); give one per --dataset")
+        elif not all(math.isfinite(w) for w in data.dataset_weights):
+            problems.append(f"dataset_weights: every weight must be a finite number, got "
+                            f"{', '.join(map(str, data.dataset_weights))}")
         elif any(w <= 0 for w in data.dataset_weights):
             problems.append(f"dataset_weights: every weight must be positive, got {', '.join(map(str, data.dataset_weights))}")
     if data.dataset_num_proc is not None and data.dataset_num_proc < 1:
@@ -550,6 +560,11 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if key in training and training[key] < 1:
             problems.append(f"{key}: must be at least 1, got {training[key]}")
+    for key in ("eval_steps", "save_steps", "logging_steps"):
+        # transformers reads a value below 1 as a share of the run; zero or less would be taken and mean nothing.
+        if isinstance(training.get(key), (int, float)) and training[key] <= 0:
+            problems.append(f"{key}: must be a positive number of steps (or a share of the run below 1, e.g. 0.1), "
+                            f"got {training[key]}")
     if training.get("learning_rate", 1.0) < 0:
         problems.append(f"learning_rate: must not be negative, got {training['learning_rate']}")
     problems += attn_problems(model.attn_implementation)
@@ -564,6 +579,11 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
                 Path(training["output_dir"]).resolve() == Path(model.model_name_or_path).resolve():
             problems.append(f"output_dir: {training['output_dir']} is the model folder (--model_name_or_path); the run "
                             "would write over the base weights. Choose another --output_dir")
+        if model.model_name_or_path and model.model_revision != "main" and getattr(model, "_hub", None) is None \
+                and Path(model.model_name_or_path).exists():
+            problems.append(f"model_revision: {model.model_revision} selects a revision of a Hub repo id, but "
+                            f"{model.model_name_or_path} is a local folder, which has no revisions; drop "
+                            "--model_revision (or give the repo id)")
         if model.chat_template:
             problems += chat_template_problems(model.chat_template)
         if not data.dataset:
@@ -571,6 +591,14 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         for name in data.datasets():
             if not Path(name).exists() and not looks_like_dataset_id(name):
                 problems.append(f"dataset: {name}: no such file or folder")
+        if data.eval_dataset and not Path(data.eval_dataset).exists() and not looks_like_dataset_id(data.eval_dataset):
+            problems.append(f"eval_dataset: {data.eval_dataset}: no such file or folder")
+        if training.get("output_dir"):
+            out = Path(training["output_dir"]).resolve()
+            for name in [*data.datasets(), *([data.eval_dataset] if data.eval_dataset else [])]:
+                if Path(name).is_dir() and (out == Path(name).resolve() or Path(name).resolve() in out.parents):
+                    problems.append(f"output_dir: {training['output_dir']} is (inside) the data set folder {name}; the "
+                                    "run would write the model into the data set. Choose another --output_dir")
         from finetune.data.prepare import cache_root
 
         for flag, folder in (("output_dir", training.get("output_dir")), ("logging_dir", training.get("logging_dir")),
@@ -583,6 +611,10 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
 def chat_template_problems(path: str) -> list[str]:
     """--chat_template: a readable Jinja file that parses (its syntax error named by line)."""
     p = Path(path)
+    if p.is_dir():
+        inside = sorted(x.name for x in p.glob("*.jinja"))
+        return [f"chat_template: {path} is a folder; give the Jinja file itself"
+                + (f", e.g. {p / inside[0]}" if inside else " (e.g. chatml.jinja)")]
     if not p.is_file():
         return [f"chat_template: {path}: no such file (give a Jinja chat template file, e.g. chatml.jinja)"]
     try:
@@ -625,7 +657,8 @@ def resolve_model_or_problems(model: ModelConfig, *, config_only: bool = False) 
     if config_only:
         ok = (Path(model.model_name_or_path) / "config.json").is_file()
         return [] if ok else [f"model_name_or_path: {model.model_name_or_path}: no such folder with a config.json"]
-    problems = check_model_folder(model.model_name_or_path, model.allow_pickle)
+    problems = check_model_folder(model.model_name_or_path, model.allow_pickle,
+                                  trust_remote_code=getattr(model, "trust_remote_code", False))
     hub = getattr(model, "_hub", None)
     if problems and hub is not None:
         # A snapshot can hold part of a repo (e.g. the config.json alone that `finetune plan` fetched).
@@ -686,7 +719,7 @@ def attn_problems(name: str | None, flag: str = "attn_implementation") -> list[s
     return []
 
 
-def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
+def check_model_folder(path: str, allow_pickle: bool, *, trust_remote_code: bool = False) -> list[str]:
     p = Path(path)
     if not p.is_dir():
         hint = " (not a local folder, nor a Hub repo id org/name)" if "/" in path and not p.exists() else ""
@@ -704,7 +737,7 @@ def check_model_folder(path: str, allow_pickle: bool) -> list[str]:
         return [f"model_name_or_path: {path}: no weights (*.safetensors) in this folder"]
     from finetune.models.files import folder_problems
 
-    return [f"model_name_or_path: {problem}" for problem in folder_problems(p)]
+    return [f"model_name_or_path: {problem}" for problem in folder_problems(p, trust_remote_code=trust_remote_code)]
 
 
 def free_port() -> int:

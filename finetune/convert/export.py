@@ -71,6 +71,18 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of {', '.join(EXPORT_DTYPES)}")
     if not args.atol >= 0:
         problems.append(f"--atol: must not be negative, got {args.atol}")
+    dest = args.output or args.output_dir
+    if dest:
+        from finetune.config.training import writable_problem
+
+        # Every writer stages its result beside the destination and renames it into place.
+        if problem := writable_problem("OUTPUT" if args.output else "--output_dir", Path(dest).resolve().parent):
+            problems.append(problem)
+    model = Path(args.model_name_or_path) if args.model_name_or_path else None
+    if model and not (model / "config.json").is_file() and (model / "adapter_config.json").is_file():
+        base = json.loads((model / "adapter_config.json").read_text()).get("base_model_name_or_path") or "BASE"
+        problems.append(f"--model_name_or_path {model}: a LoRA adapter, not a model; give it as --adapter {model} "
+                        f"and its base as --model_name_or_path {base}")
     if args.tag and not args.zero_checkpoint:
         problems.append("--tag: names a ZeRO checkpoint tag; it goes with --zero_checkpoint")
     return problems

@@ -54,7 +54,9 @@ def inspect(path: str | Path) -> GGUFInfo:
     try:
         reader = GGUFReader(str(p))
     except Exception as e:  # a truncated or corrupt file fails in many ways inside the reader
-        raise GGUFImportError(f"{p}: unreadable GGUF file ({type(e).__name__}: {e})") from None
+        raise GGUFImportError(f"{p}: a damaged or cut-off GGUF file ({p.stat().st_size:,} bytes; an incomplete "
+                              f"download?): the reader failed with {type(e).__name__}: {e}. Download or export it "
+                              "again") from None
     arch = _field_str(reader, "general.architecture")
     if arch is None:
         raise GGUFImportError(f"{p}: no general.architecture in the GGUF metadata; cannot tell what model it holds")
@@ -215,7 +217,11 @@ def check_args(parsed) -> list[str]:
     args: ImportArgs = parsed.args
     if args.smollm2 == bool(args.gguf_file):
         return ["give either FILE.gguf or --smollm2 (usage: finetune import-gguf FILE.gguf OUT_DIR)"]
-    return []
+    from finetune.config.training import writable_problem
+
+    # The staging folder is made beside OUT_DIR.
+    problem = writable_problem("OUT_DIR", Path(args.output_dir).resolve().parent)
+    return [problem] if problem else []
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from finetune.data import prepare as P
 from finetune.data.formats.base import record_tools
+from finetune.data.formats.messages import check_role
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
 FORMAT = "preference"
@@ -87,6 +88,8 @@ def pair_of(record: dict, where: str, chat: bool) -> tuple:
                     else _as_messages(rejected, "rejected", where))
     if not prompt:
         raise DataError(f"{where}: field 'prompt' is empty")
+    for j, m in enumerate(prompt):  # named as the prompt's, before they are joined to each completion
+        check_role(m.get("role") if isinstance(m, dict) else None, f"{where} (prompt): messages[{j}]")
     for key, msgs in (("chosen", chosen), ("rejected", rejected)):
         if not msgs:
             raise DataError(f"{where}: field '{key}' is empty: an empty completion")

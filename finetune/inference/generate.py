@@ -306,7 +306,7 @@ def load_for_inference(opts: LoadOptions, log=None):
     from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
-    problems = check_model_folder(opts.model_name_or_path, allow_pickle=False)
+    problems = check_model_folder(opts.model_name_or_path, allow_pickle=False, trust_remote_code=opts.trust_remote_code)
     if problems:
         raise GenerationError(problems[0])
     try:
@@ -694,6 +694,11 @@ def check_args(parsed) -> list[str]:
     if args.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
         problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of auto, float32, bfloat16, float16")
     problems += quant.problems(args)
+    if args.do_sample and args.temperature <= 0:
+        problems.append(f"--temperature: must be above 0 when sampling (--do_sample), got {args.temperature}; for "
+                        "greedy decoding drop --do_sample")
+    if args.do_sample and not 0 < args.top_p <= 1:
+        problems.append(f"--top_p: must be in (0, 1] when sampling, got {args.top_p}")
     if not args.prompt and not args.prompts:
         problems.append("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     if args.adapter and not Path(args.adapter).is_dir():

@@ -53,7 +53,8 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def folder_problems(folder: str | Path, *, weights: bool = True, tokenizer: bool = True) -> list[str]:
+def folder_problems(folder: str | Path, *, weights: bool = True, tokenizer: bool = True,
+                    trust_remote_code: bool = False) -> list[str]:
     """Problems with a local model folder's config, weight files and tokenizer files, each naming the file."""
     p = Path(folder)
     problems = []
@@ -66,7 +67,7 @@ def folder_problems(folder: str | Path, *, weights: bool = True, tokenizer: bool
                 problems.append(f"{p / name}: expected a JSON object, got {type(data).__name__}")
     config, _ = read_json(p / "config.json") if (p / "config.json").is_file() else (None, None)
     if isinstance(config, dict):
-        problems += _model_type_problems(p, config)
+        problems += _model_type_problems(p, config, trust_remote_code)
     if weights:
         for f in sorted(p.glob("*.safetensors")):
             if problem := safetensors_problem(f):
@@ -84,7 +85,7 @@ def folder_problems(folder: str | Path, *, weights: bool = True, tokenizer: bool
     return problems
 
 
-def _model_type_problems(folder: Path, config: dict) -> list[str]:
+def _model_type_problems(folder: Path, config: dict, trust_remote_code: bool = False) -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -93,8 +94,15 @@ def _model_type_problems(folder: Path, config: dict) -> list[str]:
     if not model_type:
         return [f"{where}: no model_type; is it a Hugging Face model config? (a Llama model says \"model_type\": "
                 "\"llama\")"]
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or config.get("auto_map"):
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return []
+    if config.get("auto_map"):
+        if trust_remote_code:
+            return []
+        code = sorted({str(v).split(".")[0] + ".py" for v in config["auto_map"].values() if isinstance(v, str)})
+        return [f"{where}: model_type '{model_type}' is defined by Python code shipped with the model "
+                f"({', '.join(code) or 'auto_map'}), which finetune does not run unless asked; read it, then add "
+                "--trust_remote_code true if you trust it"]
     if model_type not in CONFIG_MAPPING_NAMES:
         return [f"{where}: model_type '{model_type}' is unknown to transformers; check the name (e.g. llama)"]
     return [f"{where}: model_type '{model_type}' is not a causal (decoder-only) language model; finetune trains "

@@ -51,6 +51,11 @@ _UNITS = {
 }
 
 
+# Sanity bounds on the machine flags: past them a plan's advice ("use more devices") would be nonsense.
+MAX_DEVICES_PER_NODE = 1024
+MAX_DEVICES = 1_000_000
+
+
 def parse_size(text: str | int | float) -> int:
     """'80GB' -> 80e9 bytes (decimal units, as GPU and RAM sizes are sold); 'GiB' units are binary."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -1072,12 +1077,21 @@ def parse_plan_args(argv: list[str]):
         value = getattr(flags, key)
         if value is not None and value < 1:
             problems.append(f"--{key}: must be at least 1, got {value}")
+    if (flags.devices_per_node or 1) > MAX_DEVICES_PER_NODE:
+        problems.append(f"--devices_per_node: {flags.devices_per_node} is more than any machine holds (at most "
+                        f"{MAX_DEVICES_PER_NODE}); give the accelerators of one node, e.g. 8")
+    if (flags.devices_per_node or 1) * (flags.num_nodes or 1) > MAX_DEVICES:
+        problems.append(f"--num_nodes x --devices_per_node: {(flags.devices_per_node or 1) * flags.num_nodes:,} "
+                        f"devices is beyond any cluster (at most {MAX_DEVICES:,}); check both flags")
     for key in ("host_memory", "device_memory"):
         if getattr(flags, key) is not None:
             try:
                 setattr(flags, key, parse_size(getattr(flags, key)))
             except ValueError as e:
                 problems.append(f"--{key}: {e}")
+            else:
+                if getattr(flags, key) <= 0:
+                    problems.append(f"--{key}: must be a positive size (e.g. 80GB), got {getattr(flags, key)} bytes")
     training = None
     if not problems:
         # The preset is checked on its own (a DeepSpeed preset in TrainingArguments would start a process group).

@@ -28,11 +28,20 @@ def get(name: str) -> Format:
         raise DataError(f"unknown dataset format {name!r} (known: {', '.join(FORMATS)})") from None
 
 
+# Keys only preference data has (pairs: chosen/rejected; unpaired: completion with a label).
+PREFERENCE_KEYS = {"chosen", "rejected", "label"}
+
+
 def detect(record: dict, where: str) -> Format:
     for name in DETECTION:
         if FORMATS[name].detects(record):
             return FORMATS[name]
     keys = [f.keys for f in FORMATS.values()]
     keys = f"{', '.join(keys[:-1])} or {keys[-1]}"
+    if PREFERENCE_KEYS & set(record):
+        # Preference data given to supervised fine-tuning: the fix is the method, not --dataset_format.
+        raise DataError(f"{where}: the keys ({', '.join(record)}) are preference data, which supervised "
+                        "fine-tuning does not read; choose a preference method with --method (finetune train --help "
+                        "lists them)")
     raise DataError(f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
                     f"expected {keys}; or pass --dataset_format")

@@ -9,6 +9,16 @@ from finetune.data.errors import DataError
 from finetune.data.formats.base import Format, did_you_mean, need_turns, record_tools
 
 ROLES = ("system", "user", "assistant", "tool")
+# Other data sets' names for the roles (ShareGPT's human/gpt, Gemma's model), offered as the fix.
+ROLE_SYNONYMS = {"human": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant", "ai": "assistant"}
+
+
+def check_role(role: Any, where: str) -> None:
+    """`where` names the message, e.g. "data.jsonl:3: messages[0]"."""
+    if role not in ROLES:
+        hint = (f" (did you mean '{ROLE_SYNONYMS[role]}'? '{role}' is another data set layout's name for it)"
+                if role in ROLE_SYNONYMS else did_you_mean(role, ROLES))
+        raise DataError(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}{hint}")
 
 
 def validate_tool_calls(calls: Any, where: str) -> None:
@@ -34,8 +44,7 @@ class Messages(Format):
         msgs = need_turns(record, "messages", "messages", where, ("role", "content"))
         for j, m in enumerate(msgs):
             role = m.get("role")
-            if role not in ROLES:
-                raise DataError(f"{where}: messages[{j}].role is {role!r}; expected one of {', '.join(ROLES)}{did_you_mean(role, ROLES)}")
+            check_role(role, f"{where}: messages[{j}]")
             calls = m.get("tool_calls")
             if calls is not None:
                 if role != "assistant":
