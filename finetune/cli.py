@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # A training command run as the program (argv from the command line, not a caller) ends without the interpreter
     # shutdown once done, as a launched rank does (finetune.process).
-    process.run_rank(module.main, argv[1:], own_process=program and argv[0] in TRAINING)
+    process.run_rank(module.main, argv[1:], own_process=program and argv[0] in TRAINING,
+                     resume_hint=argv[0] in TRAINING)
 
 
 if __name__ == "__main__":  # python -m finetune.cli COMMAND, as launchers given a module run it

@@ -64,7 +64,19 @@ def end_finished_process(code: int = 0, own_process: bool = False) -> None:
     os._exit(code)
 
 
-def run_rank(main, *args, own_process: bool = False) -> None:
+RESUME_HINT = ("resume with the same command and --resume_from_checkpoint latest (the checkpoints saved so far "
+               "are kept)")
+
+
+def end_interrupted(resume_hint: bool = False, own_process: bool = False) -> NoReturn:
+    """Ctrl-C: one line, exit 130. The `finally` blocks that remove staged files ran while the interrupt unwound."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"finetune: interrupted{'; ' + RESUME_HINT if resume_hint else ''}", file=sys.stderr, flush=True)
+    end_finished_process(130, own_process)
+    raise SystemExit(130)
+
+
+def run_rank(main, *args, own_process: bool = False, resume_hint: bool = False) -> None:
     """Run an entry point's main(*args); a launched rank, or the entry point's own process (own_process: the
     training scripts' `__main__`, `finetune train|loop|engine`), that succeeded then ends by end_finished_process, whether
     main returned or raised SystemExit(0) (a finished run resumed with `latest`: nothing to do). A failing process
@@ -72,6 +84,8 @@ def run_rank(main, *args, own_process: bool = False) -> None:
     error."""
     try:
         main(*args)
+    except KeyboardInterrupt:
+        end_interrupted(resume_hint, own_process)
     except SystemExit as e:
         if e.code in (None, 0):
             end_finished_process(0, own_process)

@@ -20,4 +20,4 @@ from finetune.training.trainer import main
 
 if __name__ == "__main__":
     check_versions()
-    run_rank(main, own_process=True)  # ends without the interpreter shutdown once done (finetune.process)
+    run_rank(main, own_process=True, resume_hint=True)  # ends without the interpreter shutdown once done (finetune.process)
