@@ -233,11 +233,11 @@ def test_recipe_file_problems(tmp_path):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--max_steps", "abc"], "--max_steps: max_steps: expected an integer, got 'abc'"),
-        (["--max_steps", "1.5"], "--max_steps: max_steps: expected an integer, got '1.5'"),
-        (["--learning_rate", "x"], "--learning_rate: learning_rate: expected a number, got 'x'"),
-        (["--use_peft", "maybe"], "--use_peft: use_peft: expected true or false, got 'maybe'"),
-        (["--max_seq_length"], "--max_seq_length: max_seq_length: needs a value"),
+        (["--max_steps", "abc"], "--max_steps: expected an integer, got 'abc'"),
+        (["--max_steps", "1.5"], "--max_steps: expected an integer, got '1.5'"),
+        (["--learning_rate", "x"], "--learning_rate: expected a number, got 'x'"),
+        (["--use_peft", "maybe"], "--use_peft: expected true or false, got 'maybe'"),
+        (["--max_seq_length"], "--max_seq_length: needs a value"),
         (["--lora_r", "4", "8"], "--lora_r takes one value, got 2: 4 8"),
         (["model_dir"], "unexpected argument 'model_dir': options look like --key value"),
         (["--fsdp", "full_shard"], "--fsdp: 'fsdp' is set by finetune; use --config (FSDP is not a preset yet)"),
@@ -257,8 +257,8 @@ def test_enum_typo_is_reported_with_the_other_problems():
     # TrainingArguments would reject these too, but only after every other problem was fixed.
     problems = problems_of(["--lr_scheduler_type", "cosin", "--optim", "adamw_torchh", "--max_steps", "x"])
     assert len(problems) == 3, problems
-    assert any(p.startswith("--lr_scheduler_type: lr_scheduler_type: 'cosin' is not one of: linear, cosine") for p in problems)
-    assert any(p.startswith("--optim: optim: 'adamw_torchh' is not one of:") for p in problems)
+    assert any(p.startswith("--lr_scheduler_type: 'cosin' is not one of: linear, cosine") for p in problems)
+    assert any(p.startswith("--optim: 'adamw_torchh' is not one of:") for p in problems)
 
 
 def test_all_problems_in_one_error(tmp_path):
@@ -276,7 +276,7 @@ def test_all_problems_in_one_error(tmp_path):
     assert len(problems) == 6, problems
     expect = [
         "--learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'?",
-        "--max_steps: max_steps: expected an integer, got 'abc'",
+        "--max_steps: expected an integer, got 'abc'",
         "dataset_format: 'alpacca' is not one of auto, text, alpaca, messages, sharegpt; did you mean 'alpaca'?",
         f"model_name_or_path: {tmp_path / 'no-such-model'}: no such folder",
         "--config: unknown preset 'zero4'; did you mean 'zero3'?",

@@ -66,8 +66,8 @@ def test_recipe_and_value_mistakes_too(tmp_path):
     assert proc.returncode == 2, proc.stderr
     for message in (f"{recipe}:1: lr_scheduler_type: 'cosin' is not one of: linear, cosine,",
                     f"{recipe}:2: unknown key 'learning_rat'; did you mean 'learning_rate'?",
-                    "--max_steps: max_steps: expected an integer, got '1.5'",
-                    "--optim: optim: 'adamw' is not one of: adamw_torch,",
+                    "--max_steps: expected an integer, got '1.5'",
+                    "--optim: 'adamw' is not one of: adamw_torch,",
                     f"model_name_or_path: {tmp_path / 'none'}: no such folder"):
         assert message in proc.stderr, proc.stderr
     assert not imported & set(LIBRARIES), sorted(imported & set(LIBRARIES))

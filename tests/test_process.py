@@ -95,15 +95,18 @@ def test_training_commands_run_as_the_program_end_at_once(monkeypatch):
     from finetune import cli
 
     for script in ("finetune/train.py", "finetune/loop.py", "scripts/sft.py", "finetune/apps/quickstart_worker.py"):
-        assert "run_rank(main, own_process=True)" in (REPO / script).read_text(), script
+        assert "run_rank(main, own_process=True" in (REPO / script).read_text(), script
     assert cli.TRAINING == ("train", "loop", "engine")
     calls = []
     monkeypatch.setattr(compat, "check_versions", lambda: None)
-    monkeypatch.setattr(process, "run_rank", lambda main, *args, own_process=False: calls.append((args, own_process)))
+    monkeypatch.setattr(process, "run_rank", lambda main, *args, own_process=False, resume_hint=False:
+                        calls.append((args, own_process, resume_hint)))
     cli.main(["train", "--help"])
     monkeypatch.setattr(sys, "argv", ["finetune", "loop", "--x"])
     cli.main()
     cli.main(["plan", "--x"])
     monkeypatch.setattr(sys, "argv", ["finetune", "generate", "--x"])
     cli.main()
-    assert calls == [((["--help"],), False), ((["--x"],), True), ((["--x"],), False), ((["--x"],), False)], calls
+    # The resume hint on Ctrl-C goes with the training commands only.
+    assert calls == [((["--help"],), False, True), ((["--x"],), True, True), ((["--x"],), False, False),
+                     ((["--x"],), False, False)], calls

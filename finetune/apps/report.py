@@ -203,6 +203,8 @@ def check_args(parsed) -> list[str]:
     from finetune.config.training import writable_problem
 
     args: ReportArgs = parsed.args
+    if args.output_dir is None:
+        return []  # reported as required
     where = Path(args.report_dir) if args.report_dir else Path(args.output_dir) / "report"
     # The report is staged beside where it goes.
     problem = writable_problem("--report_dir" if args.report_dir else "OUTPUT_DIR", where.resolve().parent)
