@@ -147,6 +147,39 @@ def tokenize_pair(tokenizer, record: dict, where: str = "") -> tuple[list[int], 
     return ids, c, cl, r, rl
 
 
+def tokenize_completion(tokenizer, record: dict, where: str = "") -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, completion labels) of a {"prompt", "completion"} record (TRL's prompt-completion
+    form; a string or messages each), tokenized as one side of a pair is (tokenize_pair): what a reward model scores
+    it by (finetune score)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with prompt, completion")
+    for key in ("prompt", "completion"):
+        if record.get(key) is None:
+            raise DataError(f"{where}: missing field '{key}' (a completion to score: prompt, completion; or a pair: "
+                            "prompt, chosen, rejected)")
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(completion, str) and not completion.strip():
+        raise DataError(f"{where}: field 'completion' is empty: an empty completion")
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DataError(f"{where}: field 'prompt' is empty")
+    chat = bool(tokenizer.chat_template)
+    if isinstance(prompt, str) and isinstance(completion, str) and not chat:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"], ids, list(ids)
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt, "prompt", where)
+    completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                  else _as_messages(completion, "completion", where))
+    if not completion or completion[0].get("role") != "assistant":
+        raise DataError(f"{where}: 'completion' must start with an assistant turn")
+    P.validate_record({"messages": prompt + completion, "tools": record.get("tools")}, "messages", where)
+    P.require_chat_template(tokenizer, FORMAT, where)
+    context, ids, labels = _completion(tokenizer, prompt + completion, len(prompt), where, record_tools(record, where))
+    if all(x == IGNORE_INDEX for x in labels):
+        raise DataError(f"{where}: 'completion' has no trained token (an empty completion)")
+    return tokenizer(context, add_special_tokens=False)["input_ids"], ids, labels
+
+
 @dataclass
 class Truncation:
     prompt_tokens: int = 0  # tokens cut from the prompt's start

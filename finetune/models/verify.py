@@ -251,7 +251,10 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
             raise VerificationError(
                 f"{folder}: cannot reload the adapter: its base model {base_path!r} is not a local folder (pass base_model)"
             )
-        base = auto.from_pretrained(base_path, **head_kwargs, **kwargs)
+        from finetune.models.load import quiet_load_report
+
+        with quiet_load_report():  # a reward model's base has no score head: the adapter's (modules_to_save) replaces it
+            base = auto.from_pretrained(base_path, **head_kwargs, **kwargs)
         if quantization is None and device is not None:
             base.to(device)
         try:
