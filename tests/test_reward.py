@@ -381,3 +381,7 @@ def test_plan_counts_the_score_head(tmp_path):
     # The LM head (vocab x hidden) is gone, a score head (1 x hidden) in its place; no vocabulary logits.
     assert rm["model"]["parameters"] == simpo["model"]["parameters"] - 32000 * 64 + 64
     assert rm["per_device_total"] < simpo["per_device_total"]
+    # LoRA: the score head trains whole beside the adapters (peft's modules_to_save).
+    lora = ["--use_peft", "--lora_r", "4"]
+    assert (plan.make_plan(base + lora + ["--method", "reward"])["model"]["trainable_parameters"]
+            == plan.make_plan(base + lora + ["--method", "simpo"])["model"]["trainable_parameters"] + 64)
