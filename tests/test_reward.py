@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -385,3 +386,70 @@ def test_plan_counts_the_score_head(tmp_path):
     lora = ["--use_peft", "--lora_r", "4"]
     assert (plan.make_plan(base + lora + ["--method", "reward"])["model"]["trainable_parameters"]
             == plan.make_plan(base + lora + ["--method", "simpo"])["model"]["trainable_parameters"] + 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: 2 processes against 1, per step (8 pairs, global batch 4: 2 steps per epoch, 4 steps).
+
+MORE_PAIRS = PAIRS + [
+    {"prompt": "copy: blue dog", "chosen": "blue dog", "rejected": "dog blue", "margin": 0.25},
+    {"prompt": "reverse: a b c", "chosen": "c b a", "rejected": "a b c"},
+    {"prompt": "2+3?", "chosen": "5", "rejected": "6"},
+    {"prompt": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "colour of snow?"}],
+     "chosen": "white", "rejected": "Snow is usually white, I believe."},
+]
+# (path, preset, flags): the Trainer path under ZeRO-2 and ZeRO-3 (full, and LoRA with its score head under ZeRO-3),
+# the loop under ZeRO-3. (LoRA without dropout: one process and two draw different dropout masks.)
+PARITY = [("trainer", "zero2", ()), ("trainer", "zero3", ()), ("loop", "zero3", ()),
+          ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005"))]
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    from finetune.models import tiny
+
+    root = tmp_path_factory.mktemp("reward-multi")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MORE_PAIRS))
+    return root, model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, preset, flags", PARITY, ids=[f"{p}-{c}-{len(f) and 'lora' or 'full'}"
+                                                            for p, c, f in PARITY])
+def test_two_processes_equal_one(multi, path, preset, flags):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.launch import LOOP, TRAIN, launcher, run, unexpected_warnings
+
+    root, model, data = multi
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+    name = f"{path}-{preset}-{len(flags)}"
+
+    def history(job: str, cmd: list[str], micro: int) -> list[dict]:
+        out = root / f"{name}-{job}"
+        result = run(cmd + ["--config", preset, "--method", "reward", "--model_name_or_path", str(model), "--dataset",
+                            str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                            "--max_steps", "4", "--lr_scheduler_type", "constant",
+                            *(() if "--learning_rate" in flags else ("--learning_rate", "0.001")),
+                            "--center_rewards_coefficient", "0.01", "--seed", "3", "--disable_tqdm", "true", *flags],
+                     timeout=600).check()
+        assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(history, "1", [sys.executable, script], 2)
+        two = pool.submit(history, "2", launcher("accelerate", 2, script=script), 1)
+        one, two = one.result(), two.result()
+    assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    assert one[-1]["loss"] < one[0]["loss"]
+    keys = ("loss", "grad_norm", *reward.METRICS)
+    for a, b in zip(one, two):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
+    diff = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
+    curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
+    print(f"\nreward parity | {path} | {preset} | {' '.join(flags[:1]) or 'full'} | 1 process: {curve(one)} | "
+          f"2 processes: {curve(two)} | max diff (loss, grad norm, metrics) {diff:.1e}")
