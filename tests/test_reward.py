@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from finetune.data import preference as PR
 from finetune.methods import reward
+from finetune.models import tiny
 from tests.test_dpo import RECORDS, pair_features
 
 MARGINS = [0.5, 0.0, 1.25]
@@ -453,3 +454,43 @@ def test_two_processes_equal_one(multi, path, preset, flags):
     curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
     print(f"\nreward parity | {path} | {preset} | {' '.join(flags[:1]) or 'full'} | 1 process: {curve(one)} | "
           f"2 processes: {curve(two)} | max diff (loss, grad norm, metrics) {diff:.1e}")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("fam", ["llama", "qwen2", "qwen3", "mistral"])
+def test_every_family_loads_with_its_score_head_as_the_plan_counts(fam, tied, tmp_path, one_thread):
+    """load_model(task="SEQ_CLS") on a causal-LM folder of each family: the LM head dropped, a score head of one output
+    drawn from the seed; its parameters (full, and LoRA's trainable ones with the head) are what `finetune plan
+    --method reward` counts."""
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_model
+    from finetune.plan import planner as plan
+    from tests.test_families_qwen_mistral import FAMILIES, tiny_config
+
+    folder = tmp_path / fam
+    tokenizer = tiny.build_tokenizer(folder, style="chatml")
+    if fam == "llama":
+        tiny.build_model(folder, tokenizer, tied=tied)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_config(tiny_config(FAMILIES[fam], len(tokenizer), tied)).save_pretrained(folder)
+    base = ["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
+            "--max_seq_length", "64", "--per_device_train_batch_size", "1", "--method", "reward"]
+    counted = {}
+    for lora in (False, True):
+        flags = ["--use_peft", "--lora_r", "4"] if lora else []
+        model = load_model(ModelConfig(model_name_or_path=str(folder), torch_dtype="float32", **(
+            dict(use_peft=True, lora_r=4) if lora else {})), task="SEQ_CLS")
+        assert type(model.get_base_model() if lora else model).__name__.endswith("ForSequenceClassification")
+        p = plan.make_plan(base + flags)["model"]
+        if lora:
+            trainable = {n: q.numel() for n, q in model.named_parameters() if q.requires_grad}
+            assert any("score" in n for n in trainable)
+            assert p["trainable_parameters"] == sum(trainable.values())
+        else:
+            assert p["parameters"] == sum(q.numel() for q in model.parameters())
+            assert model.score.weight.shape == (1, 64)
+            counted = p
+    print(f"\n{fam} ({'tied' if tied else 'untied'}): {counted['parameters']:,} parameters with the score head, as "
+          "planned")
