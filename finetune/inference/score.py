@@ -144,10 +144,12 @@ def load_reward_model(folder: str, dtype: str, trust_remote_code: bool):
     import torch
     import transformers
 
+    from finetune.methods.reward import Reward
     from finetune.models.load import DTYPE_NAMES, TASKS, ensure_pad_token, quiet_load_report, saved_task
 
-    auto, head_kwargs = saved_task(folder)
-    if auto != TASKS["SEQ_CLS"][0]:
+    task, head_kwargs = saved_task(folder)
+    auto = TASKS[task][0]
+    if task != Reward.task:
         raise ScoreError(f"--model_name_or_path {folder}: not a reward model (no sequence-classification head in its "
                          "config.json or adapter_config.json); train one with finetune train --method reward")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -243,7 +245,9 @@ def run(args: ScoreArgs) -> list[dict]:
 
     from finetune.models.load import ensure_pad_token, saved_task
 
-    if saved_task(args.model_name_or_path)[0] == "AutoModelForCausalLM":
+    from finetune.methods.reward import Reward
+
+    if saved_task(args.model_name_or_path)[0] != Reward.task:
         load_reward_model(args.model_name_or_path, args.torch_dtype, args.trust_remote_code)  # its ScoreError
     # The records first, with the run's tokenizer alone: a bad line ends here, before any weights load.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)

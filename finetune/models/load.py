@@ -100,26 +100,39 @@ TASKS = {
 
 
 def saved_task(folder) -> tuple[str, dict]:
-    """(Auto class name, from_pretrained arguments of the base) a saved folder loads with: a reward model (a
-    *ForSequenceClassification config, or a SEQ_CLS adapter, whose base gets the score head of one output and the
+    """(task of TASKS, from_pretrained arguments of the base) a saved folder loads with: a reward model ("SEQ_CLS":
+    a *ForSequenceClassification config, or a SEQ_CLS adapter, whose base gets the score head of one output and the
     pad id of the folder's tokenizer, as training set them) or the causal LM."""
     import json
 
     folder = Path(folder)
     adapter = folder / "adapter_config.json"
     if adapter.is_file():
-        if json.loads(adapter.read_text()).get("task_type") != "SEQ_CLS":
-            return TASKS["CAUSAL_LM"][0], {}
+        if json.loads(adapter.read_text()).get("task_type") not in TASKS:
+            return "CAUSAL_LM", {}
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ensure_pad_token(tokenizer)
-        return TASKS["SEQ_CLS"][0], {**TASKS["SEQ_CLS"][1], "pad_token_id": tokenizer.pad_token_id}
+        return "SEQ_CLS", {**TASKS["SEQ_CLS"][1], "pad_token_id": tokenizer.pad_token_id}
     config = folder / "config.json"
     architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return TASKS["SEQ_CLS"][0], {}
-    return TASKS["CAUSAL_LM"][0], {}
+        return "SEQ_CLS", {}
+    return "CAUSAL_LM", {}
+
+
+def new_head_keys(info: dict, task: str) -> tuple[dict, list[str]]:
+    """(from_pretrained's loading info without what a causal-LM checkpoint loaded as `task` lacks and holds by design:
+    the new head's weights and the LM head; the new head's weight names, initialized by from_pretrained)."""
+    _, _, new_keys, dropped_keys = TASKS[task]
+    if not new_keys:
+        return info, []
+    info = dict(info)
+    fresh = [str(k) for k in info.get("missing_keys") or [] if str(k).startswith(new_keys)]
+    info["missing_keys"] = [k for k in info.get("missing_keys") or [] if str(k) not in fresh]
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or [] if not str(k).startswith(dropped_keys)]
+    return info, fresh
 
 
 def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
@@ -127,7 +140,7 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     model class the method trains (TASKS)."""
     import transformers
 
-    auto, head_kwargs, new_keys, dropped_keys = TASKS[task]
+    auto, head_kwargs, new_keys, _ = TASKS[task]
     check_quantized_setup(model_cfg)
     if model_cfg.use_peft:
         check_lora_targets(model_cfg)
@@ -152,15 +165,10 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
             **head_kwargs,
             **kwargs,
         )
-    if new_keys:
-        info = dict(info)
-        fresh = [k for k in info.get("missing_keys") or [] if str(k).startswith(new_keys)]
-        info["missing_keys"] = [k for k in info.get("missing_keys") or [] if k not in fresh]
-        info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or [] if not str(k).startswith(dropped_keys)]
-        if fresh and int(os.environ.get("RANK", "0")) == 0:
-            print(f"model: {', '.join(map(str, fresh))} not in {model_cfg.model_name_or_path}: a new "
-                  f"{type(model).__name__} head, initialized (seed {training_args.seed if training_args else 0})",
-                  flush=True)
+    info, fresh = new_head_keys(info, task)
+    if fresh and int(os.environ.get("RANK", "0")) == 0:
+        print(f"model: {', '.join(fresh)} not in {model_cfg.model_name_or_path}: a new {type(model).__name__} head, "
+              f"initialized (seed {training_args.seed if training_args else 0})", flush=True)
     check_loading_info(info, model_cfg.model_name_or_path)
     from finetune.models.hub import stamp_config
 

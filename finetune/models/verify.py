@@ -232,11 +232,11 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     import torch
     import transformers
 
-    from finetune.models.load import saved_task
+    from finetune.models.load import TASKS, saved_task
 
     folder = Path(folder)
-    auto, head_kwargs = saved_task(folder)  # a reward model's sequence-classification head, or the causal LM
-    auto = getattr(transformers, auto)
+    task, head_kwargs = saved_task(folder)  # a reward model's sequence-classification head, or the causal LM
+    auto = getattr(transformers, TASKS[task][0])
     kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
