@@ -261,6 +261,14 @@ def test_saved_folder_scores_as_the_trained_model(job, isolated, one_thread, tmp
                                             output=str(tmp_path / f"scores{batch_size}.jsonl")))
         assert [r["chosen_reward"] for r in results] == pytest.approx(chosen.tolist(), abs=1e-6)
         assert [r["rejected_reward"] for r in results] == pytest.approx(rejected.tolist(), abs=1e-6)
+    if lora:  # `finetune export` merges the adapter and its score head: a plain reward model, the same rewards
+        from finetune.convert.writers.hf import merge_adapter
+
+        merge_adapter(out, tmp_path / "merged")
+        merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+        with torch.no_grad():
+            again = reward.rewards_of(merged, batch).double()
+        assert again.tolist() == pytest.approx(torch.cat([chosen, rejected]).tolist(), abs=1e-6)
     completions = tmp_path / "completions.jsonl"
     completions.write_text("".join(json.dumps({"prompt": p["prompt"], "completion": p["chosen"]}) + "\n"
                                    for p in PAIRS if "prompt" in p))

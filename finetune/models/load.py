@@ -108,13 +108,14 @@ def saved_task(folder) -> tuple[str, dict]:
     folder = Path(folder)
     adapter = folder / "adapter_config.json"
     if adapter.is_file():
-        if json.loads(adapter.read_text()).get("task_type") not in TASKS:
+        task = json.loads(adapter.read_text()).get("task_type")
+        if task not in TASKS or not TASKS[task][1]:  # the causal LM (a task without a head of its own)
             return "CAUSAL_LM", {}
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ensure_pad_token(tokenizer)
-        return "SEQ_CLS", {**TASKS["SEQ_CLS"][1], "pad_token_id": tokenizer.pad_token_id}
+        return task, {**TASKS[task][1], "pad_token_id": tokenizer.pad_token_id}
     config = folder / "config.json"
     architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
