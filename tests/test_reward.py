@@ -502,3 +502,20 @@ def test_every_family_loads_with_its_score_head_as_the_plan_counts(fam, tied, tm
             counted = p
     print(f"\n{fam} ({'tied' if tied else 'untied'}): {counted['parameters']:,} parameters with the score head, as "
           "planned")
+
+
+def test_gguf_export_refuses_a_reward_model(job, tmp_path, capsys, one_thread):
+    """Loaded as a causal LM its head would be drawn at random and written: refused by name, nothing written."""
+    from transformers import AutoModelForSequenceClassification
+
+    from finetune.convert import export
+
+    _, model_dir, _ = job
+    folder = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, pad_token_id=0).save_pretrained(folder)
+    tokenizer_of(model_dir).save_pretrained(folder)
+    with pytest.raises(SystemExit) as e:
+        export.main(["--model_name_or_path", str(folder), "--to", "gguf", "--output_dir", str(tmp_path / "rm.gguf")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "a SequenceClassification model (a reward model's score head) cannot be written as GGUF" in err
+    assert not (tmp_path / "rm.gguf").exists()
