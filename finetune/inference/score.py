@@ -138,20 +138,29 @@ def collate_rows(pad_token_id: int, batch: list[dict]) -> dict:
 # The model.
 
 
+def reward_task(folder: str) -> tuple[str, dict]:
+    """(task, base arguments) of a reward-model folder (finetune.models.load.saved_task); anything else is a
+    ScoreError. Reads config files only."""
+    from finetune.methods.reward import Reward
+    from finetune.models.load import saved_task
+
+    task, head_kwargs = saved_task(folder)
+    if task != Reward.task:
+        raise ScoreError(f"--model_name_or_path {folder}: not a reward model (no sequence-classification head in its "
+                         "config.json or adapter_config.json); train one with finetune train --method reward")
+    return task, head_kwargs
+
+
 def load_reward_model(folder: str, dtype: str, trust_remote_code: bool):
     """(model in eval mode, tokenizer) of a reward-model folder: a *ForSequenceClassification model, or a SEQ_CLS
     LoRA adapter on its base (finetune.models.load.saved_task). Anything else is a ScoreError."""
     import torch
     import transformers
 
-    from finetune.methods.reward import Reward
-    from finetune.models.load import DTYPE_NAMES, TASKS, ensure_pad_token, quiet_load_report, saved_task
+    from finetune.models.load import DTYPE_NAMES, TASKS, ensure_pad_token, quiet_load_report
 
-    task, head_kwargs = saved_task(folder)
+    task, head_kwargs = reward_task(folder)
     auto = TASKS[task][0]
-    if task != Reward.task:
-        raise ScoreError(f"--model_name_or_path {folder}: not a reward model (no sequence-classification head in its "
-                         "config.json or adapter_config.json); train one with finetune train --method reward")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer)
@@ -243,12 +252,9 @@ def run(args: ScoreArgs) -> list[dict]:
         raise ScoreError("; ".join(problems))
     from transformers import AutoTokenizer
 
-    from finetune.models.load import ensure_pad_token, saved_task
+    from finetune.models.load import ensure_pad_token
 
-    from finetune.methods.reward import Reward
-
-    if saved_task(args.model_name_or_path)[0] != Reward.task:
-        load_reward_model(args.model_name_or_path, args.torch_dtype, args.trust_remote_code)  # its ScoreError
+    reward_task(args.model_name_or_path)
     # The records first, with the run's tokenizer alone: a bad line ends here, before any weights load.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     ensure_pad_token(tokenizer)
