@@ -10,6 +10,7 @@ COMMANDS = {
     "engine": ("finetune.training.engine", "fine-tune driving the DeepSpeed engine directly (same as scripts/sft.py)"),
     "plan": ("finetune.plan.planner", "predict per-device memory (no weights loaded) and pick the preset that fits"),
     "generate": ("finetune.inference.generate", "generate completions (LoRA adapter, 8/4-bit, device_map sharding and disk offload)"),
+    "score": ("finetune.inference.score", "print a reward model's rewards of completions, or of preference pairs with the accuracy"),
     "export": ("finetune.convert.export", "merge a LoRA adapter or consolidate a ZeRO checkpoint into a verified HF folder, or a GGUF file"),
     "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
     "report": ("finetune.apps.report", "write OUTPUT_DIR/report/: loss, learning-rate and tokens/s curves (PNG), final metrics (markdown, JSON)"),

@@ -150,6 +150,39 @@ def tokenize_pair(tokenizer, record: dict, where: str = "") -> tuple[list[int], 
     return ids, c, cl, r, rl
 
 
+def tokenize_completion(tokenizer, record: dict, where: str = "") -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, completion labels) of a {"prompt", "completion"} record (TRL's prompt-completion
+    form; a string or messages each), tokenized as one side of a pair is (tokenize_pair): what a reward model scores
+    it by (finetune score)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with prompt, completion")
+    for key in ("prompt", "completion"):
+        if record.get(key) is None:
+            raise DataError(f"{where}: missing field '{key}' (a completion to score: prompt, completion; or a pair: "
+                            "prompt, chosen, rejected)")
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(completion, str) and not completion.strip():
+        raise DataError(f"{where}: field 'completion' is empty: an empty completion")
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DataError(f"{where}: field 'prompt' is empty")
+    chat = bool(tokenizer.chat_template)
+    if isinstance(prompt, str) and isinstance(completion, str) and not chat:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"], ids, list(ids)
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt, "prompt", where)
+    completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                  else _as_messages(completion, "completion", where))
+    if not completion or completion[0].get("role") != "assistant":
+        raise DataError(f"{where}: 'completion' must start with an assistant turn")
+    P.validate_record({"messages": prompt + completion, "tools": record.get("tools")}, "messages", where)
+    P.require_chat_template(tokenizer, FORMAT, where)
+    context, ids, labels = _completion(tokenizer, prompt + completion, len(prompt), where, record_tools(record, where))
+    if all(x == IGNORE_INDEX for x in labels):
+        raise DataError(f"{where}: 'completion' has no trained token (an empty completion)")
+    return tokenizer(context, add_special_tokens=False)["input_ids"], ids, labels
+
+
 @dataclass
 class Truncation:
     prompt_tokens: int = 0  # tokens cut from the prompt's start
@@ -215,18 +248,36 @@ def pair_features(tokenizer, record: dict, where: str, max_len: int):
     return (prompt, c, cl, r, rl), cut
 
 
-class TokenizePairs:
-    """The batched map function: records in, pairs out (with their status)."""
+def record_margin(record: dict, where: str) -> float:
+    """A pair's optional `margin` (TRL's reward-model column: how far the chosen answer should win by); 0 where the
+    record has none, which is the loss without a margin."""
+    import math
 
-    def __init__(self, tokenizer, max_seq_length: int, drop_long: bool, prefix: str | None):
+    value = record.get("margin")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where}: field 'margin' must be a finite number, got {value!r}")
+    return float(value)
+
+
+class TokenizePairs:
+    """The batched map function: records in, pairs out (with their status; with `margin`, each pair's margin)."""
+
+    def __init__(self, tokenizer, max_seq_length: int, drop_long: bool, prefix: str | None, margin: bool = False):
         self.tokenizer, self.max_seq_length, self.drop_long, self.prefix = tokenizer, max_seq_length, drop_long, prefix
+        self.margin = margin
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         from finetune.data.pipeline import _record
 
         out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "_prompt_cut", "_completion_cut", "_dropped")}
+        if self.margin:
+            out["margin"] = []
         for k, index in enumerate(indices):
             record, where = _record(batch, k, index, self.prefix)
+            if self.margin:
+                out["margin"].append(record_margin(record, where))
             (prompt, c, cl, r, rl), cut = pair_features(self.tokenizer, record, where, self.max_seq_length)
             long = bool(cut.prompt_tokens or cut.completion_tokens)
             dropped = (long and self.drop_long) or any(all(x == IGNORE_INDEX for x in lab) for lab in (cl, rl))
@@ -240,24 +291,26 @@ class TokenizePairs:
         return out
 
 
-def _features():
+def _features(margin: bool = False):
     import datasets
 
     ids = datasets.List(datasets.Value("int32"))
     return datasets.Features({"prompt_ids": ids, "chosen_ids": ids, "chosen_labels": ids, "rejected_ids": ids,
                               "rejected_labels": ids, "_prompt_cut": datasets.Value("int8"),
-                              "_completion_cut": datasets.Value("int8"), "_dropped": datasets.Value("int8")})
+                              "_completion_cut": datasets.Value("int8"), "_dropped": datasets.Value("int8"),
+                              **({"margin": datasets.Value("float32")} if margin else {})})
 
 
-def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str) -> PreferenceStats:
+def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str, margin: bool = False) -> PreferenceStats:
     """pipeline.tokenize_source for pairs: read, validate, tokenize and truncate one source into `work/final`."""
     import pyarrow.compute as pc
 
     from finetune.data import pipeline
 
     ds, prefix = pipeline.source_dataset(cfg, hub, work)
-    fn = TokenizePairs(tokenizer, cfg.max_seq_length, cfg.drop_long_sequences, prefix)
-    mapped = pipeline.map_records(ds, fn, work, num_proc=num_proc, features=_features(), what=f"pairs of {name}")
+    fn = TokenizePairs(tokenizer, cfg.max_seq_length, cfg.drop_long_sequences, prefix, margin)
+    mapped = pipeline.map_records(ds, fn, work, num_proc=num_proc, features=_features(margin),
+                                  what=f"pairs of {name}")
     table = mapped.data
     dropped = table.column("_dropped").to_numpy().astype(bool)
     p_cut = table.column("_prompt_cut").to_numpy().astype(bool)
@@ -284,9 +337,12 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     return stats
 
 
-def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print):
+def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print, margin: bool = False):
     """(datasets.Dataset of pairs, PreferenceStats, cache key): tokenized once per node (per job on a shared cache
-    folder) and cached as SFT data is, under a key of its own."""
+    folder) and cached as SFT data is, under a key of its own. `margin`: with each pair's margin column (reward
+    models), cached under another key."""
+    import functools
+
     from finetune.data import pipeline
 
     if isinstance(cfg.dataset, list):
@@ -294,7 +350,8 @@ def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print):
     num_proc = getattr(cfg, "dataset_num_proc", None) or pipeline.default_num_proc()
     hub = P.load_hub(cfg)
     return pipeline.prepare_source(cfg, tokenizer, hub, local_rank=local_rank, num_proc=num_proc, log=log,
-                                   build=tokenize_source, stats_cls=PreferenceStats, kind=f"pairs{PAIR_VERSION}",
+                                   build=functools.partial(tokenize_source, margin=margin) if margin else tokenize_source,
+                                   stats_cls=PreferenceStats, kind=f"pairs{PAIR_VERSION}" + ("-margin" if margin else ""),
                                    with_key=True)
 
 
@@ -326,4 +383,6 @@ class PairCollator:
         batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
         if "pair_index" in features[0]:  # where the pair's precomputed reference log-probs are (finetune.methods.dpo)
             batch["pair_index"] = torch.tensor([f["pair_index"] for f in features], dtype=torch.long)
+        if "margin" in features[0]:  # a reward model's per-pair margin (finetune.methods.reward)
+            batch["margin"] = torch.tensor([f["margin"] for f in features], dtype=torch.float32)
         return batch

@@ -41,6 +41,9 @@ class PlannerTerms:
     pairs: bool = False
     # A frozen copy of the weights beside the trained ones (the reference of full fine-tuning).
     reference_copy: bool = False
+    # The outputs of the model's head where it is not the LM head (a reward model's score head: 1): no vocabulary
+    # logits, a head of hidden x head_outputs weights. 0: the LM head.
+    head_outputs: int = 0
     # Appended to the plan's method line.
     note: str = ""
 
@@ -115,6 +118,9 @@ class Method:
     # Logged per logging window besides the loss (Session.metrics), and so in `finetune report`.
     metrics: ClassVar[tuple[str, ...]] = ()
     unit: ClassVar[str] = "examples"  # what one example is called in the log
+    # The model it trains, by peft's task type: the causal LM, or "SEQ_CLS", a sequence-classification head of one
+    # output (a reward model); finetune.models.load.TASKS maps it to the model class and LoRA's task.
+    task: ClassVar[str] = "CAUSAL_LM"
 
     def validate(self, options: MethodConfig, data, training: dict[str, Any], evaluation) -> list[str]:
         """Problems with this method's flags, and with other flags it does not support (each named)."""

@@ -89,10 +89,59 @@ def quantized_device_map() -> dict:
     return {"": local_rank if torch.cuda.is_available() else "cpu"}
 
 
-def load_model(model_cfg, training_args=None):
-    """Load the model; with ZeRO-3 the TrainingArguments must already exist so weights load partitioned."""
-    from transformers import AutoModelForCausalLM
+# The model a method trains, by its peft task type (finetune.methods.base.Method.task): (transformers' Auto class,
+# its from_pretrained arguments, the weights a causal-LM checkpoint lacks (a new head, initialized here) and holds
+# that this model has not (the LM head it drops)).
+TASKS = {
+    "CAUSAL_LM": ("AutoModelForCausalLM", {}, (), ()),
+    # A reward model: a score head of one output on the last non-pad token (transformers' *ForSequenceClassification).
+    "SEQ_CLS": ("AutoModelForSequenceClassification", {"num_labels": 1}, ("score.",), ("lm_head.",)),
+}
 
+
+def saved_task(folder) -> tuple[str, dict]:
+    """(task of TASKS, from_pretrained arguments of the base) a saved folder loads with: a reward model ("SEQ_CLS":
+    a *ForSequenceClassification config, or a SEQ_CLS adapter, whose base gets the score head of one output and the
+    pad id of the folder's tokenizer, as training set them) or the causal LM."""
+    import json
+
+    folder = Path(folder)
+    adapter = folder / "adapter_config.json"
+    if adapter.is_file():
+        task = json.loads(adapter.read_text()).get("task_type")
+        if task not in TASKS or not TASKS[task][1]:  # the causal LM (a task without a head of its own)
+            return "CAUSAL_LM", {}
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ensure_pad_token(tokenizer)
+        return task, {**TASKS[task][1], "pad_token_id": tokenizer.pad_token_id}
+    config = folder / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return "SEQ_CLS", {}
+    return "CAUSAL_LM", {}
+
+
+def new_head_keys(info: dict, task: str) -> tuple[dict, list[str]]:
+    """(from_pretrained's loading info without what a causal-LM checkpoint loaded as `task` lacks and holds by design:
+    the new head's weights and the LM head; the new head's weight names, initialized by from_pretrained)."""
+    _, _, new_keys, dropped_keys = TASKS[task]
+    if not new_keys:
+        return info, []
+    info = dict(info)
+    fresh = [str(k) for k in info.get("missing_keys") or [] if str(k).startswith(new_keys)]
+    info["missing_keys"] = [k for k in info.get("missing_keys") or [] if str(k) not in fresh]
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or [] if not str(k).startswith(dropped_keys)]
+    return info, fresh
+
+
+def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
+    """Load the model; with ZeRO-3 the TrainingArguments must already exist so weights load partitioned. `task`: the
+    model class the method trains (TASKS)."""
+    import transformers
+
+    auto, head_kwargs, new_keys, _ = TASKS[task]
     check_quantized_setup(model_cfg)
     if model_cfg.use_peft:
         check_lora_targets(model_cfg)
@@ -103,16 +152,24 @@ def load_model(model_cfg, training_args=None):
         # Each rank keeps its own quantized copy on its own device.
         kwargs["device_map"] = quantized_device_map()
         kwargs["quantization_config"] = quant
+    if new_keys:
+        # A head the checkpoint lacks is drawn from the global RNG: seeded, so every rank (and a rerun) draws it alike.
+        torch.manual_seed(training_args.seed if training_args else 0)
     with quiet_load_report():
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = getattr(transformers, auto).from_pretrained(
             model_cfg.model_name_or_path,
             dtype=dtype,
             attn_implementation=model_cfg.attn_implementation,
             trust_remote_code=model_cfg.trust_remote_code,
             use_safetensors=not model_cfg.allow_pickle,
             output_loading_info=True,
+            **head_kwargs,
             **kwargs,
         )
+    info, fresh = new_head_keys(info, task)
+    if fresh and int(os.environ.get("RANK", "0")) == 0:
+        print(f"model: {', '.join(fresh)} not in {model_cfg.model_name_or_path}: a new {type(model).__name__} head, "
+              f"initialized (seed {training_args.seed if training_args else 0})", flush=True)
     check_loading_info(info, model_cfg.model_name_or_path)
     from finetune.models.hub import stamp_config
 
@@ -126,7 +183,7 @@ def load_model(model_cfg, training_args=None):
         guard_4bit_training(model)
         print(describe_quantization(model, model_cfg, quant), flush=True)
     if model_cfg.use_peft:
-        model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0)
+        model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0, task=task)
         if gradient_checkpointing:
             model.enable_input_require_grads()
     # The KV cache is useless in training and breaks gradient checkpointing.
@@ -227,7 +284,7 @@ def lora_target_modules(config, targets: list[str]) -> list[str] | str:
     return family.lora_targets("all-linear") if family is not None else "all-linear"
 
 
-def add_lora(model, model_cfg, seed: int):
+def add_lora(model, model_cfg, seed: int, task: str = "CAUSAL_LM"):
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
@@ -236,7 +293,8 @@ def add_lora(model, model_cfg, seed: int):
         lora_alpha=model_cfg.lora_alpha,
         lora_dropout=model_cfg.lora_dropout,
         target_modules=lora_target_modules(model.config, model_cfg.lora_target_modules),
-        task_type="CAUSAL_LM",
+        # SEQ_CLS: peft trains and saves the score head whole beside the adapters (modules_to_save).
+        task_type=task,
     )
     # Seed here: LoRA's A matrices are drawn at creation, and every rank (and every resumed run) must draw the same.
     set_seed(seed)

@@ -230,9 +230,13 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     `base_model` is given). Missing or unexpected weights are errors (from_pretrained would initialise missing
     ones randomly and only log it)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
+
+    from finetune.models.load import TASKS, saved_task
 
     folder = Path(folder)
+    task, head_kwargs = saved_task(folder)  # a reward model's sequence-classification head, or the causal LM
+    auto = getattr(transformers, TASKS[task][0])
     kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -247,7 +251,10 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
             raise VerificationError(
                 f"{folder}: cannot reload the adapter: its base model {base_path!r} is not a local folder (pass base_model)"
             )
-        base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        from finetune.models.load import quiet_load_report
+
+        with quiet_load_report():  # a reward model's base has no score head: the adapter's (modules_to_save) replaces it
+            base = auto.from_pretrained(base_path, **head_kwargs, **kwargs)
         if quantization is None and device is not None:
             base.to(device)
         try:
@@ -259,7 +266,7 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     if not (folder / "config.json").is_file():
         raise VerificationError(f"{folder}: neither config.json nor adapter_config.json was written")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+        model, info = auto.from_pretrained(str(folder), output_loading_info=True, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise VerificationError(f"{folder}: from_pretrained failed: {type(e).__name__}: {e}") from e
     problems = []

@@ -109,6 +109,9 @@ def lora_tensors(shape: ModelShape, r: int, targets: list[str]) -> list[Tensor]:
             prefix = f"base_model.model.model.layers.{layer}.{lin.block}.{lin.name}"
             out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, lin.inp), "lora"))
             out.append(Tensor(f"{prefix}.lora_B.default.weight", (lin.out, r), "lora"))
+    if shape.head_outputs:  # a reward model's score head trains whole beside the adapters (peft's modules_to_save)
+        out.append(Tensor("base_model.model.score.modules_to_save.default.weight", (shape.head_outputs,
+                                                                                     shape.hidden_size), "head"))
     return out
 
 
@@ -620,6 +623,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     s_len = job.seq_len
     t = b * s_len
     h, v, i = sh.hidden_size, sh.vocab_size, sh.intermediate_size
+    o = sh.head_outputs or v  # the head's outputs per position: the vocabulary's logits, or a reward model's score
     prec = precision_of(job)
     a = prec.act
     f32 = 4
@@ -670,7 +674,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         # per token), each token's logsumexp and log-probability (fp32); the sigmoid loss' four per-pair values
         # and num_items_in_batch.
         positions = s_len - 1
-        detail["log-probabilities: scored logits (fp32)"] = f32 * logit_rows * v
+        detail["log-probabilities: scored logits (fp32)"] = f32 * logit_rows * o
         detail["log-probabilities: indices and per-token values"] = (8 * positions + b * positions + 24 * logit_rows
                                                                      + 2 * f32 * logit_rows)
         detail["DPO loss"] = 4 * f32 * (b // 2) + 8
@@ -685,7 +689,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
                         - detail["chunked loss: head weight gradient"] + in_head)
     elif job.pairs:
         # In logsumexp: the logits (16-bit: their fp32 copy is the saved input) and its fp32 exp temporary.
-        forward_peak = saved + a * logit_rows * v + f32 * logit_rows * v
+        forward_peak = saved + a * logit_rows * o + f32 * logit_rows * o
     else:
         # End of the forward: the logits (and their fp32 copy when 16-bit) beside the log-softmax output.
         forward_peak = saved + a * t * v + (f32 * t * v if a != f32 else 0)
@@ -694,7 +698,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     linear = sum(o * n for o, n in sh.linear_shapes().values())
     layer_params = linear + len(sh.family.layer_norms(sh)) * h if full else sum(x.numel for x in lora_tensors(sh, job.lora_r, list(job.lora_targets))) // max(1, sh.num_layers)
     layer_largest = max(o * n for o, n in sh.linear_shapes().values()) if full else job.lora_r * max(i, h)
-    head_numel = v * h if (full and not sh.tie_word_embeddings) else 0
+    head_numel = o * h if (full and (sh.head_outputs or not sh.tie_word_embeddings)) else 0
     if chunk:
         # Backward only scales the kept gradients; the head's goes to its parameter (a tied head's stays in
         # autograd until the embedding's adds to it); the trained rows scatter back into [tokens, hidden].
@@ -707,8 +711,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         # In the loss' backward: log_softmax's and nll's gradients (SFT); logsumexp's, gather's and their sum, each
         # over the fp32 scored logits (DPO: measured, bench/memory.py --dpo).
         stages = [
-            Stage("loss", loss_saved, 0, 0, (3 if job.pairs else 2) * f32 * logit_rows * v),
-            Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * logit_rows * v + a * logit_rows * h),
+            Stage("loss", loss_saved, 0, 0, (3 if job.pairs else 2) * f32 * logit_rows * o),
+            Stage("lm_head", lm_head_input, head_numel, head_numel, f32 * logit_rows * o + a * logit_rows * h),
         ]
     stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
                         2 * a * t * h))
@@ -829,7 +833,8 @@ def predict(job: Workload) -> Prediction:
     forward = act.forward_peak
     if stage == 0 and job.world_size > 1 and not job.loss_chunk:
         # DDP's _DDPSink clones the logits (DPO's: the scored positions only)
-        forward += prec.act * job.rows * (job.seq_len - (1 if job.pairs else 0)) * job.shape.vocab_size
+        forward += (prec.act * job.rows * (job.seq_len - (1 if job.pairs else 0))
+                    * (job.shape.head_outputs or job.shape.vocab_size))
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
         "backward": {"gradients": bw_grads, "activations": bw_acts + st.gathered + st.backward_buffers},
@@ -1140,6 +1145,8 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
     quant = "8bit" if model.load_in_8bit else ("4bit" if model.load_in_4bit else None)
     objective = getattr(cfg, "objective", None)
     terms = methods.get(getattr(objective, "method", methods.DEFAULT)).planner_terms(objective, use_peft=model.use_peft)
+    if terms.head_outputs:  # the method's model has another head than the LM head (a reward model's score)
+        shape = dataclasses.replace(shape, head_outputs=terms.head_outputs)
     per_record = attention.applies(cfg, SimpleNamespace(**config))
     return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,

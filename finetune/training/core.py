@@ -166,7 +166,7 @@ def load_model_for_training(cfg, stats, world_size: int):
     from finetune.training.lifecycle import describe_run
 
     try:
-        model = load_model(cfg.model, cfg.training)
+        model = load_model(cfg.model, cfg.training, task=methods.get(cfg.objective.method).task)
     except WeightsError as e:
         exit_with(str(e))
     attention.enable(model, cfg)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
 
     # Model (and LoRA).
     try:
-        model = load_model(cfg.model, args)
+        model = load_model(cfg.model, args, task=method.task)
     except WeightsError as e:
         exit_with(str(e))
     attention.enable(model, cfg)

@@ -72,6 +72,13 @@ def _writable_family(config, model_dir: Path):
                           f"(supported: {supported})")
     if why := family.gguf_refusal(config):
         raise ExportError(f"{model_dir}: {why}")
+    from finetune.models.load import TASKS, saved_task
+
+    task = saved_task(model_dir)[0]
+    if task != "CAUSAL_LM":  # loaded as a causal LM its head would be missing, drawn at random, and written
+        raise ExportError(f"{model_dir}: a {TASKS[task][0].replace('AutoModelFor', '')} model (a reward model's score "
+                          "head) cannot be written as GGUF: llama.cpp's architectures have a language-model head only; "
+                          "export it as an HF folder (--to hf) and score with finetune score")
     return family
 
 

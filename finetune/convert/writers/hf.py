@@ -77,11 +77,12 @@ def merge_adapter(
 ) -> dict:
     """Merge a LoRA adapter into its base, save a plain HF folder, verify it. Returns the measured numbers."""
     import torch
+    import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from finetune.models.adapter import AdapterError, check_adapter
-    from finetune.models.load import WeightsError, check_loading_info, empty_model, resolve_dtype
+    from finetune.models.load import (TASKS, WeightsError, check_loading_info, empty_model, new_head_keys,
+                                      resolve_dtype, saved_task)
 
     adapter, output_dir = Path(adapter), Path(output_dir)
     if not (adapter / "adapter_config.json").is_file():
@@ -100,9 +101,12 @@ def merge_adapter(
         raise ExportError(str(e)) from None
 
     # Merge in fp32, where merged vs base + adapter is checked to --atol; cast to --torch_dtype afterwards.
-    base, info = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, output_loading_info=True)
+    # A reward model's adapter (task SEQ_CLS) merges into its base with the score head it trained (modules_to_save).
+    task, head_kwargs = saved_task(adapter)
+    base, info = getattr(transformers, TASKS[task][0]).from_pretrained(base_path, dtype=torch.float32,
+                                                                       output_loading_info=True, **head_kwargs)
     try:
-        check_loading_info(info, base_path, flag="base model")
+        check_loading_info(new_head_keys(info, task)[0], base_path, flag="base model")
     except WeightsError as e:
         raise ExportError(str(e)) from None
     with compat.quiet_checkpointing_alias():

@@ -64,6 +64,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # A head of this many outputs in place of the LM head (a reward model's score head: 1); 0: the LM head.
+    head_outputs: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -170,7 +172,9 @@ class Family(ABC):
             out += [Tensor(f"{p}{norm}.weight", (h,), "norm") for norm in self.layer_norms(sh)]
             out += self.layer_extras(sh, p)
         out.append(Tensor("model.norm.weight", (h,), "norm"))
-        if not sh.tie_word_embeddings:
+        if sh.head_outputs:  # *ForSequenceClassification: its score head, never tied
+            out.append(Tensor("score.weight", (sh.head_outputs, h), "head"))
+        elif not sh.tie_word_embeddings:
             out.append(Tensor("lm_head.weight", (sh.vocab_size, h), "head"))
         return out
 
