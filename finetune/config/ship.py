@@ -64,7 +64,7 @@ def hub_problems(training: Mapping[str, Any], sources: Mapping[str, str], enviro
         return problems
     if environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         problems.append(f"{prefix}push_to_hub: HF_HUB_OFFLINE={environ['HF_HUB_OFFLINE']} forbids the upload; unset "
-                        "HF_HUB_OFFLINE (the model and data still come from the cache when it holds them)")
+                        "HF_HUB_OFFLINE to push")
     strategy = str(getattr(training.get("hub_strategy"), "value", training.get("hub_strategy") or "every_save"))
     if strategy not in ("every_save", "end"):
         problems.append(f"{prefix}hub_strategy: '{strategy}' pushes checkpoints; finetune pushes the verified final "

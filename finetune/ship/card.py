@@ -96,7 +96,7 @@ def loss_table(state: dict) -> list[str]:
 
 
 def _fmt(v: Any) -> str:
-    return "" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+    return "" if v is None else str(v)  # a float's shortest exact form: the card's numbers are trainer_state.json's
 
 
 def model_card(run_folder: Path | None, pushed: list[str], *, what: str) -> str:
