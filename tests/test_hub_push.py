@@ -147,6 +147,7 @@ def test_export_merged_model_pushes_with_the_report(job, fake, adapter, tmp_path
     meta, body = check_commit(fake, local)
     assert fake.created[0]["visibility"] == "public"
     assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT and meta["library_name"] == "transformers"
+    assert meta["tags"] == ["finetune", "sft", "lora"]
     assert "![loss](report/loss.png)" in body and table_losses(body) == losses(adapter)
     assert "# model (a LoRA adapter merged into its base)" in body
 

@@ -138,6 +138,7 @@ def push(args: ExportArgs, parsed, written: Path) -> None:
         run = checkpoint.parent if (checkpoint.parent / "finetune_config.yaml").is_file() else checkpoint
     else:
         run = Path(args.model_name_or_path) if args.model_name_or_path else None
+    files.update({k: v for k, v in hub.report_files(run).items() if k not in files})
     flags = parsed.hub
     hub.push_or_exit(written, files, run_folder=run, what=what, repo_id=flags.hub_model_id,
                      private=flags.hub_private_repo, token=flags.hub_token)

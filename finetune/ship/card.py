@@ -108,7 +108,8 @@ def model_card(run_folder: Path | None, pushed: list[str], *, what: str) -> str:
     data = datasets(run)
     hub_data = [d for d in data if looks_like_dataset_id(d)]
     method = recipe.get("method", "sft")
-    adapter = bool(run["adapter"]) or any(p.endswith("adapter_config.json") for p in pushed)
+    adapter = "adapter_config.json" in pushed  # what is pushed: an adapter, or a model (merged from one or not)
+    lora = adapter or bool(recipe.get("use_peft"))
     gguf = any(p.endswith(".gguf") for p in pushed)
     meta: dict[str, Any] = {}
     if base and looks_like_repo_id(base):
@@ -119,14 +120,14 @@ def model_card(run_folder: Path | None, pushed: list[str], *, what: str) -> str:
         meta["datasets"] = hub_data
     meta["library_name"] = "gguf" if gguf else "peft" if adapter else "transformers"
     meta["pipeline_tag"] = "text-generation"
-    meta["tags"] = ["finetune", method] + (["lora"] if adapter or recipe.get("use_peft") else []) + (["gguf"] if gguf else [])
+    meta["tags"] = ["finetune", method] + (["lora"] if lora else []) + (["gguf"] if gguf else [])
     metrics = final_metrics(run["state"])
     if metrics:
         meta["finetune_metrics"] = metrics
 
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
              f"# {what}", "", f"Fine-tuned with finetune: method `{method}`" +
-             (", LoRA" if adapter or recipe.get("use_peft") else ", full fine-tuning" if recipe else "") + "."]
+             (", LoRA" if lora else ", full fine-tuning" if recipe else "") + "."]
     if base:
         lines.append(f"- base model: `{base}`" + (f" at revision `{revision}`" if revision else "")
                      + ("" if looks_like_repo_id(base) else " (a local folder)"))

@@ -39,12 +39,19 @@ def run_files(folder: Path) -> dict[str, Path]:
     `finetune report`'s folder when there is one."""
     folder = Path(folder)
     files = {p.name: p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")}
-    for sub in _PUSHED_DIRS:
-        if (folder / sub).is_dir():
-            files.update({str(p.relative_to(folder)): p for p in sorted((folder / sub).rglob("*"))
-                          if p.is_file() and not p.name.startswith(".")})
+    files.update(report_files(folder))
     files.pop(CARD, None)  # the card is made for the push
     return files
+
+
+def report_files(run_folder: Path | None) -> dict[str, Path]:
+    """`finetune report`'s folder of the run an export came from, as repo paths (report/...): pushed with the export,
+    so that its card shows the run's loss curve."""
+    folder = Path(run_folder) / _PUSHED_DIRS[0] if run_folder is not None else None
+    if folder is None or not folder.is_dir():
+        return {}
+    return {f"{_PUSHED_DIRS[0]}/{p.relative_to(folder)}": p for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}
 
 
 def default_repo_id(local: Path) -> str:
