@@ -118,6 +118,8 @@ _NOT_FINGERPRINTED = {
     "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs", "save_steps",
     "save_strategy", "save_total_limit", "logging_steps", "logging_strategy", "logging_first_step", "disable_tqdm",
     "plan_check", "force", "config", "nvme_path", "dataloader_num_workers", "dataloader_pin_memory",
+    # where the result is pushed (finetune.ship.hub), not what is trained
+    "push_to_hub", "hub_model_id", "hub_private_repo", "hub_strategy", "hub_always_push",
 }
 _SAMPLE = 1 << 20  # bytes hashed from each end of a large file
 _WHOLE = 64 << 20  # files up to this size are hashed whole
