@@ -11,8 +11,9 @@ from typing import Any, Mapping
 # The trackers tested here (docs/training.md 'Trackers'): the module --report_to X needs and how to get it.
 TRACKERS = {"wandb": ("wandb", "pip install wandb"), "mlflow": ("mlflow", "pip install mlflow-skinny")}
 EXTRA = "pip install 'finetune[trackers]'"
-# Hub flags that only mean something with --push_to_hub (TrainingArguments' names).
-HUB_FLAGS = ("hub_model_id", "hub_private_repo", "hub_token")
+# Hub flags that only mean something with --push_to_hub (TrainingArguments' names). --hub_token is not among them:
+# a token in a shared recipe is not a mistake (and is never saved: finetune.config.training's resolved()).
+HUB_FLAGS = ("hub_model_id", "hub_private_repo")
 
 
 def report_to(value: Any) -> list[str]:
@@ -30,7 +31,8 @@ def tracker_problems(value: Any, environ: Mapping[str, str] = os.environ) -> lis
     for name in names:
         if name in TRACKERS and importlib.util.find_spec(TRACKERS[name][0]) is None:
             problems.append(f"report_to: {name} is not installed; {TRACKERS[name][1]} (or {EXTRA})")
-    if "mlflow" in names and importlib.util.find_spec("mlflow") is not None:
+    # "all" is every installed integration, MLflow among them when it is installed.
+    if ("mlflow" in names or "all" in names) and importlib.util.find_spec("mlflow") is not None:
         problems += mlflow_store_problems(environ)
     return problems
 
