@@ -149,7 +149,7 @@ def test_export_merged_model_pushes_with_the_report(job, fake, adapter, tmp_path
     assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT and meta["library_name"] == "transformers"
     assert meta["tags"] == ["finetune", "sft", "lora"]
     assert "![loss](report/loss.png)" in body and table_losses(body) == losses(adapter)
-    assert "# model (a LoRA adapter merged into its base)" in body
+    assert "# tinyorg/merged\n\nThe model (a LoRA adapter merged into its base), fine-tuned with finetune: method `sft`, LoRA." in body
 
 
 def test_export_gguf_pushes_the_file_and_its_modelfile(job, fake, adapter, tmp_path):
@@ -162,7 +162,7 @@ def test_export_gguf_pushes_the_file_and_its_modelfile(job, fake, adapter, tmp_p
     local.update({f"report/{p.name}": p for p in (adapter / "report").iterdir()})
     meta, body = check_commit(fake, local)
     assert meta["library_name"] == "gguf" and "gguf" in meta["tags"] and meta["base_model"] == REPO_ID
-    assert "# GGUF file (q8_0)" in body
+    assert "# tinyorg/tiny-gguf\n\nThe GGUF file (q8_0), fine-tuned with finetune" in body
 
 
 def test_a_failed_push_keeps_the_local_model(job, fake, tmp_path):

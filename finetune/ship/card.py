@@ -99,9 +99,9 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)  # a float's shortest exact form: the card's numbers are trainer_state.json's
 
 
-def model_card(run_folder: Path | None, pushed: list[str], *, what: str) -> str:
+def model_card(run_folder: Path | None, pushed: list[str], *, what: str, repo_id: str = "") -> str:
     """README.md for a push: `run_folder` holds the run's files (see read_run), `pushed` the repo paths of the files
-    in the same commit, `what` a few words on what they are ("model", "LoRA adapter", "GGUF file q8_0")."""
+    in the same commit, `what` a few words on what they are ("model", "LoRA adapter", "GGUF file (q8_0)")."""
     run = read_run(run_folder)
     recipe = run["recipe"]
     base, revision = base_model(run)
@@ -126,7 +126,7 @@ def model_card(run_folder: Path | None, pushed: list[str], *, what: str) -> str:
         meta["finetune_metrics"] = metrics
 
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
-             f"# {what}", "", f"Fine-tuned with finetune: method `{method}`" +
+             f"# {repo_id or what}", "", f"The {what}, fine-tuned with finetune: method `{method}`" +
              (", LoRA" if lora else ", full fine-tuning" if recipe else "") + "."]
     if base:
         lines.append(f"- base model: `{base}`" + (f" at revision `{revision}`" if revision else "")

@@ -85,7 +85,7 @@ def push_or_exit(local: Path, files: dict[str, Path], *, run_folder: Path | None
     """Push `files` (repo path -> local file) with the card of `run_folder`; print the commit. A failure prints one
     line saying the local result is intact and exits 1."""
     repo = repo_id or default_repo_id(local)
-    card = model_card(run_folder, [*files, CARD], what=what)
+    card = model_card(run_folder, [*files, CARD], what=what, repo_id=repo)
     try:
         url, n = push(repo, files, card, private=private, token=token, message=f"finetune: {what}")
     except Exception as e:  # HTTP errors, a refused connection, a bad token: the push failed, the local result stands
