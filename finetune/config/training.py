@@ -23,6 +23,7 @@ from finetune.config.parser import (Command, ConfigError, Setting, convert, did_
 from finetune.config.parser import _plain
 from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Preset, nvme_problems, same_file  # noqa: F401
 from finetune.config.preset import value_problems
+from finetune.config import ship
 from finetune.data import formats
 from finetune.data.sources import looks_like_dataset_id
 from finetune import methods
@@ -421,6 +422,7 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True,
     problems += validate_evaluation(data, evaluation, training_values, check_paths=check_paths,
                                     method=extras["objective"].method)
     problems += validate_method(extras["objective"], data, training_values, evaluation)
+    problems += ship.tracker_problems(training_values.get("report_to")) + ship.hub_problems(training_values, sources)
 
     training = None
     if not problems:

@@ -22,18 +22,20 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from finetune.config.ship import hub_problems
 from finetune.convert import writers
 from finetune.convert.messages import ExportError
 from finetune.convert.writers.base import EXPORT_DTYPES, SOURCES, ExportArgs
 from finetune.errors import did_you_mean
 from finetune.models.verify import VerificationError
+from finetune.ship.hub import HubFlags
 
 
 def command():
     from finetune.config.parser import Command
 
     own = {w.name: w.flags for w in writers.WRITERS.values() if w.flags is not None}
-    return Command("finetune export", {"type": writers.ExportType, "args": ExportArgs, **own},
+    return Command("finetune export", {"type": writers.ExportType, "args": ExportArgs, **own, "hub": HubFlags},
                    description="Merge a LoRA adapter or consolidate a ZeRO checkpoint into a plain HF folder, or write a GGUF file "
                                "for llama.cpp and Ollama (--to gguf).",
                    epilog=__doc__.split("\n\n", 1)[1])
@@ -85,6 +87,7 @@ def check_args(parsed) -> list[str]:
                         f"and its base as --model_name_or_path {base}")
     if args.tag and not args.zero_checkpoint:
         problems.append("--tag: names a ZeRO checkpoint tag; it goes with --zero_checkpoint")
+    problems += hub_problems(vars(parsed.hub), parsed.sources, prefix="--")
     return problems
 
 
@@ -121,6 +124,36 @@ def main(argv: list[str] | None = None) -> None:
         print(f"finetune export: verification failed: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     print(args.output_dir if written is None else written)
+    if parsed.hub.push_to_hub:
+        push(args, parsed, Path(args.output_dir if written is None else written))
+
+
+def push(args: ExportArgs, parsed, written: Path) -> None:
+    """--push_to_hub: the verified export in one commit with a model card made from the run it came from (the
+    adapter's folder, the ZeRO checkpoint's run folder, the model folder); a failure exits 1, the export intact."""
+    from finetune.ship import hub
+
+    if written.is_dir():
+        files = hub.run_files(written)
+        what = ("model (a LoRA adapter merged into its base)" if args.source == "adapter" else
+                "model (consolidated from a ZeRO checkpoint)" if args.source == "zero_checkpoint" else "model")
+    else:  # a GGUF file, with the Modelfile written beside it
+        files = {written.name: written}
+        if (written.parent / "Modelfile").is_file():
+            files["Modelfile"] = written.parent / "Modelfile"
+        flags = parsed.sections.get(parsed.type.to)
+        what = f"GGUF file ({getattr(flags, 'gguf_type', '')})"
+    if args.adapter:
+        run = Path(args.adapter)
+    elif args.zero_checkpoint:
+        checkpoint = Path(args.zero_checkpoint)
+        run = checkpoint.parent if (checkpoint.parent / "finetune_config.yaml").is_file() else checkpoint
+    else:
+        run = Path(args.model_name_or_path) if args.model_name_or_path else None
+    files.update({k: v for k, v in hub.report_files(run).items() if k not in files})
+    flags = parsed.hub
+    hub.push_or_exit(written, files, run_folder=run, what=what, repo_id=flags.hub_model_id,
+                     private=flags.hub_private_repo, token=flags.hub_token)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from functools import partial
 from finetune import methods
 from finetune.training import checkpoint, core, evaluate, examples
 from finetune.process import exit_with
-from finetune.training.lifecycle import resume_or_exit
+from finetune.training.lifecycle import finish_run, resume_or_exit
 
 # `--config ddp` has no DeepSpeed JSON: DeepSpeed's own data parallelism (ZeRO stage 0), "auto" filled like the presets.
 STAGE0_CONFIG = {
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     state = core.trainer_state(log, pos.step, max_steps, evaluator)
     core.save_final_module(engine.module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()
+    finish_run(cfg)  # the trackers' runs ended; --push_to_hub
 
 
 # ----------------------------------------------------------------------------------------------

@@ -82,6 +82,18 @@ class Trainer(transformers.Trainer):
             state_dict = compat.retie_state_dict(self.accelerator.unwrap_model(self.model), state_dict)
         super()._save(output_dir, state_dict)
 
+    # --push_to_hub: the run pushes its verified final save once, in one commit with a model card, after training
+    # (finetune.training.lifecycle.finish_run). The Trainer's own pushes are off: the repo it creates at start, a
+    # commit per checkpoint, and one per save_model (which the final save calls on the unverified staging folder).
+    def init_hf_repo(self, token=None, private=None) -> None:
+        return None
+
+    def _push_from_checkpoint(self, checkpoint_folder) -> None:
+        return None
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        return super().save_model(output_dir, _internal_call=True)
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
         # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).

@@ -118,6 +118,8 @@ _NOT_FINGERPRINTED = {
     "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs", "save_steps",
     "save_strategy", "save_total_limit", "logging_steps", "logging_strategy", "logging_first_step", "disable_tqdm",
     "plan_check", "force", "config", "nvme_path", "dataloader_num_workers", "dataloader_pin_memory",
+    # where the result is pushed (finetune.ship.hub), not what is trained
+    "push_to_hub", "hub_model_id", "hub_private_repo", "hub_strategy", "hub_always_push",
 }
 _SAMPLE = 1 << 20  # bytes hashed from each end of a large file
 _WHOLE = 64 << 20  # files up to this size are hashed whole
@@ -384,3 +386,37 @@ def save_final_trainer(trainer, output_dir: str | Path, cfg=None) -> None:
                 write_resolved(cfg, staging)
         commit_staged(staging, output_dir)
     trainer.accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------
+# After the final save: the trackers' runs ended, then --push_to_hub.
+
+
+def end_tracker_runs() -> None:
+    """End the trackers' open runs. A training process ends without the interpreter's shutdown (finetune.process),
+    which is where wandb would finish its run: unfinished, its offline run file holds nothing. MLflow's callback ends
+    its run at on_train_end already; ending it here too covers a run it left open."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and hasattr(mlflow, "active_run") and mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def finish_run(cfg) -> None:
+    """The last step of every path, once the final save is verified and committed (the process group already
+    ended): on the main process, the trackers' runs ended, then the push of the output folder (finetune.ship.hub:
+    one commit with a model card; a failure exits 1 and leaves the folder as it is)."""
+    if not is_rank0():
+        return
+    end_tracker_runs()
+    args = cfg.training
+    if getattr(args, "push_to_hub", False):
+        from finetune.ship import hub
+
+        out = Path(args.output_dir)
+        what = "LoRA adapter" if (out / "adapter_config.json").is_file() else "model"
+        hub.push_or_exit(out, hub.run_files(out), run_folder=out, what=what, repo_id=args.hub_model_id,
+                         private=args.hub_private_repo, token=args.hub_token)
+

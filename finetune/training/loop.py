@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from finetune import methods
 from finetune.training import checkpoint, core, evaluate, examples
-from finetune.training.lifecycle import rank0_print, resume_or_exit
+from finetune.training.lifecycle import finish_run, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     state = core.trainer_state(log, pos.step, max_steps, evaluator)
     core.save_final_module(module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()
+    finish_run(cfg)  # the trackers' runs ended; --push_to_hub
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from finetune.training import checkpoint, core, evaluate, examples, faults
 from finetune import methods
 from finetune.models import attention
 from finetune.process import exit_with
-from finetune.training.lifecycle import describe_run, rank0_print, resume_or_exit, save_final_trainer
+from finetune.training.lifecycle import describe_run, finish_run, rank0_print, resume_or_exit, save_final_trainer
 from finetune.models.verify import VerificationError
 
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         exit_with(str(e))
     rank0_print(f"saved to {args.output_dir}")
     checkpoint.end_process_group()
+    finish_run(cfg)  # the trackers' runs ended; --push_to_hub
 
 
 def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resume, callbacks):

@@ -1,0 +1,1 @@
+"""Shipping a run: the Hub push and its model card (finetune.ship.hub, finetune.ship.card)."""

@@ -1,0 +1,194 @@
+"""--push_to_hub on the three training paths and on `finetune export`, through huggingface_hub's real client against
+a Hub on 127.0.0.1 (tests/hub_server.py; HF_ENDPOINT points at it). What arrives is checked: one repo created (its
+visibility), ONE commit per push holding every file of the local result byte for byte plus README.md, the token's
+header on every call, and the card's front matter and numbers (the same losses as trainer_state.json). A server
+that answers 500 leaves the local result intact, and the command says so in one line and exits 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.hub_server import serve
+from tests.launch import ENGINE, LOOP, REPO, TRAIN, launcher, losses, run, tiny_job
+from tests.test_hub import COMMIT, REPO_ID, add_snapshot, hf_env
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "hf_pushtest_token"
+FLAGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--max_seq_length", "64",
+         "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """(root, local model, data, HF_HOME with the model cached as REPO_ID at main)."""
+    root, model, data = tiny_job(tmp_path_factory.mktemp("push"), records=24)
+    hf_home = root / "hf_home"
+    add_snapshot(hf_home, REPO_ID, model, COMMIT, {"main": COMMIT})
+    return root, model, data, hf_home
+
+
+@pytest.fixture(scope="module")
+def fake():
+    hub, server, thread = serve()
+    yield hub
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+def online(job, fake, **extra) -> dict[str, str]:
+    root, _, _, hf_home = job
+    e = dict(**hf_env(hf_home), HF_HUB_OFFLINE="0", HF_ENDPOINT=fake.url, HF_TOKEN=TOKEN,
+             HF_HUB_DISABLE_TELEMETRY="1", FINETUNE_CACHE=str(root / "ft-cache"))
+    e.update(extra)
+    return e
+
+
+def final_files(folder: Path) -> dict[str, Path]:
+    """The folder's files but hidden ones; README.md (PEFT writes one beside an adapter) is replaced by the card."""
+    return {p.name: p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != "README.md"}
+
+
+def front_matter(card: str) -> tuple[dict, str]:
+    assert card.startswith("---\n")
+    meta, body = card[4:].split("\n---\n", 1)
+    return yaml.safe_load(meta), body
+
+
+def table_losses(body: str) -> list[float]:
+    section = body.split("## Loss", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    return [float(r.split("|")[2]) for r in rows]
+
+
+def check_commit(fake, local: dict[str, Path]) -> tuple[dict, str]:
+    """One repo, one commit, the local files byte for byte plus README.md, the token on every call; the card."""
+    assert len(fake.created) == 1, fake.created
+    assert len(fake.commits) == 1, [c.header for c in fake.commits]
+    commit = fake.commits[0]
+    assert sorted(commit.files) == sorted([*local, "README.md"]), set(commit.files) ^ {*local, "README.md"}
+    for name, path in local.items():
+        assert commit.files[name] == path.read_bytes(), name
+    posts = [r for r in fake.requests if r[0] == "POST"]
+    assert posts and all(auth == f"Bearer {TOKEN}" for _, _, auth in posts), posts
+    assert commit.authorization == f"Bearer {TOKEN}" and commit.revision == "main"
+    return front_matter(commit.files["README.md"].decode())
+
+
+def test_trainer_path_two_ranks_pushes_once(job, fake, tmp_path):
+    """torchrun, 2 ranks, a Hub model: rank 0 alone pushes; the repo is created private, one commit holds the final
+    save; the card names the base repo and its commit, the method and the final loss, and its loss table holds
+    trainer_state.json's losses."""
+    fake.reset()
+    out = tmp_path / "out"
+    run([*launcher("torchrun", 2, script=TRAIN), "--model_name_or_path", REPO_ID, "--dataset", str(job[2]),
+         "--output_dir", str(out), *FLAGS, "--push_to_hub", "--hub_model_id", "tinyorg/pushed",
+         "--hub_private_repo", "true"], timeout=400, **online(job, fake)).check()
+    assert fake.created[0] == {"name": "pushed", "organization": "tinyorg", "visibility": "private", "type": "model",
+                               "authorization": f"Bearer {TOKEN}"}
+    meta, body = check_commit(fake, final_files(out))
+    assert fake.commits[0].repo_id == "tinyorg/pushed"
+    assert {"model.safetensors", "config.json", "trainer_state.json", "finetune_config.yaml"} <= set(fake.commits[0].files)
+    assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT
+    assert meta["library_name"] == "transformers" and meta["tags"] == ["finetune", "sft"]
+    got = losses(out)
+    assert len(got) == 3 and meta["finetune_metrics"]["loss"] == got[-1] and meta["finetune_metrics"]["global_step"] == 3
+    assert table_losses(body) == got
+    assert f"data set: `{job[2]}` (a local file)" in body and "## Flags" in body
+
+
+@pytest.mark.parametrize("path, script", [("loop", LOOP), ("engine", ENGINE)])
+def test_loop_and_engine_push_an_adapter(job, fake, tmp_path, path, script):
+    """The hand-written paths, a LoRA adapter: the adapter's files in one commit; with no --hub_model_id the repo
+    is the output folder's name in the token's namespace, its visibility left to the Hub (no --hub_private_repo)."""
+    fake.reset()
+    out = tmp_path / f"adapter-{path}"
+    run([sys.executable, script, "--model_name_or_path", REPO_ID, "--dataset", str(job[2]), "--output_dir", str(out),
+         *FLAGS, "--use_peft", "--lora_r", "4", "--push_to_hub"], timeout=300, **online(job, fake)).check()
+    assert fake.created[0] == {"name": out.name, "organization": None, "type": "model",
+                               "authorization": f"Bearer {TOKEN}"}
+    meta, body = check_commit(fake, final_files(out))
+    assert fake.commits[0].repo_id == f"tester/{out.name}"
+    assert "adapter_model.safetensors" in fake.commits[0].files
+    assert meta["library_name"] == "peft" and meta["tags"] == ["finetune", "sft", "lora"]
+    assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT
+    assert table_losses(body) == losses(out)
+
+
+@pytest.fixture(scope="module")
+def adapter(job, tmp_path_factory):
+    """A LoRA adapter trained on REPO_ID (offline), with `finetune report`'s folder in it."""
+    root, _, data, hf_home = job
+    out = tmp_path_factory.mktemp("adapter") / "out"
+    run([sys.executable, TRAIN, "--model_name_or_path", REPO_ID, "--dataset", str(data), "--output_dir", str(out),
+         *FLAGS, "--use_peft", "--lora_r", "4"], timeout=300, **hf_env(hf_home),
+        FINETUNE_CACHE=str(root / "ft-cache")).check()
+    run([sys.executable, "-m", "finetune.cli", "report", str(out)], timeout=120).check()
+    assert (out / "report" / "loss.png").is_file()
+    return out
+
+
+def test_export_merged_model_pushes_with_the_report(job, fake, adapter, tmp_path):
+    """export --adapter: the merged, verified folder in one commit, plus the run's report; the card shows the
+    report's loss curve and the adapter's run (base repo and commit, losses)."""
+    fake.reset()
+    merged = tmp_path / "merged"
+    run([sys.executable, "-m", "finetune.cli", "export", "--adapter", str(adapter), "--output_dir", str(merged),
+         "--push_to_hub", "--hub_model_id", "tinyorg/merged", "--hub_private_repo", "false"], timeout=300,
+        **online(job, fake)).check()
+    local = final_files(merged)
+    local.update({f"report/{p.name}": p for p in (adapter / "report").iterdir()})
+    meta, body = check_commit(fake, local)
+    assert fake.created[0]["visibility"] == "public"
+    assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT and meta["library_name"] == "transformers"
+    assert meta["tags"] == ["finetune", "sft", "lora"]
+    assert "![loss](report/loss.png)" in body and table_losses(body) == losses(adapter)
+    assert "# tinyorg/merged\n\nThe model (a LoRA adapter merged into its base), fine-tuned with finetune: method `sft`, LoRA." in body
+
+
+def test_export_gguf_pushes_the_file_and_its_modelfile(job, fake, adapter, tmp_path):
+    fake.reset()
+    gguf = tmp_path / "gguf" / "tiny.gguf"
+    run([sys.executable, "-m", "finetune.cli", "export", "--to", "gguf", "--adapter", str(adapter), str(gguf),
+         "--gguf_type", "q8_0", "--push_to_hub", "--hub_model_id", "tinyorg/tiny-gguf"], timeout=300,
+        **online(job, fake)).check()
+    local = {"tiny.gguf": gguf, "Modelfile": gguf.parent / "Modelfile"}
+    local.update({f"report/{p.name}": p for p in (adapter / "report").iterdir()})
+    meta, body = check_commit(fake, local)
+    assert meta["library_name"] == "gguf" and "gguf" in meta["tags"] and meta["base_model"] == REPO_ID
+    assert "# tinyorg/tiny-gguf\n\nThe GGUF file (q8_0), fine-tuned with finetune" in body
+
+
+def test_a_failed_push_keeps_the_local_model(job, fake, tmp_path):
+    """The Hub answers 500: exit 1, one line naming the repo and the local folder, the verified save in place."""
+    fake.reset(fail=True)
+    out = tmp_path / "out"
+    r = run([sys.executable, TRAIN, "--model_name_or_path", str(job[1]), "--dataset", str(job[2]),
+             "--output_dir", str(out), *FLAGS, "--push_to_hub", "--hub_model_id", "tinyorg/down"], timeout=300,
+            **online(job, fake))
+    fake.reset()
+    assert r.returncode == 1, r.output[-3000:]
+    lines = [line for line in r.output.splitlines() if line.startswith("finetune: --push_to_hub")]
+    assert len(lines) == 1 and "tinyorg/down failed (" in lines[0] and "500 Internal Server Error" in lines[0], r.output[-3000:]
+    assert f"the local model in {out} is intact" in lines[0] and "Traceback" not in r.output
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and len(losses(out)) == 3
+
+
+def test_push_flags_are_checked_before_anything_loads(job, tmp_path):
+    """HF_HUB_OFFLINE=1, a checkpoint hub_strategy, a hub flag without --push_to_hub: exit 2, one line each."""
+    root, model, data, hf_home = job
+    base = [sys.executable, "-m", "finetune.cli", "train", "--model_name_or_path", str(model), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "out")]
+    r = run([*base, "--push_to_hub", "--hub_strategy", "all_checkpoints"], timeout=120, HF_HUB_OFFLINE="1")
+    assert r.returncode == 2
+    assert "push_to_hub: HF_HUB_OFFLINE=1 forbids the upload" in r.output
+    assert "hub_strategy: 'all_checkpoints' pushes checkpoints" in r.output
+    r = run([*base, "--hub_model_id", "a/b"], timeout=120)
+    assert r.returncode == 2 and "hub_model_id: goes with --push_to_hub" in r.output
+    assert not (tmp_path / "out").exists()
