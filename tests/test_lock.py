@@ -1,5 +1,5 @@
 """requirements.lock is what the tests run on: scripts/setup.sh installs it (hashes checked, --no-deps), so it must
-name every dependency of finetune[test,bench] but torch's build, every pin must sit inside pyproject's ranges and
+name every dependency of finetune[test,bench,trackers] but torch's build, every pin must sit inside pyproject's ranges and
 finetune.compat's tested ranges, and the environment running these tests must be the locked one. A lock refresh
 (bash scripts/lock.sh --upgrade) that moves a package outside compat's ranges fails here, naming it."""
 
@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "requirements.lock"
 # Chosen per machine by scripts/setup.sh (a CPU or CUDA build), so not locked; nor are its CUDA libraries.
 MACHINE_CHOSEN = re.compile(r"^(torch|triton|cuda-.*|nvidia-.*)$")
+EXTRAS = ("test", "bench", "trackers")  # scripts/lock.sh's
 
 
 def locked() -> dict[str, tuple[str, list[str]]]:
@@ -51,12 +52,12 @@ def test_every_pin_is_exact_and_hashed():
 
 
 def test_the_lock_is_complete():
-    """Walk the requirements of finetune[test,bench] through the installed metadata: every one is locked, so
+    """Walk the requirements of finetune[test,bench,trackers] through the installed metadata: every one is locked, so
     `pip install --no-deps -r requirements.lock` leaves nothing out."""
     pins = locked()
     env = default_environment()
     todo = [Requirement(r) for r in project()["dependencies"]]
-    for extra in ("test", "bench"):
+    for extra in EXTRAS:
         todo += [Requirement(r) for r in project()["optional-dependencies"][extra]]
     seen, missing = set(), []
     while todo:
@@ -78,7 +79,7 @@ def test_the_lock_is_complete():
 def test_pins_sit_inside_pyproject_ranges():
     pins = locked()
     reqs = [Requirement(r) for r in project()["dependencies"]]
-    for extra in ("test", "bench"):
+    for extra in EXTRAS:
         reqs += [Requirement(r) for r in project()["optional-dependencies"][extra]]
     outside = [f"{r.name}=={pins[canonicalize_name(r.name)][0]} (pyproject: {r.specifier})" for r in reqs
                if canonicalize_name(r.name) in pins
