@@ -192,3 +192,250 @@ def test_kl_point_does_not_depend_on_the_split(tiny_plain, one_thread, splits):
     whole = s.loss(model, collate(feats), 4).item()
     assert total == pytest.approx(whole, abs=1e-6)
     assert s.z0 > 0  # this policy's KL rows have a positive mean log-ratio: the point is not the clamp's 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Records: the forms, and bad data named by file and line.
+
+CHAT = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "capital of France?"}],
+        "completion": [{"role": "assistant", "content": "Paris"}], "label": True}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def data_cfg(path, cache, **kw):
+    from finetune.config import DataConfig
+
+    return DataConfig(dataset=str(path) if not isinstance(path, list) else [str(p) for p in path],
+                      dataset_cache_dir=str(cache), dataset_num_proc=1, **kw)
+
+
+def tok(folder):
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_tokenizer
+
+    return load_tokenizer(ModelConfig(model_name_or_path=str(folder)))
+
+
+def test_forms_tokenize_as_preference_pairs(tiny_chatml, tmp_path):
+    """A string record and its conversational form give the same tokens, and they are a preference pair's: the
+    prompt rendered with the generation prompt, the completion's trained tokens the SFT masks'."""
+    from finetune.data import preference as PR
+
+    t = tok(tiny_chatml)
+    as_text = {"prompt": "capital of France?", "completion": "Paris", "label": False}
+    as_chat = {"prompt": [{"role": "user", "content": "capital of France?"}],
+               "completion": {"role": "assistant", "content": "Paris"}, "label": False}
+    a, b = U.tokenize_example(t, as_text), U.tokenize_example(t, as_chat)
+    p, c, cl, _, _ = PR.tokenize_pair(t, {"prompt": "capital of France?", "chosen": "Paris", "rejected": "Lyon"})
+    assert a == b == (p, c, cl, False)
+    ds, stats, key = U.prepare_unpaired(data_cfg(write_jsonl(tmp_path / "c.jsonl", [CHAT, CHAT | {"label": False}]),
+                                                 tmp_path / "cache"), t, log=lambda *a: None)
+    assert key.startswith("unpaired1-") and (stats.desirable, stats.undesirable) == (1, 1) and ds["label"] == [True, False]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "p", "completion": "a"}, "x.jsonl:3: missing field 'label'"),
+    ({"prompt": "p", "completion": "a", "label": "yes"}, "x.jsonl:3: field 'label' must be true or false, got 'yes'"),
+    ({"prompt": "p", "completion": "  ", "label": True}, "x.jsonl:3: field 'completion' is empty: an empty completion"),
+    ({"prompt": [{"role": "user", "content": "p"}], "completion": [], "label": True},
+     "x.jsonl:3: field 'completion' is empty: an empty completion"),
+    ({"prompt": [{"role": "user", "content": "p"}], "completion": {"role": "assistant", "content": " "}, "label": True},
+     "x.jsonl:3: 'completion' is empty: an empty completion (no assistant content)"),
+    ({"prompt": "p", "completion": {"role": "assistant", "content": "a"}, "label": True},
+     "x.jsonl:3: a conversational record in a file whose first record is text"),
+    ({"prompt": [{"role": "user", "content": "p"}], "completion": "a", "label": True},
+     "x.jsonl:3: a text record in a file whose first record is conversational"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b"}, "x.jsonl:3: missing field 'completion'"),
+])
+def test_bad_records_name_file_and_line(tiny_chatml, tmp_path, record, message):
+    from finetune.data.prepare import DataError
+
+    first = [CHAT, CHAT] if isinstance(record["prompt"], list) else [PLAIN[0], PLAIN[1]]
+    path = write_jsonl(tmp_path / "x.jsonl", [*first, record])
+    with pytest.raises(DataError) as e:
+        U.prepare_unpaired(data_cfg(path, tmp_path / "cache"), tok(tiny_chatml), log=lambda *a: None)
+    assert str(e.value).startswith(f"{tmp_path}/{message}"), str(e.value)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt": "p", "completion": "a"}, "missing field 'label'"),
+    ({"prompt": "p", "completion": "", "label": False}, "field 'completion' is empty"),
+    (CHAT, "a conversational record in a file whose first record is text"),
+])
+def test_bad_data_exits_2_before_the_model_loads(tmp_path, bad, message):
+    """`finetune train --method kto` on a bad record: one line naming the file and line, exit 2, no model loaded."""
+    import subprocess
+
+    from finetune.models import tiny as T
+
+    model = T.build(tmp_path / "model", style="chatml")
+    data = write_jsonl(tmp_path / "bad.jsonl", [PLAIN[0], bad])
+    r = subprocess.run([sys.executable, "-m", "finetune", "train", "--method", "kto", "--model_name_or_path", str(model),
+                        "--dataset", str(data), "--output_dir", str(tmp_path / "out"), "--dataset_cache_dir",
+                        str(tmp_path / "cache")], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("finetune:")]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(errors) == 1 and f"{data}:2: {message}" in errors[0], r.stderr[-2000:]
+    assert "Loading weights" not in r.stdout + r.stderr and not (tmp_path / "out").exists()
+
+
+def test_collator_rows_and_labels():
+    f = [{"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_labels": [3, 4], "label": True, "example_index": 5},
+         {"prompt_ids": [1], "completion_ids": [6], "completion_labels": [-100], "label": False, "example_index": 2}]
+    b = U.UnpairedCollator(0)(f)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4], [1, 6, 0, 0]]
+    assert b["labels"].tolist() == [[-100, -100, 3, 4], [-100, -100, -100, -100]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert b["label"].tolist() == [True, False] and b["example_index"].tolist() == [5, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# `finetune train` (the HF Trainer path) and `finetune loop`, per step.
+
+EXAMPLES = PLAIN[:4] + [
+    {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}],
+     "label": True},
+    {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "five"}],
+     "label": False},
+    {"prompt": "name a color", "completion": "blue", "label": True},
+    {"prompt": "name a color", "completion": "the number seven", "label": False},
+]
+LR, STEPS = 0.5, 3
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    from finetune.models import tiny as T
+
+    root = tmp_path_factory.mktemp("kto")
+    model = T.build(root / "model", style="chatml")
+    text = write_jsonl(root / "text.jsonl", EXAMPLES[:4] + EXAMPLES[6:])
+    chat = write_jsonl(root / "chat.jsonl", EXAMPLES[4:6])
+    return root, model, text, chat
+
+
+def train(job, name: str, *flags: str, path: str = "trainer", entries: str = "loss", data=None) -> list[dict]:
+    """One process: 4 examples = the global batch (2 per micro-batch x 2 accumulation), SGD, constant learning rate."""
+    from finetune.training import loop, trainer
+
+    root, model, text, _ = job
+    out = root / name
+    {"trainer": trainer.main, "loop": loop.main}[path](
+        ["--method", "kto", "--model_name_or_path", str(model), *(data or ["--dataset", str(text)]),
+         "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"), "--per_device_train_batch_size", "2",
+         "--gradient_accumulation_steps", "2", "--optim", "sgd", "--learning_rate", str(LR),
+         "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--seed", "3",
+         "--beta", "0.5", "--desirable_weight", "1.2", *flags])
+    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if entries in e]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trainer_and_loop_equal_per_step(job, isolated, one_thread, lora):
+    flags = ("--max_steps", str(STEPS)) + (("--use_peft", "--lora_r", "4", "--lora_dropout", "0") if lora else ())
+    name = "lora" if lora else "full"
+    want = train(job, f"{name}-trainer", *flags)
+    got = train(job, f"{name}-loop", *flags, path="loop")
+    a, b = [e["loss"] for e in want], [e["loss"] for e in got]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(f"\nKTO {name}: trainer {a} | loop {b} | max relative diff {rel:.1e}")
+    assert [e["step"] for e in want] == [e["step"] for e in got] == [1, 2, 3]
+    assert rel < 1e-5
+    # Step 1: the policy is the reference (LoRA's B is zero; the frozen copy is the model as loaded): every
+    # log-ratio is 0, z0 is 0, and each example's loss is its weight x (1 - sigmoid(0)): with k desirable examples
+    # of the 4, (1.2 x 0.5 x k + 0.5 x (4 - k)) / 4.
+    k = (4 * a[0] - 2) / 0.1
+    assert abs(k - round(k)) < 1e-4 and 0 < round(k) < 4, a[0]
+    for g, w in zip(got, want):
+        for k in kto.METRICS:
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (k, g, w)
+    assert want[-1]["rewards/margins"] > 0  # desirable completions gain on undesirable ones
+
+
+def test_evaluation_on_both_paths(job, isolated, one_thread):
+    flags = ("--eval_split_size", "3", "--per_device_eval_batch_size", "2", "--eval_steps", "2", "--max_steps", "2")
+    want = train(job, "trainer-eval", *flags, entries="eval_loss")
+    got = train(job, "loop-eval", *flags, path="loop", entries="eval_loss")
+    assert [e["step"] for e in got] == [e["step"] for e in want] == [2]
+    for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_kl", "eval_samples"):
+        assert got[0][k] == pytest.approx(want[0][k], rel=1e-5, abs=1e-6), (k, got, want)
+    assert want[0]["eval_samples"] == 3
+
+
+def test_mixed_files_train(job, isolated, one_thread):
+    """A plain-text file and a conversational one, mixed by weight: the log names the shares, and it trains."""
+    root, _, text, chat = job
+    logs = train(job, "mixed", "--max_steps", "3", data=["--dataset", str(text), "--dataset", str(chat),
+                                                         "--dataset_weights", "0.75", "0.25"])
+    assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]
+
+
+@pytest.mark.parametrize("path", ["trainer", "loop"])
+def test_resume_gives_the_same_losses(job, isolated, one_thread, path):
+    """The run's own mid-epoch checkpoint (step 3 of 4) resumed in a new folder: the same steps and metrics (the
+    KL rows of each step are made from its batch, so nothing of them is in the checkpoint)."""
+    import shutil
+
+    root = job[0]
+    name = f"resume-{path}"
+    common = ("--max_steps", "4", "--save_steps", "3", "--gradient_accumulation_steps", "1")
+    whole = train(job, name, *common, path=path)
+    shutil.copytree(root / name / "checkpoint-3", root / f"{name}-resumed" / "checkpoint-3")
+    resumed = train(job, f"{name}-resumed", *common, "--resume_from_checkpoint", "latest", path=path)
+    assert [e["step"] for e in whole] == [e["step"] for e in resumed] == [1, 2, 3, 4]
+    diff = max(abs(r[k] - w[k]) for w, r in zip(whole, resumed) for k in ("loss", "grad_norm", *kto.METRICS))
+    print(f"\nKTO resume {path}: max diff {diff:.1e}")
+    assert diff <= 1e-6, (whole, resumed)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--desirable_weight", "2"], "desirable_weight: a KTO option; add --method kto"),
+    (["--method", "kto", "--beta", "0"], "beta: must be positive, got 0.0"),
+    (["--method", "kto", "--undesirable_weight", "-1"], "undesirable_weight: must be positive, got -1.0"),
+    (["--method", "kto", "--packing"], "packing: not supported with --method kto yet"),
+])
+def test_config_problems(job, flags, problem):
+    from finetune import config as C
+
+    root, model, data, _ = job
+    with pytest.raises(C.ConfigError) as e:
+        C.parse(["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(root / "o"), *flags])
+    assert any(p.startswith(problem) for p in e.value.problems), e.value.problems
+
+
+def test_engine_path_refuses_by_name():
+    from finetune.config.preset import Preset
+    from finetune.training import core
+
+    cfg = SimpleNamespace(training=SimpleNamespace(), sources={}, preset=Preset.named("ddp"),
+                          objective=kto.KTOConfig(method="kto"))
+    assert core.refused_flags(cfg, "scripts/sft.py") == ["method kto: not supported by scripts/sft.py "
+                                                         "(finetune/train.py supports it)"]
+    assert core.refused_flags(cfg, "finetune/loop.py") == core.refused_flags(cfg, "finetune/train.py") == []
+
+
+def test_plan_counts_the_reference(tmp_path):
+    """Full fine-tuning holds a frozen copy (DPO's, as much memory); LoRA none; the KL row is counted as a second
+    row per example (DPO's pair: an upper bound, as it is scored without gradients)."""
+    from finetune.plan import planner as plan
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    shape = dict(vocab_size=301, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(shape))
+    base = ["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
+            "--max_seq_length", "128", "--per_device_train_batch_size", "2"]
+    full = plan.make_plan(base + ["--method", "kto"])
+    params = full["model"]["parameters"]
+    assert full["per_device"]["reference model"] == 4 * params  # fp32 on CPU: the whole model again
+    assert full["per_device_total"] == plan.make_plan(base + ["--method", "dpo"])["per_device_total"]
+    assert "KTO: 1 row per example plus its KL row" in full["job"]["method"]
+    lora = plan.make_plan(base + ["--method", "kto", "--use_peft"])
+    assert "reference model" not in lora["per_device"] and "adapters disabled (no copy)" in lora["job"]["method"]
+    sft = plan.make_plan(base + ["--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
+    assert full["activations_detail"]["decoder layers"] == sft["activations_detail"]["decoder layers"]
