@@ -305,7 +305,7 @@ EXAMPLES = PLAIN[:4] + [
     {"prompt": "name a color", "completion": "blue", "label": True},
     {"prompt": "name a color", "completion": "the number seven", "label": False},
 ]
-LR, STEPS = 0.5, 3
+LR, STEPS = 0.1, 3
 
 
 @pytest.fixture(scope="module")
