@@ -439,3 +439,46 @@ def test_plan_counts_the_reference(tmp_path):
     assert "reference model" not in lora["per_device"] and "adapters disabled (no copy)" in lora["job"]["method"]
     sft = plan.make_plan(base + ["--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
     assert full["activations_detail"]["decoder layers"] == sft["activations_detail"]["decoder layers"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 processes against 1 (each a real job on loopback).
+
+PARITY = [("trainer", "zero2"), ("trainer", "zero3"), ("loop", "ddp"), ("loop", "zero3")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, preset", PARITY, ids=[f"{p}-{c}" for p, c in PARITY])
+def test_two_processes_equal_one(job, path, preset):
+    """The same global batch of 4 (1 process: 2 per micro-batch x 2 accumulation; 2 processes: 1 x 2 each): the
+    same KL point (made over the global batch, whatever its split), so the same loss, gradient norm and metrics
+    per step within 1e-4. Full fine-tuning: the frozen reference is a copy (ZeRO-2) or partitioned (ZeRO-3)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.launch import LOOP, TRAIN, launcher, run
+
+    root, model, text, _ = job
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+
+    def history(name, cmd, micro):
+        out = root / name
+        run(cmd + ["--config", preset, "--method", "kto", "--model_name_or_path", str(model), "--dataset", str(text),
+                   "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                   "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                   "--max_steps", "3", "--lr_scheduler_type", "constant", "--learning_rate", "0.05", "--beta", "0.5",
+                   "--seed", "3", "--disable_tqdm", "true"], timeout=600).check()
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    name = f"parity-{path}-{preset}"
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(history, f"{name}-1", [sys.executable, script], 2)
+        two = pool.submit(history, f"{name}-2", launcher("accelerate", 2, script=script), 1)
+        one, two = one.result(), two.result()
+    assert [e["step"] for e in one] == [e["step"] for e in two] == [1, 2, 3]
+    keys = ("loss", "grad_norm", *kto.METRICS)
+    diff = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
+    print(f"\nKTO parity | {path} | {preset} | 1 process: {[round(e['loss'], 6) for e in one]} | 2 processes: "
+          f"{[round(e['loss'], 6) for e in two]} | kl {[round(e['kl'], 6) for e in one]} | max diff {diff:.1e}")
+    for a, b in zip(one, two):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
