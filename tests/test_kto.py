@@ -482,3 +482,48 @@ def test_two_processes_equal_one(job, path, preset):
     for a, b in zip(one, two):
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
+
+
+# ----------------------------------------------------------------------------------------------
+# finetune quickstart --method kto
+
+
+@pytest.mark.slow
+def test_quickstart_kto_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
+    """`quickstart --method kto` after a LoRA SFT (a random adapter on a tiny model): the bundled pairs split into
+    2 unpaired examples each (chosen: label true, rejected: false), KTO trains a new adapter whose reference is the
+    merged SFT model (first loss 0.5: every log-ratio and z0 are 0), and the report's before/after holds preference
+    accuracy as --method dpo's does."""
+    import subprocess
+
+    from finetune.apps.quickstart import DEFAULT_TRAIN_PAIRS
+    from finetune.models import tiny as T
+
+    data = DEFAULT_TRAIN_PAIRS.parent
+    sft = T.save_random_adapter(tiny_chatml, tmp_path / "sft", r=4)
+    lines = lambda name, n: "".join((data / name).read_text().splitlines(keepends=True)[:n])  # noqa: E731
+    (tmp_path / "pairs.jsonl").write_text(lines("train_pairs.jsonl", 16))
+    (tmp_path / "heldout.jsonl").write_text(lines("heldout.jsonl", 5))
+    (tmp_path / "heldout_pairs.jsonl").write_text(lines("train_pairs.jsonl", 5))
+    out = tmp_path / "kto"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "quickstart", "--method", "kto", "--model_name_or_path", str(sft),
+         "--train_file", str(tmp_path / "pairs.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"),
+         "--eval_pairs_file", str(tmp_path / "heldout_pairs.jsonl"), "--max_steps", "3", "--processes", "1",
+         "--eval_threads", "1", "--max_new_tokens", "6", "--learning_rate", "0.05", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    split = [json.loads(line) for line in (out / "train_unpaired.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert split[:2] == [{"prompt": pairs[0]["prompt"], "completion": pairs[0]["chosen"], "label": True},
+                         {"prompt": pairs[0]["prompt"], "completion": pairs[0]["rejected"], "label": False}]
+    assert len(split) == 32 and sum(r["label"] for r in split) == 16
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    assert metrics["stage"] == "kto" and metrics["labels"] == ["SFT model", "after KTO"]
+    assert (tr["objective"], tr["beta"], tr["steps"]) == ("kto", 0.5, 3)
+    assert tr["losses"][0] == pytest.approx(0.5, abs=1e-6)
+    assert b["preference_pairs"] == t["preference_pairs"] == 5
+    assert f"quickstart kto: preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%}" in proc.stdout

@@ -70,6 +70,7 @@ class Stage:
     beta: float | None = None  # the default --beta of a preference method
     after_sft: bool = False  # starts from an SFT result (--model_name_or_path), its reference the model it starts from
     pairs: bool = False  # trains on the bundled preference pairs, and the evaluations measure preference accuracy
+    unpaired: bool = False  # trains on the pairs split into unpaired examples (chosen: label true, rejected: false)
 
 
 # The methods the quickstart runs, by finetune.methods name. SFT learns the task in ~50 steps; DPO's steps cost
@@ -79,6 +80,9 @@ STAGES = {
     methods.DEFAULT: Stage(DEFAULT_LR, 50, 6.0),
     "dpo": Stage(DEFAULT_DPO_LR, 30, 12.0, beta=0.5, after_sft=True, pairs=True),
     "orpo": Stage(DEFAULT_LR, 50, 12.0, beta=0.1, pairs=True),
+    # KTO after SFT, as DPO (a reference: the SFT model, adapters disabled), on the pairs split into 2 examples each:
+    # DPO's learning rate and beta.
+    "kto": Stage(DEFAULT_DPO_LR, 30, 12.0, beta=0.5, after_sft=True, pairs=True, unpaired=True),
 }
 EXAMPLES_SHOWN = 5
 MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
@@ -463,6 +467,27 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
     return str(target), {**info, "cached": False}
 
 
+def training_file(cfg: QuickstartConfig, out: Path) -> str:
+    """The file training reads: --train_file, or for a method on unpaired examples (KTO) its pairs split into
+    OUTPUT_DIR/train_unpaired.jsonl, each pair two examples: {prompt, completion: chosen, label: true} and
+    {prompt, completion: rejected, label: false}."""
+    if not stage_of(cfg).unpaired:
+        return cfg.train_file
+    from finetune.data.preference import pair_of
+    from finetune.data.prepare import read_records
+
+    records, where = read_records(cfg.train_file)
+    path = out / "train_unpaired.jsonl"
+    with open(path, "w") as f:
+        for record, loc in zip(records, where):
+            # Plain strings stay strings; any other form as messages (a file holds one form).
+            chat = not all(isinstance(record.get(k), str) for k in ("prompt", "chosen", "rejected"))
+            prompt, chosen, rejected = pair_of(record, loc, chat)
+            for completion, label in ((chosen, True), (rejected, False)):
+                f.write(json.dumps({"prompt": prompt, "completion": completion, "label": label}) + "\n")
+    return str(path)
+
+
 def starts_from_sft_adapter(cfg: QuickstartConfig) -> bool:
     """A stage after SFT (DPO) on a LoRA SFT result: its adapter is merged into its base first."""
     return bool(cfg.model_name_or_path and STAGES.get(cfg.method, STAGES[methods.DEFAULT]).after_sft
@@ -527,7 +552,7 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     stage = stage_of(cfg)
     lr = cfg.learning_rate or stage.lr[cfg.tuning]
     cmd += [
-        "--model_name_or_path", model_dir, "--dataset", cfg.train_file, "--output_dir", str(run_dir),
+        "--model_name_or_path", model_dir, "--dataset", training_file(cfg, run_dir.parent), "--output_dir", str(run_dir),
         "--config", cfg.config, "--max_steps", str(cfg.max_steps), "--per_device_train_batch_size",
         str(cfg.per_device_train_batch_size), "--learning_rate", str(lr), "--warmup_steps", str(min(5, cfg.max_steps // 10)),
         "--logging_steps", "1", "--seed", str(cfg.seed), "--max_seq_length", str(MAX_SEQ_LENGTH), "--disable_tqdm", "false",
