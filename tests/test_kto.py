@@ -511,7 +511,7 @@ def test_quickstart_kto_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
          "--train_file", str(tmp_path / "pairs.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"),
          "--eval_pairs_file", str(tmp_path / "heldout_pairs.jsonl"), "--max_steps", "3", "--processes", "1",
          "--eval_threads", "1", "--max_new_tokens", "6", "--learning_rate", "0.05", "--output_dir", str(out)],
-        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
