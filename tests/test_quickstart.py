@@ -141,12 +141,12 @@ def test_preference_accuracy_equals_direct_log_probs(tiny_chatml, one_thread):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--method", "qlora"], "--method: 'qlora' is not one of sft, dpo, orpo; did you mean 'lora'?"),
+    (["--method", "qlora"], "--method: 'qlora' is not one of sft, dpo, orpo, kto; did you mean 'lora'?"),
     (["--tuning", "qlora"], "--tuning: 'qlora' is not one of lora, full"),
-    (["--method", "simpo"], "--method: 'simpo' is not one of sft, dpo, orpo (the quickstart does not run simpo yet)"),
+    (["--method", "simpo"], "--method: 'simpo' is not one of sft, dpo, orpo, kto (the quickstart does not run simpo yet)"),
     (["--method", "dpo"], "--method dpo: give --model_name_or_path, the SFT result to start from"),
     (["--method", "orpo", "--beta", "0"], "--beta: must be more than 0"),
-    (["--beta", "0.3"], "--beta: an option of a preference --method (dpo, orpo)"),
+    (["--beta", "0.3"], "--beta: an option of a preference --method (dpo, orpo, kto)"),
     (["--config", "zero9"], "--config: unknown preset 'zero9'"),
     (["--max_minutes", "0"], "--max_minutes: must be more than 0"),
     (["--max_steps", "0"], "--max_steps: must be at least 1"),
