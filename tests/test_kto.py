@@ -527,3 +527,42 @@ def test_quickstart_kto_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
     assert tr["losses"][0] == pytest.approx(0.5, abs=1e-6)
     assert b["preference_pairs"] == t["preference_pairs"] == 5
     assert f"quickstart kto: preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%}" in proc.stdout
+
+
+def test_conversational_tokens_against_trl(tiny_chatml, tmp_path, one_thread, isolated):
+    """Conversational records through TRL's KTOTrainer: the prompt's and the completion's tokens are ours; which of
+    them are scored differs on purpose (TRL scores every token after the prompt, the end-of-turn's trailing newline
+    included; here the SFT masks decide, and leave that newline out, measured below). On the same rows and scored
+    tokens the per-example log-probabilities of our scoring (dpo.sequence_logps) equal TRL's within 1e-5."""
+    pytest.importorskip("trl")
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    from finetune.methods import dpo
+
+    tokenizer = tok(tiny_chatml)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32), 3)
+    records = [CHAT, EXAMPLES[4], EXAMPLES[5]]
+    args = KTOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                     per_device_train_batch_size=len(records))
+    trainer = KTOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_list(records))
+    differs = []
+    for i, r in enumerate(records):
+        t = trainer.train_dataset[i]
+        p, c, cl, _ = U.tokenize_example(tokenizer, r)
+        assert t["prompt_ids"] == p
+        assert t["completion_ids"] == c
+        differs.append([tokenizer.decode([x]) for x, lab in zip(c, cl) if lab == -100])
+    print(f"\nthe completion tokens TRL scores and we do not, per record: {differs}")
+    assert differs == [["\n"]] * len(records)
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    with torch.no_grad():
+        theirs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                       fused_lm_head=True).log_probs.sum(-1)
+        mine = dpo.sequence_logps(model, {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
+                                          "labels": labels})
+    print(f"per-example log-probs on TRL's rows: ours {mine.tolist()} TRL {theirs.tolist()}")
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
