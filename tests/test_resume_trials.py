@@ -25,7 +25,7 @@ ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
 # indices). The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's (every path, both presets);
 # FINETUNE_RESUME_TRIALS=N runs N random trials on every path. ORPO, a method without a reference model: ZeRO-3 on
 # the loop (odd index).
-ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1}
+ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1, "kto": 0}  # KTO: ZeRO-2 on the loop (even index)
 
 
 @pytest.fixture(scope="module")
