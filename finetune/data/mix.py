@@ -115,3 +115,22 @@ def row_counts(ds):
         lengths.append(n)
         trained.append(per_row - first)  # position 0 is never predicted
     return np.concatenate(lengths), np.concatenate(trained)
+
+
+def mix_rows(parts: list[tuple], weights: list[float] | None, seed: int, log, combine_stats):
+    """mix() for data sets of another shape than SFT's (preference pairs, unpaired examples): `parts` are
+    (Dataset, stats, cache key) per source; the same counts and selection as mix(); `combine_stats(stats, picked
+    datasets)` makes the mixed set's stats. Returns (mixed Dataset, stats, a key naming the sources and the mix)."""
+    import hashlib
+
+    import datasets
+
+    sizes = [len(d) for d, _, _ in parts]
+    picks = plan(sizes, weights, seed)
+    picked = [d if p == list(range(len(d))) else d.select(p) for (d, _, _), p in zip(parts, picks)]
+    norm = sum(weights) if weights else None
+    shares = [Share(s.path, n, len(p), (w / norm) if norm else n / sum(sizes))
+              for (_, s, _), n, p, w in zip(parts, sizes, picks, weights or [None] * len(sizes))]
+    log(describe(shares, seed if weights else None))
+    key = hashlib.sha256(repr(([k for _, _, k in parts], weights, seed)).encode()).hexdigest()[:24]
+    return datasets.concatenate_datasets(picked), combine_stats([s for _, s, _ in parts], picked), f"mix-{key}"

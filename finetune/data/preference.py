@@ -337,22 +337,35 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     return stats
 
 
-def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print, margin: bool = False):
+def prepare_pairs(cfg, tokenizer, *, local_rank: int = 0, log=print, margin: bool = False, seed: int = 42):
     """(datasets.Dataset of pairs, PreferenceStats, cache key): tokenized once per node (per job on a shared cache
     folder) and cached as SFT data is, under a key of its own. `margin`: with each pair's margin column (reward
     models), cached under another key."""
     import functools
 
-    from finetune.data import pipeline
+    from finetune.data import mix, pipeline
 
-    if isinstance(cfg.dataset, list):
-        raise DataError("a preference method takes one --dataset (mixing preference sets is not supported yet)")
     num_proc = getattr(cfg, "dataset_num_proc", None) or pipeline.default_num_proc()
-    hub = P.load_hub(cfg)
-    return pipeline.prepare_source(cfg, tokenizer, hub, local_rank=local_rank, num_proc=num_proc, log=log,
-                                   build=functools.partial(tokenize_source, margin=margin) if margin else tokenize_source,
-                                   stats_cls=PreferenceStats, kind=f"pairs{PAIR_VERSION}" + ("-margin" if margin else ""),
-                                   with_key=True)
+    build = functools.partial(tokenize_source, margin=margin) if margin else tokenize_source
+    parts = [pipeline.prepare_source(sub, tokenizer, P.load_hub(sub), local_rank=local_rank, num_proc=num_proc,
+                                     log=log, build=build, stats_cls=PreferenceStats,
+                                     kind=f"pairs{PAIR_VERSION}" + ("-margin" if margin else ""), with_key=True)
+             for sub in pipeline.source_configs(cfg)]
+    if len(parts) == 1:
+        return parts[0]
+    # Several sets, mixed by --dataset_weights as SFT's are (finetune.data.mix).
+    return mix.mix_rows(parts, getattr(cfg, "dataset_weights", None), seed, log, combine_pairs)
+
+
+def combine_pairs(stats: list[PreferenceStats], picked: list) -> PreferenceStats:
+    """One PreferenceStats for a mixed set: records, truncation and tokens per source, pairs as taken."""
+    return PreferenceStats(
+        path=" + ".join(s.path for s in stats), records=sum(s.records for s in stats),
+        pairs=sum(len(d) for d in picked), max_seq_length=stats[0].max_seq_length,
+        truncated=sum(s.truncated for s in stats), prompt_cut=sum(s.prompt_cut for s in stats),
+        completion_cut=sum(s.completion_cut for s in stats), dropped=sum(s.dropped for s in stats),
+        tokens=sum(s.tokens for s in stats), chosen_tokens=sum(s.chosen_tokens for s in stats),
+        rejected_tokens=sum(s.rejected_tokens for s in stats))
 
 
 # ----------------------------------------------------------------------------------------------

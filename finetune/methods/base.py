@@ -77,7 +77,12 @@ class Context:
 
 
 class Session:
-    """A method at work in one run (Method.setup's result). Every rank calls `metrics` and `evaluate` together."""
+    """A method at work in one run (Method.setup's result). Every rank calls `step_start`, `metrics` and `evaluate`
+    together."""
+
+    def step_start(self, batches: list[dict]) -> None:
+        """Called with this rank's micro-batches of an optimizer step before their losses, for a loss that depends
+        on the whole global batch (KTO's KL reference point); collective."""
 
     def loss(self, model, batch: dict, n_items, *, autocast=contextlib.nullcontext):
         """This micro-batch's loss over `n_items` (Method.count of the whole global batch, all ranks): the sum of the

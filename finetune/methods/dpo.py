@@ -53,8 +53,8 @@ class DPOConfig(MethodConfig):
 
 
 def pair_data_problems(method: str, data, training: dict, evaluation, hints: dict | None = None) -> list[str]:
-    """What the preference-pair data path does not support yet, refused by name for every method that trains on
-    pairs (DPO, SimPO, ORPO)."""
+    """What the preference data paths do not support yet, refused by name for every method that trains on
+    preference data (DPO, SimPO, ORPO, KTO)."""
     problems = []
     for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
                      ("eval_generate", bool(evaluation and evaluation.eval_generate)),
@@ -63,8 +63,6 @@ def pair_data_problems(method: str, data, training: dict, evaluation, hints: dic
                      ("remove_unused_columns", bool(training.get("remove_unused_columns")))):
         if on:
             problems.append(f"{flag}: not supported with --method {method} yet{(hints or {}).get(flag, '')}")
-    if isinstance(data.dataset, list):
-        problems.append(f"dataset: --method {method} takes one --dataset (mixing preference sets is not supported yet)")
     return problems
 
 
@@ -94,7 +92,7 @@ class DPO(Method):
     def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
         from finetune.data.preference import prepare_pairs
 
-        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log)
+        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log, seed=seed)
 
     def examples(self, dataset, key: str | None) -> Examples:
         """The pairs numbered (`pair_index`: where their precomputed reference log-probs are)."""

@@ -113,6 +113,12 @@ class MethodTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.method, self.session, self.held_out = method, session, held_out
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batch_samples:  # the step's micro-batches, before their losses (Session.step_start)
+            self.session.step_start(batch_samples)
+        return batch_samples, num_items_in_batch
+
     def _get_num_items_in_batch(self, batch_samples, device):
         n = torch.as_tensor(self.method.count(batch_samples), device=device)
         return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n

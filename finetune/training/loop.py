@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.step = accum - len(chunk)
         total, grad_norm = torch.zeros((), device=accelerator.device), None
         learning_rate = scheduler.get_last_lr()[0]  # before DeepSpeed's engine steps it inside backward()
+        session.step_start(chunk)  # the step's micro-batches, before their losses
         for batch in chunk:
             with accelerator.accumulate(model):
                 loss = session.loss(model, batch, n_items)  # the micro-batch's loss sum / n_items
