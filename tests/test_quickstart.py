@@ -141,7 +141,12 @@ def test_preference_accuracy_equals_direct_log_probs(tiny_chatml, one_thread):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--method", "qlora"], "--method: 'qlora' is not one of lora, full"),
+    (["--method", "qlora"], "--method: 'qlora' is not one of sft, dpo, orpo; did you mean 'lora'?"),
+    (["--tuning", "qlora"], "--tuning: 'qlora' is not one of lora, full"),
+    (["--method", "simpo"], "--method: 'simpo' is not one of sft, dpo, orpo (the quickstart does not run simpo yet)"),
+    (["--method", "dpo"], "--method dpo: give --model_name_or_path, the SFT result to start from"),
+    (["--method", "orpo", "--beta", "0"], "--beta: must be more than 0"),
+    (["--beta", "0.3"], "--beta: an option of a preference --method (dpo, orpo)"),
     (["--config", "zero9"], "--config: unknown preset 'zero9'"),
     (["--max_minutes", "0"], "--max_minutes: must be more than 0"),
     (["--max_steps", "0"], "--max_steps: must be at least 1"),
@@ -158,6 +163,17 @@ def test_bad_flags_exit_2(argv, fragment, capsys):
         Q.main(argv)
     assert e.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_method_names_the_training_method(tiny_chatml):
+    """--method is finetune train's (sft, dpo, orpo); --dpo and the former --method lora|full (now --tuning) still
+    work. ORPO starts from the base model (no --model_name_or_path needed) on the bundled pairs."""
+    assert (lambda c: (c.method, c.tuning, c.beta, c.max_steps))(Q.parse(["--method", "full"])) == ("sft", "full", None, 50)
+    dpo = Q.parse(["--dpo", "--model_name_or_path", str(tiny_chatml)])
+    assert (dpo.method, dpo.beta, dpo.max_steps, Path(dpo.train_file).name) == ("dpo", 0.5, 30, "train_pairs.jsonl")
+    orpo = Q.parse(["--method", "orpo", "--tuning", "full"])
+    assert (orpo.method, orpo.tuning, orpo.beta, Path(orpo.train_file).name) == ("orpo", "full", 0.1, "train_pairs.jsonl")
+    assert Q.stage_labels("orpo") == ("base", "after ORPO") and Q.stage_labels("dpo") == ("SFT model", "after DPO")
 
 
 def test_every_problem_reported_at_once():
@@ -282,6 +298,48 @@ def test_quickstart_dpo_stage_on_a_tiny_model(tiny_chatml, tmp_path, one_thread)
     assert f"| preference accuracy (5 held-out pairs) | {b['preference_accuracy']:.1%} | {t['preference_accuracy']:.1%} |" in text
     assert "| SFT model | after DPO |" in text and "DPO (beta 0.5) on the SFT model" in text
     assert f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on 5 held-out pairs" in proc.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_orpo_from_the_base_model(tiny_chatml, tmp_path, one_thread):
+    """`quickstart --method orpo` on a tiny base model (no SFT stage): ORPO trains a LoRA adapter on the pairs; the
+    report's preference accuracy is the held-out pairs' own (their log-probs equal a direct computation under the
+    base model), and the first training loss is ORPO's loss of the base model on the first batch's pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_tokenizer
+
+    lines = lambda name, n: "".join((DATA / name).read_text().splitlines(keepends=True)[:n])  # noqa: E731
+    (tmp_path / "pairs.jsonl").write_text(lines("train_pairs.jsonl", 16))
+    (tmp_path / "heldout.jsonl").write_text(lines("heldout.jsonl", 5))
+    (tmp_path / "heldout_pairs.jsonl").write_text(lines("train_pairs.jsonl", 5))
+    out = tmp_path / "orpo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "quickstart", "--method", "orpo", "--model_name_or_path", str(tiny_chatml),
+         "--train_file", str(tmp_path / "pairs.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"),
+         "--eval_pairs_file", str(tmp_path / "heldout_pairs.jsonl"), "--max_steps", "3", "--processes", "1",
+         "--eval_threads", "1", "--max_new_tokens", "6", "--learning_rate", "0.05", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    assert metrics["stage"] == "orpo" and metrics["labels"] == ["base", "after ORPO"]
+    assert metrics["model"]["source"] == "folder" and (tr["objective"], tr["beta"], tr["steps"]) == ("orpo", 0.1, 3)
+    assert tr["last_loss"] < tr["first_loss"]
+    pairs = [json.loads(line) for line in (tmp_path / "heldout_pairs.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(tiny_chatml)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32).eval()
+    direct = [(direct_logp(base, tokenizer, p["prompt"], p["chosen"]), direct_logp(base, tokenizer, p["prompt"], p["rejected"]))
+              for p in pairs]
+    assert flat(b["pair_logps"]) == pytest.approx(flat(direct), abs=2e-3)
+    assert b["preference_accuracy"] == sum(c > r for c, r in direct) / 5
+    text = (out / "report" / "report.md").read_text()
+    assert "| base | after ORPO |" in text and "ORPO (beta 0.1) on the base model" in text
+    assert f"quickstart orpo: preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%}" in proc.stdout
 
 
 def test_model_dir_is_the_old_spelling_of_model_name_or_path():

