@@ -1,7 +1,8 @@
 """Random-kill resume trials: `kill -9` of a random rank at a random moment, then `--resume_from_checkpoint latest`.
 
 For each path (Trainer: finetune/train.py under accelerate launch; loop: finetune/loop.py under accelerate launch;
-engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning) and preset (zero2,
+engine: scripts/sft.py under deepspeed; dpo: the Trainer path with --method dpo, full fine-tuning; orpo: the loop with
+--method orpo, a method without a reference model) and preset (zero2,
 zero3 = ZeRO-3 with CPU Adam offload): one uninterrupted 2-rank reference run. Each trial (seeded) starts the same
 job into a fresh folder and kills (SIGKILL) a random rank a random step and a random fraction of the reference's
 mean step time later, so the kill lands anywhere in the next step or a checkpoint save. The rank stops itself at that
@@ -38,7 +39,11 @@ PATHS = {
     "engine": lambda: deepspeed_launcher(2),
     # DPO (full fine-tuning: under ZeRO-3 its frozen reference is partitioned too) on the Trainer path.
     "dpo": lambda: launcher("accelerate", 2, script=TRAIN),
+    # ORPO (no reference model: the run's state is the policy's alone) on the loop.
+    "orpo": lambda: launcher("accelerate", 2, script=LOOP),
 }
+# The paths that train a preference method on the pairs: their --method.
+PAIR_METHODS = {"dpo": "dpo", "orpo": "orpo"}
 PRESETS = ("zero2", "zero3")
 BEGIN, END = "<!-- resume_trials:begin -->", "<!-- resume_trials:end -->"
 
@@ -61,8 +66,8 @@ def setup(work: Path) -> tuple[Path, Path]:
 
 
 def command(path: str, preset: str, work: Path, out: Path) -> list[str]:
-    model, data = work / "model", work / ("pairs.jsonl" if path == "dpo" else "data.jsonl")
-    return PATHS[path]() + (["--method", "dpo"] if path == "dpo" else []) + [
+    model, data = work / "model", work / ("pairs.jsonl" if path in PAIR_METHODS else "data.jsonl")
+    return PATHS[path]() + (["--method", PAIR_METHODS[path]] if path in PAIR_METHODS else []) + [
         "--config", preset, "--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out),
         "--dataset_cache_dir", str(work / "cache"), "--max_steps", str(STEPS), "--save_steps", str(SAVE),
         "--per_device_train_batch_size", "2", "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",

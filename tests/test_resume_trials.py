@@ -1,8 +1,8 @@
 """Random-kill resume trials (bench/resume_trials.py): a random rank killed at a random moment, `latest` resumes to
-the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; and DPO on the Trainer path),
-ZeRO-2 and ZeRO-3 alternating.
+the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; DPO on the Trainer path, ORPO
+on the loop), ZeRO-2 and ZeRO-3 alternating.
 
-CI runs one trial on the loop and one on DPO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
+CI runs one trial on the loop, one on DPO and one on ORPO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
 `FINETUNE_RESUME_TRIALS_ROWS=FILE` appends each trial's row there, and `python bench/resume_trials.py --rows FILE
 --write` puts them in bench/RESULTS.md."""
 
@@ -23,8 +23,9 @@ TRIALS = int(os.environ.get("FINETUNE_RESUME_TRIALS", "1"))
 ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
 # CI's trials: the loop (ZeRO-2: even indices) and DPO (ZeRO-3 with CPU Adam offload, its reference partitioned: odd
 # indices). The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's (every path, both presets);
-# FINETUNE_RESUME_TRIALS=N runs N random trials on every path.
-ONE_TRIAL = {"loop": 0, "dpo": 1}
+# FINETUNE_RESUME_TRIALS=N runs N random trials on every path. ORPO, a method without a reference model: ZeRO-3 on
+# the loop (odd index).
+ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1}
 
 
 @pytest.fixture(scope="module")
