@@ -115,25 +115,65 @@ def test_equal_policy_and_reference_give_log_2(tiny):
     assert loss.item() == pytest.approx(0.693147, abs=1e-6)
 
 
-def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated):
-    """TRL's DPOTrainer (the bench extra) on the same pairs: the same tokens, loss and gradients."""
-    trl = pytest.importorskip("trl")
-    import datasets
+def f64_loss(policy, ref, batch, loss_type: str, beta: float, eps: float):
+    """The mean over the pairs in float64, each loss type written from its paper (docs/preference.md): a per-sequence
+    loop over the scored tokens of a float64 copy of both models."""
+    args = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    pol, rf = copy.deepcopy(policy).double(), copy.deepcopy(ref).double()
+    logp = lambda m: torch.stack([  # noqa: E731
+        sum(lp[t, args[2][i, t + 1]] for t in range(args[0].shape[1] - 1) if args[2][i, t + 1] != -100)
+        for i, lp in enumerate(torch.log_softmax(m(input_ids=args[0], attention_mask=args[1]).logits.double(), -1))])
+    with torch.no_grad():
+        ratio = logp(pol) - logp(rf)
+    n = ratio.shape[0] // 2
+    tokens = (args[2][:, 1:] != -100).sum(1).double()
+    d = ratio[:n] - ratio[n:]
+    if loss_type == "ipo":
+        d_avg = ratio[:n] / tokens[:n] - ratio[n:] / tokens[n:]
+        return ((d_avg - 1 / (2 * beta)) ** 2).mean().item()
+    if loss_type == "hinge":
+        return torch.clamp(1 - beta * d, min=0).mean().item()
+    p = torch.sigmoid(beta * d)  # the probability the model gives the label; robust's ε: the flip rate
+    if loss_type == "robust":
+        return (((1 - eps) * -torch.log(p) - eps * -torch.log(1 - p)) / (1 - 2 * eps)).mean().item()
+    return ((1 - eps) * -torch.log(p) + eps * -torch.log(1 - p)).mean().item()
+
+
+# (loss type, beta, label smoothing): TRL 1.16's --loss_type names; robust reads label_smoothing as TRL's does.
+TRL_CASES = [("sigmoid", 0.3, 0.0), ("hinge", 0.3, 0.0), ("hinge", 2.0, 0.0), ("ipo", 0.3, 0.0), ("ipo", 2.0, 0.0),
+             ("robust", 0.3, 0.1), ("robust", 0.5, 0.3)]
+
+
+@pytest.fixture(scope="module")
+def trl_pair(tiny_plain, tmp_path_factory, one_thread):
     from transformers import AutoModelForCausalLM
 
     from finetune.config import ModelConfig
     from finetune.models.load import load_tokenizer
 
-    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(tiny_plain)))
-    policy = AutoModelForCausalLM.from_pretrained(tiny_plain, dtype=torch.float32)
-    ref = copy.deepcopy(policy).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    def models():
+        """A fresh policy and reference for each TRL trainer (a DPOTrainer patches the models it is given)."""
+        policy = AutoModelForCausalLM.from_pretrained(tiny_plain, dtype=torch.float32)
+        ref = copy.deepcopy(policy).eval()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        return policy, ref
+
+    return load_tokenizer(ModelConfig(model_name_or_path=str(tiny_plain))), models, tmp_path_factory.mktemp("trl")
+
+
+def trl_dpo(trl_pair, loss_type, beta, eps):
+    """TRL's DPOTrainer on our string records: (its loss and gradients, our loss and gradients, the float64 loss)."""
+    trl = pytest.importorskip("trl")
+    import datasets
+
+    tokenizer, models, tmp = trl_pair
+    policy, ref = models()
     records = [r for r in RECORDS if isinstance(r["prompt"], str)]
-    args = trl.DPOConfig(output_dir=str(tmp_path), beta=0.3, report_to="none", use_cpu=True,
-                         per_device_train_batch_size=len(records), max_length=None)
+    args = trl.DPOConfig(output_dir=str(tmp), beta=beta, loss_type=[loss_type], label_smoothing=eps, report_to="none",
+                         use_cpu=True, per_device_train_batch_size=len(records), max_length=None)
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(records),
                              processing_class=tokenizer)
     ours = pair_features(tokenizer, records)
@@ -146,9 +186,37 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated):
     expected.backward()
     want = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
-    got = dpo.micro_batch_loss(policy, PR.PairCollator(tokenizer.pad_token_id)(ours),
-                               lambda b: dpo.sequence_logps(ref, b), dpo.DPOConfig(beta=0.3), len(records))
+    batch = PR.PairCollator(tokenizer.pad_token_id)(ours)
+    options = dpo.DPOConfig(beta=beta, loss_type=loss_type, label_smoothing=eps)
+    got = dpo.micro_batch_loss(policy, batch, lambda b: dpo.sequence_logps(ref, b), options, len(records))
     got.backward()
-    assert abs(got.item() - expected.item()) < 1e-5 and abs(got.item() - 0.6931) > 1e-3
-    for n, p in policy.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-5)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    return expected.item(), want, got.item(), grads, f64_loss(policy, ref, batch, loss_type, beta, eps)
+
+
+@pytest.mark.parametrize("loss_type, beta, eps", TRL_CASES, ids=[f"{t}-{b}-{e}" for t, b, e in TRL_CASES])
+def test_equal_to_trl(trl_pair, isolated, loss_type, beta, eps):
+    """TRL's DPOTrainer (the bench extra) on the same pairs, each --loss_type: the same tokens, loss and gradients;
+    the float64 loss decides, both within 1e-5 of it."""
+    theirs, want, ours, got, f64 = trl_dpo(trl_pair, loss_type, beta, eps)
+    grad_diff = max((got[k] - want[k]).abs().max().item() for k in want)
+    print(f"\ndpo {loss_type} beta {beta} eps {eps}: ours {ours:.8f} TRL {theirs:.8f} float64 {f64:.8f} | ours-TRL "
+          f"{abs(ours - theirs):.1e} ours-f64 {abs(ours - f64):.1e} TRL-f64 {abs(theirs - f64):.1e} | max grad diff "
+          f"{grad_diff:.1e}")
+    assert abs(ours - f64) < 1e-5 and abs(theirs - f64) < 1e-5 and abs(ours - theirs) < 1e-5
+    if loss_type in ("sigmoid", "robust"):
+        assert abs(ours - 0.6931) > 1e-3  # not the loss of a policy equal to its reference
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
+
+
+def test_sigmoid_label_smoothing_differs_from_trl_on_purpose(trl_pair, isolated):
+    """TRL 1.16's "sigmoid" ignores label_smoothing (its DPOConfig: "used in Robust DPO and EXO"); ours applies it,
+    conservative DPO, as TRL's earlier versions did: equal to the float64 cDPO loss. TRL's loss at ε = 0.2 is its
+    loss at ε = 0, and ours at ε = 0 is TRL's."""
+    theirs, _, ours, _, f64 = trl_dpo(trl_pair, "sigmoid", 0.3, 0.2)
+    theirs0, _, ours0, _, _ = trl_dpo(trl_pair, "sigmoid", 0.3, 0.0)
+    print(f"\ndpo sigmoid eps 0.2: ours (cDPO) {ours:.8f} float64 cDPO {f64:.8f} | TRL {theirs:.8f} = TRL at eps 0 "
+          f"{theirs0:.8f} = ours at eps 0 {ours0:.8f}")
+    assert abs(ours - f64) < 1e-5 and abs(theirs - theirs0) < 1e-7 and abs(ours0 - theirs0) < 1e-5
+    assert abs(ours - theirs) > 1e-3

@@ -70,6 +70,55 @@ def by_hand(model_dir, tokenizer_batch) -> list[float]:
     return losses
 
 
+def typed_loss(policy, ref, batch, loss_type: str, eps: float):
+    """The mean loss of --loss_type over the batch's pairs, in plain torch from the papers' formulas (the per-token
+    loop of tests/test_dpo.reference_logps)."""
+    import torch.nn.functional as F
+
+    from tests.test_dpo import reference_logps
+
+    args = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    pol = reference_logps(policy, *args)
+    with torch.no_grad():
+        rf = reference_logps(ref, *args)
+    n = pol.shape[0] // 2
+    ratio = pol - rf
+    d = ratio[:n] - ratio[n:]
+    if loss_type == "hinge":
+        return torch.clamp(1 - BETA * d, min=0).mean()
+    if loss_type == "ipo":
+        tokens = (args[2][:, 1:] != -100).sum(1).float()
+        return ((ratio[:n] / tokens[:n] - ratio[n:] / tokens[n:] - 1 / (2 * BETA)) ** 2).mean()
+    return ((-(1 - eps) * F.logsigmoid(BETA * d) + eps * F.logsigmoid(-BETA * d)) / (1 - 2 * eps)).mean()  # robust
+
+
+# Learning rates under DPO's 0.5 here: at 0.5 IPO's squared loss diverges, and the hinge is 0 after one step up to
+# 5e-2 (the tiny model's summed log-ratios move by several nats a step).
+@pytest.mark.parametrize("loss_type, eps, lr", [("hinge", 0.0, 0.002), ("ipo", 0.0, 0.05), ("robust", 0.2, 0.05)])
+def test_loss_types_equal_hand_computed_run(job, isolated, one_thread, loss_type, eps, lr):
+    """--loss_type on `finetune train` and `finetune loop`: 3 steps equal the run written out in plain torch."""
+    from transformers import AutoModelForCausalLM
+
+    _, model, _ = job
+    flags = ("--loss_type", loss_type, "--label_smoothing", str(eps), "--learning_rate", str(lr))
+    got = [e["loss"] for e in train(job, f"type-{loss_type}", *flags)]
+    loop = [e["loss"] for e in train(job, f"type-{loss_type}-loop", *flags, path="loop")]
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ref = copy.deepcopy(policy).eval()
+    batch, expected = full_batch(model), []
+    for _ in range(STEPS):
+        policy.zero_grad()
+        loss = typed_loss(policy, ref, batch, loss_type, eps)
+        loss.backward()
+        with torch.no_grad():
+            for p in policy.parameters():
+                p -= lr * p.grad
+        expected.append(loss.item())
+    print(f"\ndpo --loss_type {loss_type}: trainer {got} | loop {loop} | by hand {expected}")
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-5) and loop == pytest.approx(got, abs=1e-6)
+    assert got[-1] < got[0] and len(set(got)) == 3
+
+
 def full_batch(model_dir):
     from finetune.config import ModelConfig
     from finetune.data import preference as PR
@@ -117,6 +166,11 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
     (["--method", "dpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "dpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
+    (["--method", "dpo", "--loss_type", "ipoo"], "--loss_type: loss_type: 'ipoo' is not one of sigmoid, hinge, ipo, "
+                                                 "robust; did you mean 'ipo'?"),
+    (["--method", "dpo", "--loss_type", "hinge", "--label_smoothing", "0.1"], "label_smoothing: --loss_type hinge does "
+                                                                               "not use it"),
+    (["--method", "simpo", "--loss_type", "ipo"], "loss_type: a DPO option; add --method dpo"),
     (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
                                                              "yet (DPO's own is --label_smoothing)"),
     (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),

@@ -1,24 +1,29 @@
-"""finetune.methods.simpo and .orpo: one batch's loss and gradients against a float64 computation written here and
-against TRL 1.16 (CPOTrainer with loss_type="simpo", ORPOTrainer); `finetune train` and `finetune loop` per step."""
+"""finetune.methods.simpo, .orpo and .cpo: one batch's loss and gradients against a float64 computation written here
+and against TRL 1.16 (CPOTrainer with loss_type="simpo" and with its default "sigmoid", ORPOTrainer); `finetune train`
+and `finetune loop` per step."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from finetune.data import preference as PR
-from finetune.methods import orpo, reference_free, simpo
+from finetune.methods import cpo, orpo, reference_free, simpo
+from tests.launch import matrix
 from tests.test_dpo import RECORDS, pair_features
 
 SIMPO = simpo.SimPO()
 ORPO = orpo.ORPO()
+CPO = cpo.CPO()
 
 
-def f64_mean_logps(model, batch):
-    """Plain torch in float64: every position's full log-softmax, then a loop over each row's scored tokens, averaged."""
+def f64_logps(model, batch, mean: bool = True):
+    """Plain torch in float64: every position's full log-softmax, then a loop over each row's scored tokens, summed
+    (and averaged: `mean`)."""
     logp = torch.log_softmax(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double(),
                              dim=-1)
     labels = batch["labels"]
@@ -28,8 +33,12 @@ def f64_mean_logps(model, batch):
         for t in range(labels.shape[1] - 1):
             if labels[i, t + 1] != -100:
                 total, n = total + logp[i, t, labels[i, t + 1]], n + 1
-        out.append(total / n)
+        out.append(total / n if mean else total)
     return torch.stack(out)
+
+
+def f64_mean_logps(model, batch):
+    return f64_logps(model, batch)
 
 
 def f64_loss(method: str, model, batch, **options):
@@ -39,6 +48,11 @@ def f64_loss(method: str, model, batch, **options):
         beta, gamma, eps = options["beta"], options["simpo_gamma"], options["label_smoothing"]
         z = beta * (a - b) - gamma
         return (-(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)).mean()
+    if method == "cpo":
+        beta, alpha, eps = options["beta"], options["cpo_alpha"], options["label_smoothing"]
+        sc, sr = f64_logps(model, batch, mean=False).chunk(2)
+        p = torch.sigmoid(beta * (sc - sr))
+        return ((1 - eps) * -torch.log(p) + eps * -torch.log(1 - p) - alpha * a).mean()
     beta = options["beta"]
     log_odds = (a - b) - (torch.log1p(-torch.exp(a)) - torch.log1p(-torch.exp(b)))
     return (-a - beta * F.logsigmoid(log_odds)).mean()
@@ -46,8 +60,10 @@ def f64_loss(method: str, model, batch, **options):
 
 CASES = [("simpo", dict(beta=2.0, simpo_gamma=0.5, label_smoothing=0.0)),
          ("simpo", dict(beta=1.3, simpo_gamma=0.2, label_smoothing=0.15)),
-         ("orpo", dict(beta=0.1)), ("orpo", dict(beta=0.7))]
-METHOD = {"simpo": (SIMPO, simpo.SimPOConfig), "orpo": (ORPO, orpo.ORPOConfig)}
+         ("orpo", dict(beta=0.1)), ("orpo", dict(beta=0.7)),
+         ("cpo", dict(beta=0.1, cpo_alpha=1.0, label_smoothing=0.0)),
+         ("cpo", dict(beta=0.5, cpo_alpha=0.3, label_smoothing=0.1))]
+METHOD = {"simpo": (SIMPO, simpo.SimPOConfig), "orpo": (ORPO, orpo.ORPOConfig), "cpo": (CPO, cpo.CPOConfig)}
 
 
 def ours(name, model, batch, n_pairs, window=None, **options):
@@ -98,6 +114,8 @@ def test_loss_and_gradients_equal_float64(tiny, name, options):
     assert logged["rewards/chosen"] == pytest.approx(options["beta"] * logged["logps/chosen"])
     if name == "orpo":
         assert logged["nll_loss"] == pytest.approx(-logged["logps/chosen"])
+    if name == "cpo":  # TRL's CPO logs the sums: the rewards are β × them, the NLL the chosen tokens' mean
+        assert logged["logps/chosen"] < -logged["nll_loss"] < 0
 
 
 def test_global_batch_normalization(tiny):
@@ -105,7 +123,7 @@ def test_global_batch_normalization(tiny):
     tokenizer, model = tiny
     features = pair_features(tokenizer, RECORDS)
     collate = PR.PairCollator(tokenizer.pad_token_id)
-    for name, options in CASES[1:3]:
+    for name, options in CASES[1:3] + CASES[5:]:
         model.zero_grad()
         whole = ours(name, model, collate(features), 3, **options)
         whole.backward()
@@ -143,10 +161,25 @@ def trl_trainer(name, model, tokenizer, tmp_path, records, options):
         args = CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, beta=options["beta"],
                          simpo_gamma=options["simpo_gamma"], label_smoothing=options["label_smoothing"])
         return CPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    if name == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args = CPOConfig(**common, beta=options["beta"], cpo_alpha=options["cpo_alpha"],
+                         label_smoothing=options["label_smoothing"])  # loss_type "sigmoid", TRL's default
+        return CPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     args = ORPOConfig(**common, beta=options["beta"])
     return ORPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def trl_cpo_nll(model, batch):
+    """TRL's CPO NLL (CPOTrainer.concatenated_forward): the chosen rows' cross-entropy over their completions, a token
+    mean over the batch."""
+    n = batch["input_ids"].shape[0] // 2
+    logits = model(input_ids=batch["input_ids"][:n], attention_mask=batch["attention_mask"][:n]).logits
+    labels = batch["labels"][:n]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
 def trl_nll(model, batch):
@@ -164,8 +197,9 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options)
     by joining prompt and answer first, a difference on purpose that other tokenizers may show: docs/preference.md),
     so the loss functions meet on identical batches. The
     float64 computation decides: both within 1e-5 of it. ORPO's NLL differs on purpose (TRL's covers the prompt, a
-    token mean over the micro-batch; ours the chosen completion, per pair): the odds-ratio term, the per-example
-    log-probabilities and, with TRL's NLL put in ours, the loss and gradients equal TRL's."""
+    token mean over the micro-batch; ours the chosen completion, per pair), and so does CPO's (TRL's a token mean
+    over the micro-batch's chosen completions; ours per pair): the preference term, the per-example log-probabilities
+    and, with TRL's NLL put in ours, the loss and gradients equal TRL's."""
     pytest.importorskip("trl")
     import copy
 
@@ -203,24 +237,30 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options)
     model.zero_grad()
     window = reference_free.Window(METHOD[name][0].metrics)
     got = ours(name, model, batch, n, window, **options)
-    extra = trl_nll(model, batch) + reference_free.mean_logps(model, batch)[:n].mean() if name == "orpo" else 0.0
-    (got + extra).backward()  # ORPO: our NLL swapped for TRL's
+    # ORPO and CPO: our NLL (the chosen completions' per-pair mean, weighted 1 and α) swapped for TRL's.
+    alpha = {"orpo": 1.0, "cpo": options.get("cpo_alpha", 0.0)}.get(name, 0.0)
+    nll = {"orpo": trl_nll, "cpo": trl_cpo_nll}.get(name)
+    extra = alpha * (nll(model, batch) + reference_free.mean_logps(model, batch)[:n].mean()) if nll else 0.0
+    (got + extra).backward()
     model64 = copy.deepcopy(model).double()
     f64 = f64_loss(name, model64, batch, **options).item()
-    if name == "orpo":
-        f64 += trl_nll(model64, batch).item() + f64_mean_logps(model64, batch)[:n].mean().item()
+    if nll:
+        f64 += alpha * (nll(model64, batch).item() + f64_mean_logps(model64, batch)[:n].mean().item())
     ours_total, trl_total = (got + extra).item(), theirs.item()
     grad_diff = max((p.grad - want[k]).abs().max().item() for k, p in model.named_parameters())
     print(f"\n{name} {options}: ours {ours_total:.8f} TRL {trl_total:.8f} float64 {f64:.8f} | ours-f64 "
           f"{abs(ours_total - f64):.1e} TRL-f64 {abs(trl_total - f64):.1e} ours-TRL {abs(ours_total - trl_total):.1e}"
-          f" | max grad diff {grad_diff:.1e}" + (f" | ORPO as defined here (completion NLL) {got.item():.8f}"
-                                                 if name == "orpo" else ""))
+          f" | max grad diff {grad_diff:.1e}" + (f" | {name} as defined here (per-pair completion NLL) "
+                                                 f"{got.item():.8f}" if nll else ""))
     assert abs(ours_total - f64) < 1e-5 and abs(trl_total - f64) < 1e-5 and abs(ours_total - trl_total) < 1e-5
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], atol=1e-5, rtol=1e-5)
     logged = window.pop()
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected") + (("log_odds_ratio", "log_odds_chosen") if name == "orpo" else ()):
+        if name == "cpo" and key != "rewards/accuracies":  # sums (and β × them): tens
+            assert logged[key] == pytest.approx(float(metrics[key]), rel=1e-5), key
+            continue
         assert logged[key] == pytest.approx(float(metrics[key]), abs=1e-5), key
 
 
@@ -235,7 +275,8 @@ PAIRS = [
      "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "five"}]},
 ]
 LR, STEPS = 0.05, 3
-FLAGS = {"simpo": ("--beta", "2.0", "--simpo_gamma", "0.5"), "orpo": ("--beta", "0.1")}
+FLAGS = {"simpo": ("--beta", "2.0", "--simpo_gamma", "0.5"), "orpo": ("--beta", "0.1"),
+         "cpo": ("--beta", "0.1", "--cpo_alpha", "1.0")}
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +314,7 @@ def full_batch(model_dir):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("method", ["simpo", "orpo"])
+@pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, method, lora):
     """Step 1 is the model as loaded (LoRA's B starts at zero): the float64 loss of the whole batch."""
     from transformers import AutoModelForCausalLM
@@ -316,7 +357,7 @@ def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, 
         assert w["rewards/margins"] == pytest.approx(w["rewards/chosen"] - w["rewards/rejected"], abs=1e-5)
 
 
-@pytest.mark.parametrize("method", ["simpo", "orpo"])
+@pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_evaluation_on_both_paths(job, isolated, one_thread, method):
     flags = ("--eval_split_size", "2", "--per_device_eval_batch_size", "3", "--eval_steps", "2", "--max_steps", "2")
     want = train(job, f"{method}-trainer-eval", method, *flags, entries="eval_loss")
@@ -327,7 +368,7 @@ def test_evaluation_on_both_paths(job, isolated, one_thread, method):
     assert want[0]["eval_samples"] == 2
 
 
-@pytest.mark.parametrize("method", ["simpo", "orpo"])
+@pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_engine_path_refuses_by_name(method):
     """scripts/sft.py (the DeepSpeed engine path) is not written for pairs: it refuses them by name, as DPO."""
     from types import SimpleNamespace
@@ -344,7 +385,7 @@ def test_engine_path_refuses_by_name(method):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["trainer", "loop"])
-@pytest.mark.parametrize("method", ["simpo", "orpo"])
+@pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_resume_gives_the_same_losses(job, isolated, one_thread, method, path):
     """The run's own mid-epoch checkpoint (step 3 of 4) resumed in a new folder: the same steps and metrics."""
     import shutil
@@ -363,8 +404,11 @@ def test_resume_gives_the_same_losses(job, isolated, one_thread, method, path):
 
 @pytest.mark.parametrize("flags, problem", [
     (["--simpo_gamma", "0.2"], "simpo_gamma: a SimPO option; add --method simpo"),
-    (["--method", "orpo", "--label_smoothing", "0.1"], ("label_smoothing: an option of DPO, SimPO; add --method "
-                                                       "dpo or simpo")),
+    (["--method", "orpo", "--label_smoothing", "0.1"], ("label_smoothing: an option of DPO, SimPO, CPO; add "
+                                                       "--method dpo or simpo or cpo")),
+    (["--cpo_alpha", "0.5"], "cpo_alpha: a CPO option; add --method cpo"),
+    (["--method", "cpo", "--cpo_alpha", "-1"], "cpo_alpha: must be 0 or more, got -1.0"),
+    (["--method", "cpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "orpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "simpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "simpo", "--packing"], "packing: not supported with --method simpo yet"),
@@ -402,8 +446,69 @@ def test_plan_holds_no_reference(tmp_path):
     base = ["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
             "--max_seq_length", "128", "--per_device_train_batch_size", "2"]
     dpo_pre = plan.make_plan(base + ["--method", "dpo", "--precompute_ref_log_probs"])
-    for method in ("simpo", "orpo"):
+    for method in ("simpo", "orpo", "cpo"):
         p = plan.make_plan(base + ["--method", method])
         assert "reference model" not in p["per_device"] and "no reference model" in p["job"]["method"]
         # Two rows per pair, as DPO without its reference: the same memory.
         assert p["per_device_total"] == dpo_pre["per_device_total"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: 2 processes against 1, per step (tests/test_dpo_train.py's 8 pairs; global batch 4: 2 steps per epoch, 4
+# steps), on the Trainer path under ZeRO-2 and ZeRO-3 and on the loop under ZeRO-3. No reference: nothing but the
+# policy is partitioned. The engine path refuses the methods by name (test_engine_path_refuses_by_name).
+# CI runs one preset/path per method (each combination once over the three); FINETUNE_FULL_MATRIX=1 runs all nine.
+
+MULTI = [(m, p, c) for m in ("simpo", "orpo", "cpo") for p, c in (("trainer", "zero2"), ("trainer", "zero3"),
+                                                                  ("loop", "zero3"))]
+MULTI_CASES = matrix(MULTI, [("simpo", "trainer", "zero2"), ("orpo", "trainer", "zero3"), ("cpo", "loop", "zero3")])
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    from finetune.models import tiny
+    from tests.test_dpo_train import MORE_PAIRS
+
+    root = tmp_path_factory.mktemp("pref-multi")
+    model = tiny.build(root / "model", style="chatml")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MORE_PAIRS))
+    return root, model, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, path, preset", MULTI_CASES, ids=["-".join(c) for c in MULTI_CASES])
+def test_two_processes_equal_one(multi, method, path, preset):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.launch import LOOP, TRAIN, launcher, run, unexpected_warnings
+
+    root, model, data = multi
+    script = {"trainer": TRAIN, "loop": LOOP}[path]
+    name = f"{method}-{path}-{preset}"
+
+    def history(job: str, cmd: list[str], micro: int) -> list[dict]:
+        out = root / f"{name}-{job}"
+        result = run(cmd + ["--config", preset, "--method", method, *FLAGS[method], "--model_name_or_path", str(model),
+                            "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
+                            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", "2",
+                            "--max_steps", "4", "--lr_scheduler_type", "constant", "--learning_rate", "0.05",
+                            "--seed", "3", "--disable_tqdm", "true"], timeout=600).check()
+        assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
+        assert "no reference model" in result.output
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    with ThreadPoolExecutor(2) as pool:  # independent jobs side by side (the data cache is shared under its lock)
+        one = pool.submit(history, "1", [sys.executable, script], 2)
+        two = pool.submit(history, "2", launcher("accelerate", 2, script=script), 1)
+        one, two = one.result(), two.result()
+    assert [e["step"] for e in two] == [e["step"] for e in one] == [1, 2, 3, 4]
+    assert one[-1]["loss"] < one[0]["loss"]
+    keys = ("loss", "grad_norm", *METHOD[method][0].metrics)
+    for a, b in zip(one, two):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
+    diff = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(one, two) for k in keys)
+    curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
+    print(f"\n{method} parity | {path} | {preset} | 1 process: {curve(one)} | 2 processes: {curve(two)} | "
+          f"max diff (loss, grad norm, metrics; relative above 1) {diff:.1e}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.methods.base import Method, MethodConfig
+from finetune.methods.cpo import CPO
 from finetune.methods.dpo import DPO
 from finetune.methods.kto import KTO
 from finetune.methods.orpo import ORPO
@@ -16,7 +17,7 @@ from finetune.methods.reward import Reward
 from finetune.methods.sft import SFT
 from finetune.methods.simpo import SimPO
 
-METHODS: dict[str, Method] = {m.name: m for m in (SFT(), DPO(), SimPO(), ORPO(), KTO(), Reward())}
+METHODS: dict[str, Method] = {m.name: m for m in (SFT(), DPO(), SimPO(), ORPO(), CPO(), KTO(), Reward())}
 DEFAULT = SFT.name  # an SFT run's recipe leaves the method keys out, as before --method existed
 
 

@@ -1,11 +1,12 @@
-"""DPO (--method dpo, docs/preference.md): the sigmoid preference loss over the pairs of finetune.data.preference.
+"""DPO (--method dpo, docs/preference.md): a preference loss over the pairs of finetune.data.preference (--loss_type:
+sigmoid, hinge, ipo, robust, as TRL's DPOTrainer names them; LOSSES below).
 
 A micro-batch holds whole pairs: rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (PairCollator), scored in
 one forward. A sequence's log-probability is the sum over its completion's trained tokens (labels != -100) of
 log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
 
     d    = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    loss = -(1 - ε) log σ(β d) - ε log σ(-β d)
+    loss = -(1 - ε) log σ(β d) - ε log σ(-β d)                       (sigmoid, the default; conservative DPO for ε > 0)
 
 and a step minimizes the mean over the pairs of the GLOBAL batch (all ranks, all micro-batches): each micro-batch
 contributes its pairs' loss sum over that count, as the SFT loss divides token sums by the global token count.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from finetune.methods.base import Context, Examples, Method, MethodConfig, PlannerTerms, Session, Window
 
@@ -30,6 +32,50 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
            "logps/rejected")
 
 
+# ----------------------------------------------------------------------------------------------
+# The loss types (--loss_type, TRL's DPOConfig.loss_type names). Each: per-pair losses of the pairs' log-ratios to the
+# reference (summed over the completion's trained tokens), their trained token counts, β and ε.
+
+
+def sigmoid_loss(chosen_ratio, rejected_ratio, lengths, beta: float, label_smoothing: float):
+    """DPO: -log σ(β d); with ε > 0 conservative DPO, -(1 - ε) log σ(β d) - ε log σ(-β d). (TRL 1.16's "sigmoid"
+    ignores label_smoothing; its older versions and the cDPO note apply it, as here: docs/preference.md.)"""
+    import torch.nn.functional as F
+
+    d = beta * (chosen_ratio - rejected_ratio)
+    return -(1 - label_smoothing) * F.logsigmoid(d) - label_smoothing * F.logsigmoid(-d)
+
+
+def hinge_loss(chosen_ratio, rejected_ratio, lengths, beta: float, label_smoothing: float):
+    """SLiC's hinge: max(0, 1 - β d)."""
+    import torch
+
+    return torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
+
+
+def ipo_loss(chosen_ratio, rejected_ratio, lengths, beta: float, label_smoothing: float):
+    """IPO (Azar et al. 2023, eq. 17; β is its τ): (d' - 1 / (2β))², d' of the log-ratios averaged over each
+    completion's tokens, as TRL (the IPO authors' normalization)."""
+    chosen_tokens, rejected_tokens = lengths
+    d = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+    return (d - 1 / (2 * beta)) ** 2
+
+
+def robust_loss(chosen_ratio, rejected_ratio, lengths, beta: float, label_smoothing: float):
+    """Robust DPO (Chowdhury et al. 2024): an unbiased loss when a share ε of the labels is flipped,
+    (-(1 - ε) log σ(β d) + ε log σ(-β d)) / (1 - 2ε)."""
+    import torch.nn.functional as F
+
+    d = beta * (chosen_ratio - rejected_ratio)
+    return (-(1 - label_smoothing) * F.logsigmoid(d) + label_smoothing * F.logsigmoid(-d)) / (1 - 2 * label_smoothing)
+
+
+LOSSES = {"sigmoid": sigmoid_loss, "hinge": hinge_loss, "ipo": ipo_loss, "robust": robust_loss}
+LossType = Literal[tuple(LOSSES)]  # the parser's choices, with did-you-mean
+# The loss types that read --label_smoothing (the others refuse it rather than ignore it).
+SMOOTHED = ("sigmoid", "robust")
+
+
 @dataclass
 class DPOConfig(MethodConfig):
     """DPO's flags (--method dpo; docs/preference.md)"""
@@ -39,9 +85,15 @@ class DPOConfig(MethodConfig):
         metadata={"help": "DPO: how far the model may move from the reference (higher keeps it closer); the "
                           "rewards logged are beta x log(policy / reference) of each completion."},
     )
+    loss_type: LossType = field(
+        default="sigmoid",
+        metadata={"help": "DPO: the loss of each pair's log-ratio margin, as TRL names it: sigmoid (DPO), hinge "
+                          "(SLiC), ipo (IPO, length-normalized), robust (Robust DPO, with --label_smoothing)."},
+    )
     label_smoothing: float = field(
         default=0.0,
-        metadata={"help": "DPO: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."},
+        metadata={"help": "DPO: the share of pairs assumed mislabelled, in [0, 0.5): conservative DPO with "
+                          "--loss_type sigmoid, the flip rate of --loss_type robust."},
     )
     precompute_ref_log_probs: bool = field(
         default=False,
@@ -83,6 +135,9 @@ class DPO(Method):
             problems.append(f"beta: must be positive, got {options.beta}")
         if not 0.0 <= options.label_smoothing < 0.5:
             problems.append(f"label_smoothing: must be in [0, 0.5), got {options.label_smoothing}")
+        elif options.label_smoothing and options.loss_type not in SMOOTHED:
+            problems.append(f"label_smoothing: --loss_type {options.loss_type} does not use it; leave it out or use "
+                            f"--loss_type {' or '.join(SMOOTHED)}")
         return problems + pair_data_problems("dpo", data, training, evaluation,
                                              hints={"label_smoothing_factor": " (DPO's own is --label_smoothing)"})
 
@@ -199,16 +254,6 @@ def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, m
     return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
 
 
-def sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float = 0.0):
-    """(per-pair losses, chosen rewards, rejected rewards); rewards are β × log-ratio to the reference, detached."""
-    import torch.nn.functional as F
-
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    d = beta * (chosen_ratio - rejected_ratio)
-    losses = -(1 - label_smoothing) * F.logsigmoid(d) - label_smoothing * F.logsigmoid(-d)
-    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
-
-
 class Metrics(Window):
     """Sums of the window's rewards, margins, accuracies and log-probs (this rank), reduced and averaged at log time."""
 
@@ -243,6 +288,8 @@ def micro_batch_loss(policy, batch: dict, reference, options: DPOConfig, n_pairs
     them (`ref_logps`, precomputed)."""
     import torch
 
+    from finetune.data.prepare import IGNORE_INDEX
+
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
     else:
@@ -252,9 +299,11 @@ def micro_batch_loss(policy, batch: dict, reference, options: DPOConfig, n_pairs
     logps = sequence_logps(policy, batch)
     ref = ref.to(logps.device, logps.dtype)
     chosen, rejected = logps.chunk(2)
-    ref_chosen, ref_rejected = ref.chunk(2)
-    losses, reward_chosen, reward_rejected = sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected,
-                                                          options.beta, options.label_smoothing)
+    chosen_ratio, rejected_ratio = (logps - ref).chunk(2)
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).to(logps.dtype).chunk(2)
+    losses = LOSSES[options.loss_type](chosen_ratio, rejected_ratio, tokens, options.beta, options.label_smoothing)
+    # TRL's rewards: β × the log-ratio, whatever the loss type.
+    reward_chosen, reward_rejected = (options.beta * chosen_ratio).detach(), (options.beta * rejected_ratio).detach()
     if metrics is not None:
         metrics.add(chosen, rejected, reward_chosen, reward_rejected)
     return losses.sum() / n_pairs
@@ -444,7 +493,8 @@ class Reference:
             what = "a frozen copy of the model (full fine-tuning: a second set of weights in memory)"
         else:
             what = "the model with its LoRA adapters disabled (no copy)"
-        return f"dpo: beta {self.options.beta}, label smoothing {self.options.label_smoothing}; reference: {what}"
+        return (f"dpo: loss {self.options.loss_type}, beta {self.options.beta}, label smoothing "
+                f"{self.options.label_smoothing}; reference: {what}")
 
     def prepare(self, batch: dict, pairs: Examples | None = None) -> dict:
         """The batch for micro_batch_loss: `pair_index` swapped for the pairs' precomputed log-probs (of `pairs`,

@@ -1,10 +1,10 @@
-"""What the preference methods without a reference model share (SimPO, ORPO; docs/preference.md): DPO's pairs and
-collator, and a loss of each pair's length-normalized completion log-probabilities.
+"""What the preference methods without a reference model share (SimPO, ORPO, CPO; docs/preference.md): DPO's pairs
+and collator, and a loss of each pair's completion log-probabilities (length-normalized, or summed for CPO).
 
 A micro-batch holds whole pairs, rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (DPO's PairCollator), scored
 in one forward at the completions' positions only (DPO's sequence scoring). A row's length-normalized log-probability
 is the mean over its completion's trained tokens (labels != -100) of log p(token | everything before it). A
-subclass turns those means into per-pair losses (`pair_losses`); a step minimizes the mean over the pairs of the
+subclass turns those means into per-pair losses (`pair_losses`; one that reads the sums too overrides `pair_terms`); a step minimizes the mean over the pairs of the
 GLOBAL batch, as DPO's does: each micro-batch contributes its pairs' loss sum over that count, so the split over
 ranks and accumulation does not change the step.
 """
@@ -36,6 +36,12 @@ class ReferenceFree(Method):
         """(per-pair losses, [pairs, len(metrics)] detached per-pair metric values) of the pairs' length-normalized
         log-probabilities `chosen` and `rejected` (float32, with grad)."""
         raise NotImplementedError
+
+    def pair_terms(self, options, sums, tokens) -> tuple:
+        """pair_losses of the rows' completion log-probability `sums` ([chosen..., rejected...]) over their trained
+        `tokens`: the length-normalized ones (TRL's average_log_prob)."""
+        chosen, rejected = (sums / tokens).chunk(2)
+        return self.pair_losses(options, chosen, rejected)
 
     def validate(self, options, data, training: dict, evaluation) -> list[str]:
         """The scale; what the pair data path does not support yet is refused by name, as for DPO."""
@@ -71,15 +77,22 @@ class ReferenceFree(Method):
         return f"{self.name}: beta {options.beta}; no reference model"
 
 
-def mean_logps(model, batch: dict):
-    """Per row of a pair batch: the mean log-probability of its completion's trained tokens (grad where enabled)."""
+def sums_and_tokens(model, batch: dict):
+    """Per row of a pair batch: the sum of its completion's trained tokens' log-probabilities (grad where enabled),
+    and how many they are."""
     from finetune.data.prepare import IGNORE_INDEX
 
     sums = dpo.sequence_logps(model, batch)
     # A pair's completions keep trained tokens through truncation (finetune.data.preference keeps half of
     # max_seq_length for them); the floor keeps a row without any at 0, as DPO's sum is, not NaN.
     tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1)
-    return sums / tokens.to(sums.dtype)
+    return sums, tokens.to(sums.dtype)
+
+
+def mean_logps(model, batch: dict):
+    """Per row of a pair batch: the mean log-probability of its completion's trained tokens (grad where enabled)."""
+    sums, tokens = sums_and_tokens(model, batch)
+    return sums / tokens
 
 
 def micro_batch_loss(method: ReferenceFree, options, model, batch: dict, n_pairs, window: Window | None = None):
@@ -87,8 +100,7 @@ def micro_batch_loss(method: ReferenceFree, options, model, batch: dict, n_pairs
     import torch
 
     batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-    chosen, rejected = mean_logps(model, batch).chunk(2)
-    losses, values = method.pair_losses(options, chosen, rejected)
+    losses, values = method.pair_terms(options, *sums_and_tokens(model, batch))
     if window is not None:
         n = torch.full((values.shape[0], 1), 1.0, dtype=torch.float64, device=values.device)
         window.add(torch.cat([values.double(), n], dim=1).sum(0))
