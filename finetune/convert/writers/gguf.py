@@ -29,11 +29,46 @@ from finetune.errors import did_you_mean
 from finetune.models import families
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# --gguf_type values. Written here with the gguf package's own encoders and quantizers (no compiler):
+PLAIN_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# llama.cpp's K-quant presets, written by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, from an
+# f32 file written here): the preset's llama_ftype. The gguf package dequantizes these types but cannot quantize them.
+LLAMACPP_TYPES = {"q4_K_M": 15, "q5_K_M": 17, "q6_K": 18}
+GGUF_TYPES = PLAIN_TYPES + tuple(LLAMACPP_TYPES)
+# The 4- and 5-bit block types: their output head (or the tied token embedding that serves as one) is written Q8_0,
+# the most precise type the gguf package quantizes (llama.cpp's presets put it in Q6_K), as llama.cpp keeps it
+# above the rest.
+LOW_BIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1")
 # Largest logit difference (GGUF-loaded vs HF, fp32 compute, verify.fixed_input) accepted per type. f32 is the
-# project's 1e-5; the others are relative to the largest |logit| of the HF model (measured on SmolLM2-135M, see
-# docs/export.md: f16 0.1%, bf16 0.6%, q8_0 2.5%), with 3x or more headroom over the measurements.
-LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08}
+# project's 1e-5; the others are relative to the largest |logit| of the HF model, set with 2x or more headroom over
+# the largest of the measurements on SmolLM2-135M and the tests' tiny models (docs/export.md has them).
+LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
+                "q4_0": 0.6, "q4_1": 0.6, "q5_0": 0.4, "q5_1": 0.4,
+                "q4_K_M": 0.6, "q5_K_M": 0.4, "q6_K": 0.2}
+LLAMACPP_HINT = "pip install llama-cpp-python (or pip install 'finetune[llamacpp]')"
+
+
+def gguf_type_name(value: str) -> str | None:
+    """The --gguf_type VALUE names (any case: Q4_K_M, q4_k_m), or None."""
+    return next((t for t in GGUF_TYPES if t.lower() == str(value).lower()), None)
+
+
+def has_llamacpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_type_problem(value: str) -> str | None:
+    """The one-line refusal of a --gguf_type value, or None: an unknown name, or a K-quant preset without llama.cpp."""
+    name = gguf_type_name(value)
+    if name is None:
+        return (f"--gguf_type: '{value}' is not one of {', '.join(GGUF_TYPES)}"
+                f"{did_you_mean(str(value), list(GGUF_TYPES))}")
+    if name in LLAMACPP_TYPES and not has_llamacpp():
+        return (f"--gguf_type {name}: written by llama.cpp's quantizer, and llama-cpp-python is not installed: "
+                f"{LLAMACPP_HINT}; or pick one finetune writes itself ({', '.join(PLAIN_TYPES)})")
+    return None
 # Pre-tokenizers recognised from tokenizer.json, named as llama.cpp names them (tokenizer.ggml.pre).
 LLAMA3_SPLIT = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
@@ -51,9 +86,12 @@ class GGUFReport:
     logit_bound: float
     weight_diff: float
     seconds: float
+    types: dict[str, int] = field(default_factory=dict)  # GGML type name -> number of tensors stored in it
 
     def __str__(self) -> str:
-        return (f"wrote {self.path} ({self.gguf_type}, {self.size_bytes / 2**20:.1f} MiB, {self.seconds:.1f}s): "
+        mix = ", ".join(f"{n} {t}" for t, n in self.types.items())
+        return (f"wrote {self.path} ({self.gguf_type}, {self.size_bytes / 2**20:.1f} MiB, {self.seconds:.1f}s; "
+                f"tensors: {mix}): "
                 f"transformers-loaded logits vs HF max diff {self.logit_diff:.3g} (limit {self.logit_bound:g}); "
                 f"weights vs HF max diff {self.weight_diff:.3g} (rounding to {self.gguf_type}; they load back exactly as stored)")
 
@@ -75,16 +113,21 @@ def _writable_family(config, model_dir: Path):
     return family
 
 
-def _tensor_type(gguf_type: str, array):
-    """The GGML type a tensor is stored in: 1-D tensors (norms) stay F32, as llama.cpp keeps them; Q8_0 needs rows
-    that are a multiple of its 32-value block (llama.cpp falls back to F16 otherwise)."""
+def _tensor_type(gguf_type: str, array, name: str = "", head: bool = False):
+    """The GGML type a tensor is stored in, as llama.cpp's quantizer picks it (llama_tensor_get_type): 1-D tensors
+    (norms, biases) and a mixture-of-experts router (ffn_gate_inp) stay F32; under a 4- or 5-bit type the output head
+    (HEAD: output.weight, or token_embd when it is tied) is Q8_0; a row whose length is not a multiple of the type's
+    block (32 values) is F16 (llama.cpp's fallback)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
-    if array.ndim < 2 or gguf_type == "f32":
+    if array.ndim < 2 or gguf_type == "f32" or name.startswith("blk.") and ".ffn_gate_inp." in name:
         return Q.F32
-    if gguf_type == "q8_0":
-        return Q.Q8_0 if array.shape[-1] % 32 == 0 else Q.F16
-    return {"f16": Q.F16, "bf16": Q.BF16}[gguf_type]
+    if gguf_type in LOW_BIT_TYPES and head:
+        gguf_type = "q8_0"
+    qtype = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0,
+             "q5_1": Q.Q5_1}[gguf_type]
+    return qtype if array.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
 
 
 def _encode(array, qtype):
@@ -130,7 +173,8 @@ def gguf_tensors(model, gguf_type: str):
         if name is None:
             raise ExportError(f"weight {hf_name} has no GGUF name for the {family.gguf_arch} architecture")
         array = family.to_gguf(hf_name, tensor.detach().to("cpu", dtype=torch.float32).numpy(), shape)
-        qtype = _tensor_type(gguf_type, array)
+        head = name == "output.weight" or (tied and name == "token_embd.weight")
+        qtype = _tensor_type(gguf_type, array, name, head)
         out.append((name, _encode(array, qtype), qtype, hf_name))
     return out
 
@@ -353,6 +397,10 @@ def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[
 # Writing and verifying
 
 
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1"}
+
+
 def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
     """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified."""
     import gguf
@@ -365,9 +413,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     writer.add_name(name)
     for adder, value in family.gguf_metadata(config):
         getattr(writer, adder)(value)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
-    writer.add_file_type(file_type)
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[gguf_type]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     try:
         tok = add_tokenizer(writer, model_dir, config.vocab_size, tokenizer, tj)
@@ -381,6 +427,46 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     finally:
         writer.close()
     return tensors, tok
+
+
+def llamacpp_quantize(source: Path, path: Path, gguf_type: str) -> None:
+    """llama.cpp's quantizer (llama_model_quantize) run on SOURCE (an f32 GGUF file written here) with the preset of
+    GGUF_TYPE, writing PATH: llama.cpp picks each tensor's type (llama_tensor_get_type) and copies the metadata."""
+    import ctypes
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ExportError(f"--gguf_type {gguf_type}: llama-cpp-python is not installed: {LLAMACPP_HINT}") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMACPP_TYPES[gguf_type]
+    params.nthread = max(1, len(os.sched_getaffinity(0)))
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
+    if code != 0:
+        raise ExportError(f"llama.cpp's quantizer failed on {source.name} ({gguf_type}, return code {code})")
+
+
+def stored_tensors(path: Path, model) -> list:
+    """[(gguf name, data, qtype, HF name)] as PATH holds them (the types llama.cpp's quantizer chose)."""
+    from gguf import GGUFReader
+
+    family = families.family_of(model.config)
+    hf_of = {g: h for h, g in family.gguf_names(family.shape(model.config.to_dict())).items()}
+    reader = GGUFReader(str(path))
+    out = []
+    for t in reader.tensors:
+        if t.name not in hf_of:
+            raise VerificationError(f"{path.name}: llama.cpp's quantizer wrote a tensor {t.name} the model does not have")
+        out.append((t.name, t.data, t.tensor_type, hf_of[t.name]))
+    return out
+
+
+def tensor_types(tensors: list) -> dict[str, int]:
+    """{GGML type name: number of tensors}: what a file's tensors are stored as."""
+    counts: dict[str, int] = {}
+    for _, _, qtype, _ in tensors:
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
@@ -441,8 +527,9 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
 
     start = time.perf_counter()
     model_dir, output = Path(model_dir), Path(output).absolute()
-    if gguf_type not in GGUF_TYPES:
-        raise ExportError(f"--gguf_type: '{gguf_type}' is not one of {', '.join(GGUF_TYPES)}")
+    if problem := gguf_type_problem(gguf_type):
+        raise ExportError(problem)
+    gguf_type = gguf_type_name(gguf_type)
     if not (model_dir / "config.json").is_file():
         raise ExportError(f"{model_dir}: no config.json (not a model folder)")
     check_output(output, overwrite)
@@ -456,8 +543,16 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     done = False
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
+    source = output.parent / f".{output.stem}.f32-partial-{os.getpid()}.gguf"
     try:
-        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
+        if gguf_type in LLAMACPP_TYPES:
+            # llama.cpp quantizes a full-precision file; the file's tensors are then read back as llama.cpp wrote them.
+            _, tok = write_gguf(model, model_dir, source, "f32", output.stem, tokenizer)
+            llamacpp_quantize(source, tmp, gguf_type)
+            source.unlink()
+            tensors = stored_tensors(tmp, model)
+        else:
+            tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
                                                        gguf_type=gguf_type)
         style = None
@@ -470,11 +565,12 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
         done = True
     finally:
         tmp.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
         mf_tmp.unlink(missing_ok=True)
         if made_parent and not done and not any(output.parent.iterdir()):
             output.parent.rmdir()
     report = GGUFReport(str(output), gguf_type, output.stat().st_size, logit_diff, bound, weight_diff,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, tensor_types(tensors))
     log(str(report))
     if modelfile:
         log(f"wrote {output.parent / 'Modelfile'}"
@@ -500,7 +596,9 @@ def write_source(args: ExportArgs, gguf_type: str) -> GGUFReport:
 class GGUFFlags:
     """With --to gguf"""
 
-    gguf_type: str = field(default="f32", metadata={"help": "Tensor type: f32, f16, bf16 or q8_0 (norms stay f32)."})
+    gguf_type: str = field(default="f32", metadata={"help": (
+        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (written here), or llama.cpp's presets q4_K_M, "
+        "q5_K_M, q6_K (need llama-cpp-python). Norms stay f32; the 4/5-bit types keep the output head in q8_0.")})
 
 
 class GGUF(Writer):
@@ -511,9 +609,8 @@ class GGUF(Writer):
 
     def check(self, args: ExportArgs, flags: GGUFFlags) -> list[str]:
         problems = []
-        if flags.gguf_type not in GGUF_TYPES:
-            problems.append(f"--gguf_type: '{flags.gguf_type}' is not one of {', '.join(GGUF_TYPES)}"
-                            f"{did_you_mean(flags.gguf_type, list(GGUF_TYPES))}")
+        if problem := gguf_type_problem(flags.gguf_type):
+            problems.append(problem)
         if args.torch_dtype != "float32":
             problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
         out = args.output or args.output_dir
