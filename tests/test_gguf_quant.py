@@ -1,9 +1,8 @@
 """`finetune export --to gguf --gguf_type q4_0|q4_1|q5_0|q5_1`: the 4- and 5-bit types the gguf package quantizes,
 mixed per tensor as llama.cpp's quantizer mixes them (norms F32, the output head Q8_0, rows that are not a multiple of
 the 32-value block F16); the file read back by `finetune import-gguf` holds exactly the HF weights quantized by the
-gguf package, and its logits are within the type's bound. The K-quant presets (q4_K_M, q5_K_M, q6_K) need llama.cpp:
-without llama-cpp-python they are refused in one line that says how to get it, before any model loads (their files
-are tested in tests/test_gguf_llamacpp.py)."""
+gguf package, and its logits are within the type's bound. llama.cpp's K-quant presets (q4_K_M, q5_K_M, q6_K), which
+only llama.cpp's quantizer makes, are refused in one line that says how to make one, before any model loads."""
 
 from __future__ import annotations
 
@@ -110,14 +109,12 @@ def test_rows_not_a_multiple_of_the_block_fall_back_to_f16(tmp_path, capsys):
     assert "tensors: " in capsys.readouterr().err
 
 
-def test_llamacpp_types_refused_without_llamacpp(models, tmp_path, capsys, monkeypatch):
-    """q4_K_M without llama-cpp-python: exit 2 with the one line that says how to get it, before the model loads,
+def test_llamacpp_presets_refused_in_one_line(models, tmp_path, capsys, monkeypatch):
+    """q4_K_M: exit 2 with the one line that says how to make it (llama.cpp's quantizer), before the model loads,
     nothing written; the same line from `finetune quickstart --export gguf --gguf_type q4_K_M`."""
     import transformers
 
     from finetune.apps import quickstart as Q
-
-    monkeypatch.setattr(X, "has_llamacpp", lambda: False)
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
@@ -129,6 +126,7 @@ def test_llamacpp_types_refused_without_llamacpp(models, tmp_path, capsys, monke
                                       "--gguf_type", name])
         lines = [line for line in err.splitlines() if "--gguf_type" in line]
         assert code == 2 and len(lines) == 1 and "pip install llama-cpp-python" in lines[0], err
+        assert "write --gguf_type f16, then `llama-quantize model.gguf" in lines[0], err
         assert not out.parent.exists()
     data = tiny.write_jsonl(tmp_path / "t.jsonl", tiny.synthetic_records(4))
     with pytest.raises(Q.QuickstartFlagsError) as e:

@@ -31,10 +31,12 @@ from finetune.models.verify import VerificationError, fixed_input, logits_of
 
 # --gguf_type values. Written here with the gguf package's own encoders and quantizers (no compiler):
 PLAIN_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-# llama.cpp's K-quant presets, written by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, from an
-# f32 file written here): the preset's llama_ftype. The gguf package dequantizes these types but cannot quantize them.
-LLAMACPP_TYPES = {"q4_K_M": 15, "q5_K_M": 17, "q6_K": 18}
-GGUF_TYPES = PLAIN_TYPES + tuple(LLAMACPP_TYPES)
+# llama.cpp's K-quant presets: made by llama.cpp's own quantizer (llama-quantize, or llama_model_quantize in
+# llama-cpp-python), which finetune does not run (the gguf package dequantizes these types but cannot quantize them,
+# and llama-cpp-python installs from source only: its build here took over 10 minutes). Named so that asking for one
+# gets the way to make it, in one line.
+LLAMACPP_TYPES = ("q4_K_M", "q5_K_M", "q6_K")
+GGUF_TYPES = PLAIN_TYPES + LLAMACPP_TYPES
 # The 4- and 5-bit block types: their output head (or the tied token embedding that serves as one) is written Q8_0,
 # the most precise type the gguf package quantizes (llama.cpp's presets put it in Q6_K), as llama.cpp keeps it
 # above the rest.
@@ -43,9 +45,7 @@ LOW_BIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1")
 # project's 1e-5; the others are relative to the largest |logit| of the HF model, set with 2x or more headroom over
 # the largest of the measurements on SmolLM2-135M and the tests' tiny models (docs/export.md has them).
 LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
-                "q4_0": 0.6, "q4_1": 0.6, "q5_0": 0.4, "q5_1": 0.4,
-                "q4_K_M": 0.6, "q5_K_M": 0.4, "q6_K": 0.2}
-LLAMACPP_HINT = "pip install llama-cpp-python (or pip install 'finetune[llamacpp]')"
+                "q4_0": 0.75, "q4_1": 0.75, "q5_0": 0.75, "q5_1": 0.75}
 
 
 def gguf_type_name(value: str) -> str | None:
@@ -53,21 +53,17 @@ def gguf_type_name(value: str) -> str | None:
     return next((t for t in GGUF_TYPES if t.lower() == str(value).lower()), None)
 
 
-def has_llamacpp() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
 def gguf_type_problem(value: str) -> str | None:
-    """The one-line refusal of a --gguf_type value, or None: an unknown name, or a K-quant preset without llama.cpp."""
+    """The one-line refusal of a --gguf_type value, or None: an unknown name, or a K-quant preset (llama.cpp's)."""
     name = gguf_type_name(value)
     if name is None:
         return (f"--gguf_type: '{value}' is not one of {', '.join(GGUF_TYPES)}"
                 f"{did_you_mean(str(value), list(GGUF_TYPES))}")
-    if name in LLAMACPP_TYPES and not has_llamacpp():
-        return (f"--gguf_type {name}: written by llama.cpp's quantizer, and llama-cpp-python is not installed: "
-                f"{LLAMACPP_HINT}; or pick one finetune writes itself ({', '.join(PLAIN_TYPES)})")
+    if name in LLAMACPP_TYPES:
+        return (f"--gguf_type {name}: made by llama.cpp's quantizer, which finetune does not run: write --gguf_type f16, "
+                f"then `llama-quantize model.gguf model-{name}.gguf {name.upper()}` (llama.cpp; in Python: "
+                f"pip install llama-cpp-python, llama_cpp.llama_model_quantize); or pick one finetune writes "
+                f"({', '.join(PLAIN_TYPES)})")
     return None
 # Pre-tokenizers recognised from tokenizer.json, named as llama.cpp names them (tokenizer.ggml.pre).
 LLAMA3_SPLIT = (
@@ -429,38 +425,6 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     return tensors, tok
 
 
-def llamacpp_quantize(source: Path, path: Path, gguf_type: str) -> None:
-    """llama.cpp's quantizer (llama_model_quantize) run on SOURCE (an f32 GGUF file written here) with the preset of
-    GGUF_TYPE, writing PATH: llama.cpp picks each tensor's type (llama_tensor_get_type) and copies the metadata."""
-    import ctypes
-
-    try:
-        import llama_cpp
-    except ImportError:
-        raise ExportError(f"--gguf_type {gguf_type}: llama-cpp-python is not installed: {LLAMACPP_HINT}") from None
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMACPP_TYPES[gguf_type]
-    params.nthread = max(1, len(os.sched_getaffinity(0)))
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params))
-    if code != 0:
-        raise ExportError(f"llama.cpp's quantizer failed on {source.name} ({gguf_type}, return code {code})")
-
-
-def stored_tensors(path: Path, model) -> list:
-    """[(gguf name, data, qtype, HF name)] as PATH holds them (the types llama.cpp's quantizer chose)."""
-    from gguf import GGUFReader
-
-    family = families.family_of(model.config)
-    hf_of = {g: h for h, g in family.gguf_names(family.shape(model.config.to_dict())).items()}
-    reader = GGUFReader(str(path))
-    out = []
-    for t in reader.tensors:
-        if t.name not in hf_of:
-            raise VerificationError(f"{path.name}: llama.cpp's quantizer wrote a tensor {t.name} the model does not have")
-        out.append((t.name, t.data, t.tensor_type, hf_of[t.name]))
-    return out
-
-
 def tensor_types(tensors: list) -> dict[str, int]:
     """{GGML type name: number of tensors}: what a file's tensors are stored as."""
     counts: dict[str, int] = {}
@@ -543,16 +507,8 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     done = False
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
-    source = output.parent / f".{output.stem}.f32-partial-{os.getpid()}.gguf"
     try:
-        if gguf_type in LLAMACPP_TYPES:
-            # llama.cpp quantizes a full-precision file; the file's tensors are then read back as llama.cpp wrote them.
-            _, tok = write_gguf(model, model_dir, source, "f32", output.stem, tokenizer)
-            llamacpp_quantize(source, tmp, gguf_type)
-            source.unlink()
-            tensors = stored_tensors(tmp, model)
-        else:
-            tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
+        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
                                                        gguf_type=gguf_type)
         style = None
@@ -565,7 +521,6 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
         done = True
     finally:
         tmp.unlink(missing_ok=True)
-        source.unlink(missing_ok=True)
         mf_tmp.unlink(missing_ok=True)
         if made_parent and not done and not any(output.parent.iterdir()):
             output.parent.rmdir()
@@ -597,8 +552,8 @@ class GGUFFlags:
     """With --to gguf"""
 
     gguf_type: str = field(default="f32", metadata={"help": (
-        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (written here), or llama.cpp's presets q4_K_M, "
-        "q5_K_M, q6_K (need llama-cpp-python). Norms stay f32; the 4/5-bit types keep the output head in q8_0.")})
+        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1. Norms stay f32; the 4/5-bit types keep the "
+        "output head in q8_0. llama.cpp's q4_K_M, q5_K_M, q6_K: quantize an f16 file with llama.cpp.")})
 
 
 class GGUF(Writer):
