@@ -140,3 +140,30 @@ def test_llamacpp_presets_refused_in_one_line(models, tmp_path, capsys, monkeypa
     code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(models[False]), str(out),
                                   "--gguf_type", "q4_k"])
     assert code == 2 and "--gguf_type: 'q4_k' is not one of" in err and "did you mean" in err.lower(), err
+
+
+@pytest.mark.parametrize("fam", ["qwen2", "qwen3", "mistral"])
+def test_low_bit_for_each_family(fam, tmp_path, capsys):
+    """q4_0 of a tiny random Qwen2 (q/k/v biases stay F32), Qwen3 (q/k norms F32) and Mistral (written as llama, Q/K
+    permuted): transformers loads the file with every weight exactly the gguf package's quantization (checked
+    inside the export) and logits within the bound."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+
+    from test_families_qwen_mistral import FAMILIES, tiny_model
+
+    tokenizer = tiny.build_tokenizer(tmp_path / "tok", "chatml")
+    model = tiny_model(FAMILIES[fam], vocab_size=len(tokenizer), seed=3)
+    model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    src = tmp_path / fam
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    out = tmp_path / "gguf" / "model.gguf"
+    report = X.write_folder(src, out, gguf_type="q4_0")
+    types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == Q.Q4_0
+    assert types["output.weight"] == Q.Q8_0
+    assert {t for n, t in types.items() if n.endswith((".bias", "norm.weight"))} == {Q.F32}
+    ref_max = logits_of(model, fixed_input(model.config.vocab_size)).abs().max().item()
+    print(f"{fam} q4_0: logit diff {report.logit_diff:.4g} = {report.logit_diff / ref_max:.4f} of max|logit|")
+    assert report.weight_diff > 0 and 0 < report.logit_diff <= X.LOGIT_BOUNDS["q4_0"] * ref_max
