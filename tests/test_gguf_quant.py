@@ -149,7 +149,6 @@ def test_low_bit_for_each_family(fam, tmp_path, capsys):
     inside the export) and logits within the bound."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
-
     from test_families_qwen_mistral import FAMILIES, tiny_model
 
     tokenizer = tiny.build_tokenizer(tmp_path / "tok", "chatml")

@@ -49,7 +49,7 @@ LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
 
 
 def gguf_type_name(value: str) -> str | None:
-    """The --gguf_type VALUE names (any case: Q4_K_M, q4_k_m), or None."""
+    """The --gguf_type VALUE names (any case: Q4_0, q4_k_m), or None."""
     return next((t for t in GGUF_TYPES if t.lower() == str(value).lower()), None)
 
 
@@ -65,6 +65,8 @@ def gguf_type_problem(value: str) -> str | None:
                 f"pip install llama-cpp-python, llama_cpp.llama_model_quantize); or pick one finetune writes "
                 f"({', '.join(PLAIN_TYPES)})")
     return None
+
+
 # Pre-tokenizers recognised from tokenizer.json, named as llama.cpp names them (tokenizer.ggml.pre).
 LLAMA3_SPLIT = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
