@@ -342,21 +342,31 @@ OLLAMA_LLAMA3 = (
     "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>\n"
     "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
 )
+# Mistral-7B-Instruct's [INST] format (its template refuses a system turn); EOS is the tokenizer's end of sequence.
+OLLAMA_MISTRAL = (
+    '{{- range .Messages }}{{- if eq .Role "user" }}[INST] {{ .Content }} [/INST]'
+    '{{- else if eq .Role "assistant" }}{{ .Content }}EOS{{- end }}{{- end }}'
+)
 PROBE = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
          {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
 
 
 def chat_style(tokenizer) -> tuple[str | None, str | None]:
-    """('chatml' | 'llama3' | None, default system prompt or None), by rendering the template on a probe
+    """('chatml' | 'llama3' | 'mistral' | None, default system prompt or None), by rendering the template on a probe
     conversation and comparing it with what each style writes."""
     if not getattr(tokenizer, "chat_template", None):
         return None, None
+    render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
     try:
-        render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
         text = render(PROBE)
         bare = render(PROBE[1:])
-    except Exception:
-        return None, None
+    except Exception:  # a template that refuses a system turn (Mistral's raises) or fails on the probe otherwise
+        try:
+            text = render(PROBE[1:])
+        except Exception:
+            return None, None
+        mistral = f"[INST] U1 [/INST]A1{tokenizer.eos_token}[INST] U2 [/INST]"
+        return ("mistral", None) if text in (mistral, (tokenizer.bos_token or "") + mistral) else (None, None)
     chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in PROBE) + "<|im_start|>assistant\n"
     llama3 = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in PROBE)
     llama3 += "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -381,13 +391,18 @@ def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[
     lines = [f"FROM ./{gguf_name}"]
     if style not in styles:
         return "\n".join(lines) + "\n", None
-    template = OLLAMA_CHATML if style == "chatml" else OLLAMA_LLAMA3
+    template = {"chatml": OLLAMA_CHATML, "llama3": OLLAMA_LLAMA3,
+                "mistral": OLLAMA_MISTRAL.replace("EOS", tokenizer.eos_token or "")}[style]
     lines.append(f'TEMPLATE """{template}"""')
     if system:
         lines.append(f'SYSTEM """{system}"""')
-    stops = ["<|im_end|>"] if style == "chatml" else ["<|eot_id|>", "<|end_of_text|>"]
     vocab = tokenizer.get_vocab()
+    # The end-of-turn tokens; Mistral's turns end in EOS (a stop of its own in llama.cpp), and Ollama also stops on
+    # the text of a next turn, as its own mistral Modelfile does.
+    stops = {"chatml": ["<|im_end|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"]}.get(style, [])
     lines += [f'PARAMETER stop "{s}"' for s in stops if s in vocab]
+    if style == "mistral":
+        lines += ['PARAMETER stop "[INST]"', 'PARAMETER stop "[/INST]"']
     return "\n".join(lines) + "\n", style
 
 
@@ -532,7 +547,7 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     if modelfile:
         log(f"wrote {output.parent / 'Modelfile'}"
             + (f" (TEMPLATE for the {style} chat format)" if style else
-               " without TEMPLATE: the chat template is neither ChatML nor Llama-3; write one by hand"))
+               " without TEMPLATE: the chat template is not one of the family's formats (ChatML, Llama-3, Mistral [INST]); write one by hand"))
     return report
 
 
