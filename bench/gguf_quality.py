@@ -15,6 +15,10 @@ measured on the quickstart's held-out records (data/quickstart/heldout.jsonl):
   where it is installed, else in transformers);
 - llama.cpp's generation speed (tokens/s over the greedy completions, `--threads` threads), where it is installed.
 
+`--no-verify` writes each file with the exporter's writer alone (`write_gguf`: the same bytes `finetune export`
+writes, without its read-back check, which tests/test_gguf_export.py and test_gguf_quant.py cover): for a loaded
+machine.
+
 The HF fp32 model is measured the same way as the first row. The results are written to --out (JSON) and printed as
 the Markdown table of docs/export.md.
 """
@@ -77,12 +81,25 @@ def llamacpp_perplexity(llm, conversations) -> float:
     return math.exp(total / count)
 
 
+def save(args, argv, rows: list[dict], has_llamacpp: bool) -> None:
+    """Each row's perplexities relative to the f16 row's, and the results file."""
+    f16 = next((r for r in rows if r["type"] == "f16"), None)
+    for r in rows:
+        for key in ("ppl_transformers", "ppl_llamacpp"):
+            if f16 and key in r and key in f16:
+                r[key + "_vs_f16"] = r[key] / f16[key] - 1
+    result = dict(model=args.model_name_or_path, base=args.base, examples=args.examples,
+                  exact_match_examples=args.exact_match, threads=args.threads, llamacpp=has_llamacpp, verify=args.verify,
+                  command="bench/gguf_quality.py " + " ".join(sys.argv[1:] if argv is None else argv), rows=rows)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.apps.quickstart import exact_match
-    from finetune.convert.writers.gguf import write_folder
+    from finetune.convert.writers.gguf import tensor_types, write_folder, write_gguf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_name_or_path", required=True, help="an HF model folder, or a LoRA adapter folder")
@@ -92,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exact_match", type=int, default=80, help="held-out records decoded for exact match")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "bench" / "gguf_quality.json"))
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="write each file through finetune export's verified path (default) or write_gguf alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [B.prompt_ids(tokenizer, r) for r in em_records]
     refs = [r["messages"][-1]["content"] for r in em_records]
     eos = B.eos_ids(tokenizer)
-    budget = B.max_new_tokens(tokenizer, em_records)
+    budget = B.max_new_tokens(tokenizer, em_records) if em_records else 0
 
     def score(completions) -> float:
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
@@ -126,13 +145,19 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(dict(type="HF fp32", size_mib=None, ppl_transformers=hf_ppl, exact_match=hf_em,
                      exact_match_in="transformers", seconds=time.time() - t))
     print(json.dumps(rows[-1]), flush=True)
-    del model
+    save(args, argv, rows, has_llamacpp)
     for gguf_type in args.types.split(","):
         out = work / gguf_type / "model.gguf"
         t = time.time()
-        report = write_folder(model_dir, out, gguf_type=gguf_type, modelfile=False)
-        row = dict(type=gguf_type, size_mib=report.size_bytes / 2**20, tensors=report.types,
-                   logit_diff=report.logit_diff, export_seconds=time.time() - t)
+        if args.verify:
+            report = write_folder(model_dir, out, gguf_type=gguf_type, modelfile=False)
+            row = dict(type=gguf_type, size_mib=report.size_bytes / 2**20, tensors=report.types,
+                       logit_diff=report.logit_diff)
+        else:
+            out.parent.mkdir(parents=True)
+            tensors, _ = write_gguf(model, Path(model_dir), out, gguf_type, "model")
+            row = dict(type=gguf_type, size_mib=out.stat().st_size / 2**20, tensors=tensor_types(tensors))
+        row["export_seconds"] = time.time() - t
         loaded = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
         row["ppl_transformers"] = hf_perplexity(loaded, conversations)
         if has_llamacpp:
@@ -152,16 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         out.unlink()
         rows.append(row)
         print(json.dumps(row), flush=True)
-
-    f16 = next((r for r in rows if r["type"] == "f16"), None)
-    for r in rows:
-        for key in ("ppl_transformers", "ppl_llamacpp"):
-            if f16 and key in r and key in f16:
-                r[key + "_vs_f16"] = r[key] / f16[key] - 1
-    result = dict(model=args.model_name_or_path, base=args.base, examples=args.examples,
-                  exact_match_examples=args.exact_match, threads=args.threads, llamacpp=has_llamacpp,
-                  command="bench/gguf_quality.py " + " ".join(sys.argv[1:] if argv is None else argv), rows=rows)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        save(args, argv, rows, has_llamacpp)  # after each type: a run cut short keeps what it measured
+    save(args, argv, rows, has_llamacpp)
 
     def pct(x):
         return "" if x is None else f"{x:+.2%}"
