@@ -1,7 +1,7 @@
 """The GGUF export type (`finetune export --to gguf`): an HF folder of a model family finetune writes as GGUF -> one
 GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it.
 
-    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0
+    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0    # or q4_0, q4_1, q5_0, q5_1
     finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
     finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
 
