@@ -70,7 +70,7 @@ def hf_perplexity(model, conversations) -> float:
         for ids, start in conversations:
             s, n = nll(model(torch.tensor([ids])).logits[0].float().numpy(), ids, start)
             total, count = total + s, count + n
-    return math.exp(total / count)
+    return math.exp(total / count) if count else None  # --examples 0: exact match only
 
 
 def llamacpp_perplexity(llm, conversations) -> float:
@@ -86,7 +86,7 @@ def save(args, argv, rows: list[dict], has_llamacpp: bool) -> None:
     f16 = next((r for r in rows if r["type"] == "f16"), None)
     for r in rows:
         for key in ("ppl_transformers", "ppl_llamacpp"):
-            if f16 and key in r and key in f16:
+            if f16 and r.get(key) and f16.get(key):
                 r[key + "_vs_f16"] = r[key] / f16[key] - 1
     result = dict(model=args.model_name_or_path, base=args.base, examples=args.examples,
                   exact_match_examples=args.exact_match, threads=args.threads, llamacpp=has_llamacpp, verify=args.verify,
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         em = "-" if r.get("exact_match") is None else f"{r['exact_match']:.1%} ({r['exact_match_in']})"
         cpp = f"{r['ppl_llamacpp']:.4f}" if "ppl_llamacpp" in r else "-"
         tps = f"{r['tokens_per_s_llamacpp']:.1f}" if r.get("tokens_per_s_llamacpp") else "-"
-        print(f"| {r['type']} | {size} | {r['ppl_transformers']:.4f} | {pct(r.get('ppl_transformers_vs_f16'))} | {cpp} | "
+        ppl = "-" if r["ppl_transformers"] is None else f"{r['ppl_transformers']:.4f}"
+        print(f"| {r['type']} | {size} | {ppl} | {pct(r.get('ppl_transformers_vs_f16'))} | {cpp} | "
               f"{pct(r.get('ppl_llamacpp_vs_f16'))} | {em} | {tps} |")
     print(f"\nwrote {args.out}")
 
