@@ -288,3 +288,38 @@ def test_qwen3_with_its_real_tokenizer(qwen3_dir, tmp_path, capsys, one_thread):
     modelfile = (out.parent / "Modelfile").read_text()
     assert 'PARAMETER stop "<|im_end|>"' in modelfile and "TEMPLATE" in modelfile
     print(f"qwen3 (real tokenizer): GGUF logits vs HF max diff {diff:.3g}")
+
+
+def test_mistral_chat_template_in_the_file_and_the_modelfile(sentencepiece_model, tmp_path, capsys, one_thread):
+    """A tiny Mistral with Mistral-7B-Instruct's 32k SentencePiece tokenizer and [INST] template: the GGUF file holds
+    the template and the EOS id; the Modelfile's TEMPLATE, executed by hand, writes what the HF template writes, and
+    stops on EOS's turn ends."""
+    import re
+
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from finetune.convert.writers import gguf as X
+
+    tok = AutoTokenizer.from_pretrained(sentencepiece_model)
+    model = tiny_model(MISTRAL, vocab_size=len(tok), seed=3)
+    model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    src = tmp_path / "mistral"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    out = tmp_path / "gguf" / "m.gguf"
+    report = X.write_folder(src, out)
+    assert report.logit_diff <= 1e-5
+    assert "TEMPLATE for the mistral chat format" in capsys.readouterr().err
+    meta = {k: f.contents() for k, f in GGUFReader(str(out)).fields.items() if k.startswith("tokenizer.")}
+    assert meta["tokenizer.chat_template"] == tok.chat_template and meta["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+    modelfile = (out.parent / "Modelfile").read_text()
+    template = re.search(r'TEMPLATE """(.*?)"""', modelfile, re.S).group(1)
+    user = re.search(r'if eq .Role "user" }}(.*?){{- else if', template).group(1)
+    assistant = re.search(r'else if eq .Role "assistant" }}(.*?){{- end }}', template).group(1)
+    msgs = [{"role": "user", "content": "count: a b"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "again"}]
+    ollama = "".join((user if m["role"] == "user" else assistant).replace("{{ .Content }}", m["content"]) for m in msgs)
+    hf_text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert hf_text == tok.bos_token + ollama, (hf_text, ollama)
+    assert 'PARAMETER stop "[INST]"' in modelfile and 'PARAMETER stop "[/INST]"' in modelfile

@@ -144,7 +144,7 @@ class QuickstartConfig:
     seed: int = _flag(0, help="Seed of training and sampling.")
     export: str | None = _flag(help="gguf: end with OUTPUT_DIR/gguf/model.gguf and an Ollama Modelfile "
                                     "(the fine-tuned model, merged), verified like finetune export --to gguf.")
-    gguf_type: str = _flag("f16", help="Tensor type of --export gguf: f32, f16, bf16 or q8_0 (q8_0 files crash llama.cpp 0.3.36 here: docs/export.md).")
+    gguf_type: str = _flag("f16", help="Tensor type of --export gguf: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (docs/export.md: each type's quality; q8_0 files crash llama.cpp 0.3.36 here unless repacking is off).")
     # The arguments after `--`, passed to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
     extra_train_args: list[str] = _flag(list, cli=False)
 
@@ -221,8 +221,8 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--learning_rate: must be more than 0, got {cfg.learning_rate}")
     if cfg.export not in (None, gguf_writer.GGUF.name):
         problems.append(f"--export: '{cfg.export}' is not a format quickstart writes ({gguf_writer.GGUF.name})")
-    if cfg.gguf_type not in gguf_writer.GGUF_TYPES:
-        problems.append(f"--gguf_type: '{cfg.gguf_type}' is not one of {', '.join(gguf_writer.GGUF_TYPES)}")
+    if problem := gguf_writer.gguf_type_problem(cfg.gguf_type):
+        problems.append(problem)
     if cfg.model_name_or_path and cfg.gguf:
         problems.append("--model_name_or_path and --gguf: choose one (a HF folder, or a GGUF file to import)")
     elif starts_from_sft_adapter(cfg):

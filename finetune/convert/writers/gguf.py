@@ -1,7 +1,7 @@
 """The GGUF export type (`finetune export --to gguf`): an HF folder of a model family finetune writes as GGUF -> one
 GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it.
 
-    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0
+    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0    # or q4_0, q4_1, q5_0, q5_1
     finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
     finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
 
@@ -29,11 +29,44 @@ from finetune.errors import did_you_mean
 from finetune.models import families
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# --gguf_type values. Written here with the gguf package's own encoders and quantizers (no compiler):
+PLAIN_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# llama.cpp's K-quant presets: made by llama.cpp's own quantizer (llama-quantize, or llama_model_quantize in
+# llama-cpp-python), which finetune does not run (the gguf package dequantizes these types but cannot quantize them,
+# and llama-cpp-python installs from source only: its build here took over 10 minutes). Named so that asking for one
+# gets the way to make it, in one line.
+LLAMACPP_TYPES = ("q4_K_M", "q5_K_M", "q6_K")
+GGUF_TYPES = PLAIN_TYPES + LLAMACPP_TYPES
+# The 4- and 5-bit block types: their output head (or the tied token embedding that serves as one) is written Q8_0,
+# the most precise type the gguf package quantizes (llama.cpp's presets put it in Q6_K), as llama.cpp keeps it
+# above the rest.
+LOW_BIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1")
 # Largest logit difference (GGUF-loaded vs HF, fp32 compute, verify.fixed_input) accepted per type. f32 is the
-# project's 1e-5; the others are relative to the largest |logit| of the HF model (measured on SmolLM2-135M, see
-# docs/export.md: f16 0.1%, bf16 0.6%, q8_0 2.5%), with 3x or more headroom over the measurements.
-LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08}
+# project's 1e-5; the others are relative to the largest |logit| of the HF model, set with 2x or more headroom over
+# the largest of the measurements on SmolLM2-135M and the tests' tiny models (docs/export.md has them).
+LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
+                "q4_0": 0.75, "q4_1": 0.75, "q5_0": 0.75, "q5_1": 0.75}
+
+
+def gguf_type_name(value: str) -> str | None:
+    """The --gguf_type VALUE names (any case: Q4_0, q4_k_m), or None."""
+    return next((t for t in GGUF_TYPES if t.lower() == str(value).lower()), None)
+
+
+def gguf_type_problem(value: str) -> str | None:
+    """The one-line refusal of a --gguf_type value, or None: an unknown name, or a K-quant preset (llama.cpp's)."""
+    name = gguf_type_name(value)
+    if name is None:
+        return (f"--gguf_type: '{value}' is not one of {', '.join(GGUF_TYPES)}"
+                f"{did_you_mean(str(value), list(GGUF_TYPES))}")
+    if name in LLAMACPP_TYPES:
+        return (f"--gguf_type {name}: made by llama.cpp's quantizer, which finetune does not run: write --gguf_type f16, "
+                f"then `llama-quantize model.gguf model-{name}.gguf {name.upper()}` (llama.cpp; in Python: "
+                f"pip install llama-cpp-python, llama_cpp.llama_model_quantize); or pick one finetune writes "
+                f"({', '.join(PLAIN_TYPES)})")
+    return None
+
+
 # Pre-tokenizers recognised from tokenizer.json, named as llama.cpp names them (tokenizer.ggml.pre).
 LLAMA3_SPLIT = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
@@ -51,9 +84,12 @@ class GGUFReport:
     logit_bound: float
     weight_diff: float
     seconds: float
+    types: dict[str, int] = field(default_factory=dict)  # GGML type name -> number of tensors stored in it
 
     def __str__(self) -> str:
-        return (f"wrote {self.path} ({self.gguf_type}, {self.size_bytes / 2**20:.1f} MiB, {self.seconds:.1f}s): "
+        mix = ", ".join(f"{n} {t}" for t, n in self.types.items())
+        return (f"wrote {self.path} ({self.gguf_type}, {self.size_bytes / 2**20:.1f} MiB, {self.seconds:.1f}s; "
+                f"tensors: {mix}): "
                 f"transformers-loaded logits vs HF max diff {self.logit_diff:.3g} (limit {self.logit_bound:g}); "
                 f"weights vs HF max diff {self.weight_diff:.3g} (rounding to {self.gguf_type}; they load back exactly as stored)")
 
@@ -82,16 +118,21 @@ def _writable_family(config, model_dir: Path):
     return family
 
 
-def _tensor_type(gguf_type: str, array):
-    """The GGML type a tensor is stored in: 1-D tensors (norms) stay F32, as llama.cpp keeps them; Q8_0 needs rows
-    that are a multiple of its 32-value block (llama.cpp falls back to F16 otherwise)."""
+def _tensor_type(gguf_type: str, array, name: str = "", head: bool = False):
+    """The GGML type a tensor is stored in, as llama.cpp's quantizer picks it (llama_tensor_get_type): 1-D tensors
+    (norms, biases) and a mixture-of-experts router (ffn_gate_inp) stay F32; under a 4- or 5-bit type the output head
+    (HEAD: output.weight, or token_embd when it is tied) is Q8_0; a row whose length is not a multiple of the type's
+    block (32 values) is F16 (llama.cpp's fallback)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
-    if array.ndim < 2 or gguf_type == "f32":
+    if array.ndim < 2 or gguf_type == "f32" or name.startswith("blk.") and ".ffn_gate_inp." in name:
         return Q.F32
-    if gguf_type == "q8_0":
-        return Q.Q8_0 if array.shape[-1] % 32 == 0 else Q.F16
-    return {"f16": Q.F16, "bf16": Q.BF16}[gguf_type]
+    if gguf_type in LOW_BIT_TYPES and head:
+        gguf_type = "q8_0"
+    qtype = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0,
+             "q5_1": Q.Q5_1}[gguf_type]
+    return qtype if array.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
 
 
 def _encode(array, qtype):
@@ -137,7 +178,8 @@ def gguf_tensors(model, gguf_type: str):
         if name is None:
             raise ExportError(f"weight {hf_name} has no GGUF name for the {family.gguf_arch} architecture")
         array = family.to_gguf(hf_name, tensor.detach().to("cpu", dtype=torch.float32).numpy(), shape)
-        qtype = _tensor_type(gguf_type, array)
+        head = name == "output.weight" or (tied and name == "token_embd.weight")
+        qtype = _tensor_type(gguf_type, array, name, head)
         out.append((name, _encode(array, qtype), qtype, hf_name))
     return out
 
@@ -307,21 +349,31 @@ OLLAMA_LLAMA3 = (
     "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>\n"
     "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
 )
+# Mistral-7B-Instruct's [INST] format (its template refuses a system turn); EOS is the tokenizer's end of sequence.
+OLLAMA_MISTRAL = (
+    '{{- range .Messages }}{{- if eq .Role "user" }}[INST] {{ .Content }} [/INST]'
+    '{{- else if eq .Role "assistant" }}{{ .Content }}EOS{{- end }}{{- end }}'
+)
 PROBE = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
          {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
 
 
 def chat_style(tokenizer) -> tuple[str | None, str | None]:
-    """('chatml' | 'llama3' | None, default system prompt or None), by rendering the template on a probe
+    """('chatml' | 'llama3' | 'mistral' | None, default system prompt or None), by rendering the template on a probe
     conversation and comparing it with what each style writes."""
     if not getattr(tokenizer, "chat_template", None):
         return None, None
+    render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
     try:
-        render = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
         text = render(PROBE)
         bare = render(PROBE[1:])
-    except Exception:
-        return None, None
+    except Exception:  # a template that refuses a system turn (Mistral's raises) or fails on the probe otherwise
+        try:
+            text = render(PROBE[1:])
+        except Exception:
+            return None, None
+        mistral = f"[INST] U1 [/INST]A1{tokenizer.eos_token}[INST] U2 [/INST]"
+        return ("mistral", None) if text in (mistral, (tokenizer.bos_token or "") + mistral) else (None, None)
     chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in PROBE) + "<|im_start|>assistant\n"
     llama3 = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in PROBE)
     llama3 += "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -346,18 +398,27 @@ def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[
     lines = [f"FROM ./{gguf_name}"]
     if style not in styles:
         return "\n".join(lines) + "\n", None
-    template = OLLAMA_CHATML if style == "chatml" else OLLAMA_LLAMA3
+    template = {"chatml": OLLAMA_CHATML, "llama3": OLLAMA_LLAMA3,
+                "mistral": OLLAMA_MISTRAL.replace("EOS", tokenizer.eos_token or "")}[style]
     lines.append(f'TEMPLATE """{template}"""')
     if system:
         lines.append(f'SYSTEM """{system}"""')
-    stops = ["<|im_end|>"] if style == "chatml" else ["<|eot_id|>", "<|end_of_text|>"]
     vocab = tokenizer.get_vocab()
+    # The end-of-turn tokens; Mistral's turns end in EOS (a stop of its own in llama.cpp), and Ollama also stops on
+    # the text of a next turn, as its own mistral Modelfile does.
+    stops = {"chatml": ["<|im_end|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"]}.get(style, [])
     lines += [f'PARAMETER stop "{s}"' for s in stops if s in vocab]
+    if style == "mistral":
+        lines += ['PARAMETER stop "[INST]"', 'PARAMETER stop "[/INST]"']
     return "\n".join(lines) + "\n", style
 
 
 # ----------------------------------------------------------------------------------------------
 # Writing and verifying
+
+
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1"}
 
 
 def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
@@ -372,9 +433,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     writer.add_name(name)
     for adder, value in family.gguf_metadata(config):
         getattr(writer, adder)(value)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
-    writer.add_file_type(file_type)
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[gguf_type]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     try:
         tok = add_tokenizer(writer, model_dir, config.vocab_size, tokenizer, tj)
@@ -388,6 +447,14 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     finally:
         writer.close()
     return tensors, tok
+
+
+def tensor_types(tensors: list) -> dict[str, int]:
+    """{GGML type name: number of tensors}: what a file's tensors are stored as."""
+    counts: dict[str, int] = {}
+    for _, _, qtype, _ in tensors:
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
@@ -448,8 +515,9 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
 
     start = time.perf_counter()
     model_dir, output = Path(model_dir), Path(output).absolute()
-    if gguf_type not in GGUF_TYPES:
-        raise ExportError(f"--gguf_type: '{gguf_type}' is not one of {', '.join(GGUF_TYPES)}")
+    if problem := gguf_type_problem(gguf_type):
+        raise ExportError(problem)
+    gguf_type = gguf_type_name(gguf_type)
     if not (model_dir / "config.json").is_file():
         raise ExportError(f"{model_dir}: no config.json (not a model folder)")
     check_output(output, overwrite)
@@ -481,12 +549,12 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
         if made_parent and not done and not any(output.parent.iterdir()):
             output.parent.rmdir()
     report = GGUFReport(str(output), gguf_type, output.stat().st_size, logit_diff, bound, weight_diff,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, tensor_types(tensors))
     log(str(report))
     if modelfile:
         log(f"wrote {output.parent / 'Modelfile'}"
             + (f" (TEMPLATE for the {style} chat format)" if style else
-               " without TEMPLATE: the chat template is neither ChatML nor Llama-3; write one by hand"))
+               " without TEMPLATE: the chat template is not one of the family's formats (ChatML, Llama-3, Mistral [INST]); write one by hand"))
     return report
 
 
@@ -507,7 +575,9 @@ def write_source(args: ExportArgs, gguf_type: str) -> GGUFReport:
 class GGUFFlags:
     """With --to gguf"""
 
-    gguf_type: str = field(default="f32", metadata={"help": "Tensor type: f32, f16, bf16 or q8_0 (norms stay f32)."})
+    gguf_type: str = field(default="f32", metadata={"help": (
+        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1. Norms stay f32; the 4/5-bit types keep the "
+        "output head in q8_0. llama.cpp's q4_K_M, q5_K_M, q6_K: quantize an f16 file with llama.cpp.")})
 
 
 class GGUF(Writer):
@@ -518,9 +588,8 @@ class GGUF(Writer):
 
     def check(self, args: ExportArgs, flags: GGUFFlags) -> list[str]:
         problems = []
-        if flags.gguf_type not in GGUF_TYPES:
-            problems.append(f"--gguf_type: '{flags.gguf_type}' is not one of {', '.join(GGUF_TYPES)}"
-                            f"{did_you_mean(flags.gguf_type, list(GGUF_TYPES))}")
+        if problem := gguf_type_problem(flags.gguf_type):
+            problems.append(problem)
         if args.torch_dtype != "float32":
             problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
         out = args.output or args.output_dir

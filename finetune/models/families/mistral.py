@@ -14,5 +14,5 @@ MISTRAL = LlamaFamily(
     hf_classes=("MistralForCausalLM",),
     gguf_arch="llama",
     gguf_required=LLAMA.gguf_required,
-    chat_templates=(),  # Mistral's [INST] format: the Modelfile gets no TEMPLATE
+    chat_templates=("mistral",),  # Mistral-7B-Instruct's [INST] format
 )

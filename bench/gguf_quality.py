@@ -1,0 +1,200 @@
+"""GGUF quality per type: file size, held-out perplexity relative to f16, exact match, tokens/s; results to a file.
+
+    .venv/bin/python bench/gguf_quality.py --model_name_or_path outputs/quickstart/model \\
+        [--base SmolLM2-folder] [--types f16,q8_0,q5_1,q5_0,q4_1,q4_0] [--examples 80] [--out bench/gguf_quality.json]
+
+The model: a full HF folder, or a quickstart run's LoRA adapter (`OUTPUT_DIR/model`, merged into --base first:
+`finetune export --adapter`). Each type is written by `finetune export --to gguf` (its own verification included) and
+measured on the quickstart's held-out records (data/quickstart/heldout.jsonl):
+
+- perplexity of the reference answers (the tokens after the generation prompt, end-of-turn included; teacher
+  forcing), in transformers (the GGUF file loaded by `from_pretrained(gguf_file=...)`, which dequantizes every
+  weight to fp32 and computes in fp32: the weights' rounding alone) and, where llama-cpp-python is installed, in
+  llama.cpp (its own kernels: activations rounded too);
+- exact match of greedy completions (the quickstart's scorer and budget; `--exact_match N` records, in llama.cpp
+  where it is installed, else in transformers);
+- llama.cpp's generation speed (tokens/s over the greedy completions, `--threads` threads), where it is installed.
+
+`--no-verify` writes each file with the exporter's writer alone (`write_gguf`: the same bytes `finetune export`
+writes, without its read-back check, which tests/test_gguf_export.py and test_gguf_quant.py cover): for a loaded
+machine.
+
+The HF fp32 model is measured the same way as the first row. The results are written to --out (JSON) and printed as
+the Markdown table of docs/export.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout, before any installed copy
+sys.path.insert(0, str(REPO / "bench"))
+
+import gguf_llamacpp as B  # noqa: E402
+
+
+def answer_ids(tokenizer, record: dict) -> tuple[list[int], int]:
+    """(the whole conversation's ids, where the answer starts): the prompt as the quickstart renders it, then the
+    reference answer with its end-of-turn, as the chat template writes the full conversation."""
+    prompt = B.prompt_ids(tokenizer, record)
+    full = tokenizer(tokenizer.apply_chat_template(record["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
+    if full[: len(prompt)] != prompt:
+        raise SystemExit("the chat template renders the prompt differently inside the full conversation")
+    return full, len(prompt)
+
+
+def nll(logits, ids: list[int], start: int) -> tuple[float, int]:
+    """(summed negative log-likelihood of ids[start:], their number) from next-token logits (n, vocab), numpy."""
+    import numpy as np
+
+    x = np.asarray(logits[start - 1: len(ids) - 1], dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    targets = np.asarray(ids[start:])
+    return float(-logp[np.arange(len(targets)), targets].sum()), len(targets)
+
+
+def hf_perplexity(model, conversations) -> float:
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, start in conversations:
+            s, n = nll(model(torch.tensor([ids])).logits[0].float().numpy(), ids, start)
+            total, count = total + s, count + n
+    return math.exp(total / count) if count else None  # --examples 0: exact match only
+
+
+def llamacpp_perplexity(llm, conversations) -> float:
+    total, count = 0.0, 0
+    for ids, start in conversations:
+        s, n = nll(B.llamacpp_logits(llm, ids), ids, start)
+        total, count = total + s, count + n
+    return math.exp(total / count)
+
+
+def save(args, argv, rows: list[dict], has_llamacpp: bool) -> None:
+    """Each row's perplexities relative to the f16 row's, and the results file."""
+    f16 = next((r for r in rows if r["type"] == "f16"), None)
+    for r in rows:
+        for key in ("ppl_transformers", "ppl_llamacpp"):
+            if f16 and r.get(key) and f16.get(key):
+                r[key + "_vs_f16"] = r[key] / f16[key] - 1
+    result = dict(model=args.model_name_or_path, base=args.base, examples=args.examples,
+                  exact_match_examples=args.exact_match, threads=args.threads, llamacpp=has_llamacpp, verify=args.verify,
+                  command="bench/gguf_quality.py " + " ".join(sys.argv[1:] if argv is None else argv), rows=rows)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.apps.quickstart import exact_match
+    from finetune.convert.writers.gguf import tensor_types, write_folder, write_gguf
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model_name_or_path", required=True, help="an HF model folder, or a LoRA adapter folder")
+    parser.add_argument("--base", help="the adapter's base model folder (default: its adapter_config.json's)")
+    parser.add_argument("--types", default="f16,bf16,q8_0,q5_1,q5_0,q4_1,q4_0")
+    parser.add_argument("--examples", type=int, default=80, help="held-out records for perplexity")
+    parser.add_argument("--exact_match", type=int, default=80, help="held-out records decoded for exact match")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(REPO / "bench" / "gguf_quality.json"))
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="write each file through finetune export's verified path (default) or write_gguf alone")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+
+    work = Path(tempfile.mkdtemp(prefix="bench-gguf-quality-"))
+    model_dir = args.model_name_or_path
+    if (Path(model_dir) / "adapter_config.json").is_file():
+        from finetune.convert.export import main as export_main
+
+        merged = str(work / "merged")
+        export_main(["--adapter", model_dir, "--output_dir", merged]
+                    + (["--model_name_or_path", args.base] if args.base else []))
+        model_dir = merged
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = B.heldout(max(args.examples, args.exact_match))
+    conversations = [answer_ids(tokenizer, r) for r in records[: args.examples]]
+    em_records = records[: args.exact_match]
+    prompts = [B.prompt_ids(tokenizer, r) for r in em_records]
+    refs = [r["messages"][-1]["content"] for r in em_records]
+    eos = B.eos_ids(tokenizer)
+    budget = B.max_new_tokens(tokenizer, em_records) if em_records else 0
+
+    def score(completions) -> float:
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return sum(exact_match(t, r) for t, r in zip(texts, refs)) / max(len(refs), 1)
+
+    rows = []
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t = time.time()
+    hf_ppl = hf_perplexity(model, conversations)
+    hf_em = score([B.hf_greedy(model, ids, budget, eos) for ids in prompts]) if prompts else None
+    rows.append(dict(type="HF fp32", size_mib=None, ppl_transformers=hf_ppl, exact_match=hf_em,
+                     exact_match_in="transformers", seconds=time.time() - t))
+    print(json.dumps(rows[-1]), flush=True)
+    save(args, argv, rows, has_llamacpp)
+    for gguf_type in args.types.split(","):
+        out = work / gguf_type / "model.gguf"
+        t = time.time()
+        if args.verify:
+            report = write_folder(model_dir, out, gguf_type=gguf_type, modelfile=False)
+            row = dict(type=gguf_type, size_mib=report.size_bytes / 2**20, tensors=report.types,
+                       logit_diff=report.logit_diff)
+        else:
+            out.parent.mkdir(parents=True)
+            tensors, _ = write_gguf(model, Path(model_dir), out, gguf_type, "model")
+            row = dict(type=gguf_type, size_mib=out.stat().st_size / 2**20, tensors=tensor_types(tensors))
+        row["export_seconds"] = time.time() - t
+        loaded = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
+        row["ppl_transformers"] = hf_perplexity(loaded, conversations)
+        if has_llamacpp:
+            llm = B.open_llamacpp(out, n_ctx=2048, threads=args.threads)
+            row["ppl_llamacpp"] = llamacpp_perplexity(llm, conversations)
+            t = time.time()
+            completions = [B.llamacpp_greedy(llm, ids, budget, eos) for ids in prompts]
+            seconds = time.time() - t
+            row["tokens_per_s_llamacpp"] = sum(map(len, completions)) / seconds if completions else None
+            row["exact_match_in"] = "llama.cpp"
+            del llm
+        else:
+            completions = [B.hf_greedy(loaded, ids, budget, eos) for ids in prompts]
+            row["exact_match_in"] = "transformers"
+        row["exact_match"] = score(completions) if prompts else None
+        del loaded
+        out.unlink()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save(args, argv, rows, has_llamacpp)  # after each type: a run cut short keeps what it measured
+    save(args, argv, rows, has_llamacpp)
+
+    def pct(x):
+        return "" if x is None else f"{x:+.2%}"
+
+    print(f"\n| type | file | perplexity (transformers) | vs f16 | perplexity (llama.cpp) | vs f16 | exact match "
+          f"({args.exact_match}) | tokens/s (llama.cpp) |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        size = f"{r['size_mib']:.1f} MiB" if r.get("size_mib") else "-"
+        em = "-" if r.get("exact_match") is None else f"{r['exact_match']:.1%} ({r['exact_match_in']})"
+        cpp = f"{r['ppl_llamacpp']:.4f}" if "ppl_llamacpp" in r else "-"
+        tps = f"{r['tokens_per_s_llamacpp']:.1f}" if r.get("tokens_per_s_llamacpp") else "-"
+        ppl = "-" if r["ppl_transformers"] is None else f"{r['ppl_transformers']:.4f}"
+        print(f"| {r['type']} | {size} | {ppl} | {pct(r.get('ppl_transformers_vs_f16'))} | {cpp} | "
+              f"{pct(r.get('ppl_llamacpp_vs_f16'))} | {em} | {tps} |")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
