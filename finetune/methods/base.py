@@ -41,6 +41,10 @@ class PlannerTerms:
     pairs: bool = False
     # A frozen copy of the weights beside the trained ones (the reference of full fine-tuning).
     reference_copy: bool = False
+    # A method that generates (GRPO): completions sampled per prompt, and their longest length in tokens (the KV
+    # cache of generation holds prompts x generations x (prompt + completion) positions).
+    generations: int = 0
+    completion_length: int = 0
     # Appended to the plan's method line.
     note: str = ""
 
@@ -71,6 +75,7 @@ class Context:
     world: Callable[[], int] = lambda: 1
     fail: Callable[[str], Any] = None  # ends the run with one message, every rank alike
     hash_path: Callable[..., str] = None  # a file's or folder's content hash (finetune.training.outputs')
+    step: Callable[[], int] = lambda: 0  # the optimizer steps done (a method that generates seeds its sampling by it)
 
 
 class Session:
