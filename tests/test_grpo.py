@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from finetune.methods import rewards
-from finetune.methods.grpo import GRPO, GRPOConfig, group_advantages, weighted_rewards
+from finetune.methods.generation import weighted_rewards
+from finetune.methods.grpo import GRPO, GRPOConfig, group_advantages
 from finetune.methods.rloo import RLOO, RLOOConfig, leave_one_out_advantages
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (the bench extra) is the reference")
-from trl.trainer import rloo_trainer as trl_rloo  # noqa: E402
-from trl.trainer.utils import nanmax, nanmin, nanstd  # noqa: E402
+from trl.trainer import rloo_trainer as trl_rloo
+from trl.trainer.utils import nanstd
 
 G, PROMPTS, T = 4, 3, 7  # generations per prompt, prompts, completion width
 N = G * PROMPTS
@@ -210,8 +211,7 @@ def test_sampling_does_not_depend_on_the_batch(tmp_path):
     """A completion is the same sampled alone or beside other prompts (its own generator, positions from the mask)."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.methods.generation import PromptCollator, sample
-    from finetune.methods.grpo import step_seed
+    from finetune.methods.generation import PromptCollator, sample, step_seed
     from finetune.models import tiny
 
     model = AutoModelForCausalLM.from_pretrained(tiny.build(tmp_path / "m", style="chatml")).eval()

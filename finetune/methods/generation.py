@@ -141,7 +141,7 @@ class Metrics(Window):
         self.base, self.reward_names = base, reward_names
         super().__init__(base + ("reward_sq",) + tuple(f"rewards/{r}/{s}" for r in reward_names for s in ("mean", "sq")))
 
-    def row(self, **values) -> "torch.Tensor":  # noqa: F821
+    def row(self, **values) -> torch.Tensor:
         import torch
 
         return torch.tensor([float(values.get(n, 0.0)) for n in self.names] + [float(values.get("n", 0))],
@@ -201,7 +201,6 @@ class RolloutSession(Session):
 
         from finetune.data.prepare import end_of_turn_ids
         from finetune.methods import rewards
-        from finetune.methods.grpo import METRICS
 
         self.method, self.options, self.tokenizer, self.context = method, options, tokenizer, context
         self.train_set = sets[0]
@@ -213,7 +212,7 @@ class RolloutSession(Session):
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.reference = Reference(context, model) if options.beta > 0 else None
-        self.window = Metrics(METRICS, self.rewards.names)
+        self.window = Metrics(method.metrics, self.rewards.names)
         self.columns_cache: dict[int, dict] = {}
         self.timing = {"generation_s": 0.0, "training_s": 0.0}
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -233,9 +232,6 @@ class RolloutSession(Session):
     # -- the rollout ------------------------------------------------------------------------------
 
     def generate(self, module, batch: dict, generations: int, temperature: float, step: int | None):
-        import torch
-
-        from finetune.methods.grpo import step_seed
 
         ids = batch["prompt_ids"].repeat_interleave(generations, dim=0)
         mask = batch["prompt_mask"].repeat_interleave(generations, dim=0)
@@ -299,7 +295,7 @@ class RolloutSession(Session):
         if ref is not None and self.method.reference_in_loss(o):
             batch["ref_logps"] = ref.float()
         lengths = cmask.sum(-1).double().cpu()
-        plain = weighted_plain(per_func, self.weights)
+        plain = weighted_rewards(per_func, self.weights)
         values = {"reward": torch.nansum(plain).item(), "reward_sq": torch.nansum(plain ** 2).item(),
                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).sum()),
                   "completions/mean_length": float(lengths.sum()),
@@ -357,12 +353,11 @@ class RolloutSession(Session):
     # -- evaluation ---------------------------------------------------------------------------------
 
     def evaluate(self, model, examples: Examples, batch_size: int, *, prefix: str = "eval") -> dict:
-        """One greedy completion per eval prompt (each prompt once over the ranks), its rewards: {prefix}_reward, per
+        """One greedy completion per eval prompt (each prompt once over the ranks), its rewards: {prefix}_reward
+        ({prefix}_loss is minus it), per
         function {prefix}_rewards/<name>/mean, the mean completion length; rank 0's share written with its
         rewards to <output_dir>/completions/step-N.jsonl."""
         import torch
-
-        from finetune.methods.grpo import write_samples
 
         context = self.context
         start, n, world, rank = time.time(), len(examples.dataset), context.world(), context.rank()
@@ -379,7 +374,7 @@ class RolloutSession(Session):
             if not idx:  # out of prompts: generated in step with the other ranks, for nothing
                 continue
             per_func, prompts, completions = self.score(examples, batch, completion, cmask, 1)
-            plain = weighted_plain(per_func, self.weights)
+            plain = weighted_rewards(per_func, self.weights)
             lengths = cmask.sum(-1).double().cpu()
             sums += torch.cat([torch.stack([torch.nansum(plain), lengths.sum(), torch.tensor(float(len(idx)))]),
                                torch.nansum(per_func, dim=0)])
@@ -391,14 +386,36 @@ class RolloutSession(Session):
             raise RuntimeError(f"evaluation covered {float(sums[2]):.0f} of {n} prompts")
         if rank == 0:
             write_samples(Path(context.cfg.training.output_dir) / "completions", context.step(), samples)
-        out = {"reward": float(sums[0]) / n, "completions/mean_length": float(sums[1]) / n}
+        # The loss is minus the reward: what --load_best_model_at_end minimizes by default.
+        out = {"loss": -float(sums[0]) / n, "reward": float(sums[0]) / n, "completions/mean_length": float(sums[1]) / n}
         out.update({f"rewards/{name}/mean": float(v) / n for name, v in zip(self.rewards.names, sums[3:].tolist())})
         out.update(samples=n, runtime=round(time.time() - start, 4))
         return {f"{prefix}_{key}": v for key, v in out.items()}
 
 
-def weighted_plain(per_func, weights):
-    """[n] the weighted sum of the rewards (NaN where no function scored), without the KL of RLOO's reward."""
-    from finetune.methods.grpo import weighted_rewards
+def weighted_rewards(per_func, weights):
+    """[n] the weighted sum over the functions (NaN where every function returned None). `per_func`: [n, k]."""
+    import torch
 
-    return weighted_rewards(per_func, weights)
+    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def step_seed(seed: int, step: int, prompt: int, generation: int) -> int:
+    """The sampling seed of one completion: a hash of what identifies it, not of where it is computed."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}/{step}/{prompt}/{generation}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+def write_samples(folder: Path, step: int, rows: list[dict]) -> Path:
+    """completions/step-N.jsonl in the run folder: prompts, completions and their rewards of an evaluation."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    return path
+

@@ -26,12 +26,17 @@ or a frozen copy of full fine-tuning.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from finetune.methods.base import Context, Examples, Method, MethodConfig, PlannerTerms, Session
+from finetune.methods.base import (
+    Context,
+    Examples,
+    Method,
+    MethodConfig,
+    PlannerTerms,
+    Session,
+)
+from finetune.methods.generation import weighted_rewards
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -148,15 +153,6 @@ def nanstd(x, dim=None):
     return torch.sqrt(var * count / (count - 1))
 
 
-def weighted_rewards(per_func, weights):
-    """[n] the weighted sum over the functions (NaN where every function returned None). `per_func`: [n, k]."""
-    import torch
-
-    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
-    return rewards
-
-
 def token_loss(logps, old_logps, ref_logps, advantages, epsilon_low: float, epsilon_high: float, beta: float):
     """(per-token loss [n, T], the ratio [n, T], per-token KL or None) of the clipped surrogate plus β KL."""
     import torch
@@ -186,14 +182,6 @@ def aggregate(per_token, mask, loss_type: str, max_completion_length: int):
 # The method.
 
 
-def step_seed(seed: int, step: int, prompt: int, generation: int) -> int:
-    """The sampling seed of one completion: a hash of what identifies it, not of where it is computed."""
-    import hashlib
-
-    digest = hashlib.sha256(f"{seed}/{step}/{prompt}/{generation}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
-
-
 class GRPO(Method):
     name = "grpo"
     title = "GRPO"
@@ -214,7 +202,8 @@ class GRPO(Method):
         return problems
 
     def eval_metrics(self, evaluation) -> list[str]:
-        return ["reward", "completions/mean_length"]
+        # loss: minus the reward (the default best-model metric is the loss, lower better).
+        return ["loss", "reward", "completions/mean_length"]
 
     def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
         from finetune.data.prompts import prepare_prompts
@@ -285,19 +274,3 @@ class GRPO(Method):
     def reference_in_loss(self, options) -> bool:
         """Whether the loss needs the reference's per-token log-probabilities (GRPO's KL term)."""
         return options.beta > 0
-
-
-def write_samples(folder: Path, step: int, rows: list[dict]) -> Path:
-    """completions/step-N.jsonl in the run folder: prompts, completions and their rewards of an evaluation."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step}.jsonl"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-    return path
-
-
-def finite_mean(values: list[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
-

@@ -144,7 +144,7 @@ class Rewards:
     funcs: list[Callable]
 
     @classmethod
-    def of(cls, specs: list[str], weights: list[float] | None) -> "Rewards":
+    def of(cls, specs: list[str], weights: list[float] | None) -> Rewards:
         funcs = [load(s) for s in specs]
         return cls(list(specs), list(weights) if weights else [1.0] * len(specs), funcs)
 

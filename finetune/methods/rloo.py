@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from finetune.methods.grpo import GRPO, GRPOConfig, generation_problems, nanstd, weighted_rewards
+from finetune.methods.generation import weighted_rewards
+from finetune.methods.grpo import GRPO, GRPOConfig, generation_problems, nanstd
 
 
 @dataclass
