@@ -11,9 +11,10 @@ training paths, the config parser, the planner and the report know a method only
     Session       the method at work in one run: the loss of a micro-batch, the logging window of its metrics, its
                   own evaluation.
 
-A method that generates during training (GRPO, RLOO) sets `generates`: its Session.loss receives the model being
-trained, so it can make its completions from a micro-batch of prompts before scoring them, and the planner adds
-the generation's memory through its PlannerTerms.
+A method that generates during training (GRPO, RLOO) sets `generates`: it makes a step's completions in
+Method.count (where each path first holds all of the step's micro-batches) with the model Context.unwrap gives,
+seeded by Context.step, and scores them in Session.loss; the planner adds the generation's memory through its
+PlannerTerms.
 
 Nothing here imports torch at module level: the parser reads the methods' flags before torch is imported.
 """
