@@ -197,3 +197,36 @@ def test_plan_counts_generation(tmp_path):
     lora = plan.make_plan(base + grpo + ["--beta", "0.1", "--use_peft"])
     assert full["per_device"]["reference model"] > 0 and "reference model" not in lora["per_device"]
     assert "reference: a frozen copy" in full["job"]["method"]
+
+
+@pytest.mark.slow
+def test_kill_one_rank_then_resume_repeats_the_run(job):
+    """2 processes (Trainer path, ZeRO-2): rank 1 killed (-9) after step 3, checkpoint-2 complete; the resumed run
+    logs what the uninterrupted one does, the completions of steps 3 and 4 sampled again alike."""
+    from finetune.training import checkpoint
+    from tests.launch import TRAIN, launcher, run, run_and_kill_rank
+
+    root, model, data = job
+
+    def command(out: Path) -> list[str]:
+        return launcher("accelerate", 2, script=TRAIN) + [
+            "--config", "zero2", "--method", "grpo", *common(model, data, out), "--per_device_train_batch_size", "1",
+            "--gradient_accumulation_steps", "2", "--max_steps", "4", "--save_steps", "2", "--learning_rate", "0.05",
+            "--disable_tqdm", "true", "--resume_from_checkpoint", "latest"]
+
+    whole, cut = root / "kill-whole", root / "kill-cut"
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(run, command(whole), timeout=600)
+        killing = pool.submit(run_and_kill_rank, command(cut), cut / "checkpoint-2" / checkpoint.MARKER, rank=1,
+                              timeout=600, stop_at=(3, 0.0))
+        reference.result().check()
+        killed = killing.result()
+    assert killed.returncode != 0 and not killed.survivors
+    resumed = run(command(cut), timeout=600).check()
+    assert f"resume: from {cut / 'checkpoint-2'}" in resumed.output, resumed.output[-3000:]
+
+    def logs(out):
+        return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+    worst = same(logs(cut), logs(whole), bound=1e-6)
+    print(f"\nkill -9 and resume (zero2, 2 processes): max diff {worst[0]:.1e} ({worst[1]}) over 4 steps")

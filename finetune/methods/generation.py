@@ -348,7 +348,17 @@ class RolloutSession(Session):
         return numerator / n_items
 
     def metrics(self, reduce=None) -> dict:
-        return self.window.pop(reduce)
+        """The window's means, and the seconds this window spent making completions (sampling, rewards, reference)
+        and in the loss' forwards, per rank (the mean over ranks)."""
+        import torch
+
+        out = self.window.pop(reduce)
+        seconds = torch.tensor([self.timing["generation_s"], self.timing["training_s"]], dtype=torch.float64)
+        if reduce is not None:
+            seconds = reduce(seconds.to(self.context.device)).cpu() / self.context.world()
+        out["time/generation_s"], out["time/loss_forward_s"] = (round(float(v), 3) for v in seconds)
+        self.timing = {"generation_s": 0.0, "training_s": 0.0}
+        return out
 
     # -- evaluation ---------------------------------------------------------------------------------
 
