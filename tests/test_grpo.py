@@ -230,3 +230,40 @@ def test_sampling_does_not_depend_on_the_batch(tmp_path):
         n = int(alone_mask.sum())
         assert n == int(both_mask[row].sum()) and torch.equal(alone[0, :n], both[row, :n])
     assert not torch.equal(both[0], both[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts.
+
+
+def test_prompts_from_the_formats(tmp_path):
+    """The prompt part of messages / sharegpt / alpaca records, rendered with the generation prompt; the answer is
+    the column `reference`, the record's other keys columns too; a text record is refused by its line."""
+    from finetune.config import ModelConfig
+    from finetune.data.errors import DataError
+    from finetune.data.prompts import prompt_rows
+    from finetune.models import tiny
+    from finetune.models.load import load_tokenizer
+
+    t = load_tokenizer(ModelConfig(model_name_or_path=str(tiny.build(tmp_path / "m", style="chatml"))))
+    records = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}], "level": 3},
+        {"conversations": [{"from": "human", "value": "capital of France?"}, {"from": "gpt", "value": "Paris"}]},
+        {"instruction": "Copy", "input": "red cat", "output": "red cat"},
+    ]
+    rows, stats = prompt_rows(t, records, ["d:1", "d:2", "d:3"], None, 512)
+    assert stats.kept == 3 and stats.tokens == sum(len(r["prompt_ids"]) for r in rows)
+    for row in rows:
+        assert row["prompt"].endswith("<|im_start|>assistant\n")
+        assert row["prompt_ids"] == t(row["prompt"], add_special_tokens=False)["input_ids"]
+    assert "Be brief." in rows[0]["prompt"] and "4" not in rows[0]["prompt"].split("2+2?")[1]
+    assert [json.loads(r["columns"]) for r in rows] == [{"level": 3, "reference": "4"}, {"reference": "Paris"},
+                                                        {"reference": "red cat"}]
+    with pytest.raises(DataError, match="d:9: a 'text' record has no prompt"):
+        prompt_rows(t, [{"text": "hello"}], ["d:9"], None, 512)
+    longest = max(len(r["prompt_ids"]) for r in rows)
+    rows, stats = prompt_rows(t, records, ["d:1", "d:2", "d:3"], None, longest - 1)
+    assert stats.dropped_long == 3 - len(rows) >= 1 and stats.longest < longest
+    with pytest.raises(DataError, match="no prompt is left"):
+        prompt_rows(t, records, ["d:1", "d:2", "d:3"], None, 4)
