@@ -301,6 +301,8 @@ class RolloutSession(Session):
                   "completions/mean_length": float(lengths.sum()),
                   "completions/clipped_ratio": float((lengths >= o.max_completion_length).sum()),
                   "n": len(lengths)}
+        if kl is not None and not self.method.reference_in_loss(o):  # RLOO: the sequence's KL, in its reward
+            values["kl"] = float(kl.sum())
         for j, name in enumerate(self.rewards.names):
             col = per_func[:, j]
             values[f"rewards/{name}/mean"] = torch.nansum(col).item()
