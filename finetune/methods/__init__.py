@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 from finetune.methods.base import Method, MethodConfig
 from finetune.methods.cpo import CPO
 from finetune.methods.dpo import DPO
+from finetune.methods.grpo import GRPO
 from finetune.methods.kto import KTO
 from finetune.methods.orpo import ORPO
 from finetune.methods.reward import Reward
+from finetune.methods.rloo import RLOO
 from finetune.methods.sft import SFT
 from finetune.methods.simpo import SimPO
 
-METHODS: dict[str, Method] = {m.name: m for m in (SFT(), DPO(), SimPO(), ORPO(), CPO(), KTO(), Reward())}
+METHODS: dict[str, Method] = {m.name: m for m in (SFT(), DPO(), SimPO(), ORPO(), CPO(), KTO(), Reward(), GRPO(),
+                                                  RLOO())}
 DEFAULT = SFT.name  # an SFT run's recipe leaves the method keys out, as before --method existed
 
 

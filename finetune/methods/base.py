@@ -11,9 +11,10 @@ training paths, the config parser, the planner and the report know a method only
     Session       the method at work in one run: the loss of a micro-batch, the logging window of its metrics, its
                   own evaluation.
 
-A method that generates during training (GRPO, RLOO) sets `generates`: its Session.loss receives the model being
-trained, so it can make its completions from a micro-batch of prompts before scoring them, and the planner adds
-the generation's memory through its PlannerTerms.
+A method that generates during training (GRPO, RLOO) sets `generates`: it makes a step's completions in
+Method.count (where each path first holds all of the step's micro-batches) with the model Context.unwrap gives,
+seeded by Context.step, and scores them in Session.loss; the planner adds the generation's memory through its
+PlannerTerms.
 
 Nothing here imports torch at module level: the parser reads the methods' flags before torch is imported.
 """
@@ -44,6 +45,10 @@ class PlannerTerms:
     # The outputs of the model's head where it is not the LM head (a reward model's score head: 1): no vocabulary
     # logits, a head of hidden x head_outputs weights. 0: the LM head.
     head_outputs: int = 0
+    # A method that generates (GRPO): completions sampled per prompt, and their longest length in tokens (the KV
+    # cache of generation holds prompts x generations x (prompt + completion) positions).
+    generations: int = 0
+    completion_length: int = 0
     # Appended to the plan's method line.
     note: str = ""
 
@@ -74,6 +79,7 @@ class Context:
     world: Callable[[], int] = lambda: 1
     fail: Callable[[str], Any] = None  # ends the run with one message, every rank alike
     hash_path: Callable[..., str] = None  # a file's or folder's content hash (finetune.training.outputs')
+    step: Callable[[], int] = lambda: 0  # the optimizer steps done (a method that generates seeds its sampling by it)
 
 
 class Session:

@@ -210,11 +210,15 @@ class Workload:
     pairs: bool = False
     reference_copy: bool = False
     method_note: str = ""  # the method's words for the plan's method line
+    # A method that generates (GRPO, RLOO): completions per prompt (each micro-batch of prompts trains this many rows
+    # per prompt, seq_len then counting prompt and completion), and the completion's longest length.
+    generations: int = 0
+    completion_length: int = 0
 
     @property
     def rows(self) -> int:
         """Sequences per micro-batch."""
-        return self.micro_batch * (2 if self.pairs else 1)
+        return self.micro_batch * (2 if self.pairs else 1) * max(1, self.generations)
 
     @property
     def num_nodes(self) -> int:
@@ -617,7 +621,7 @@ def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: i
 
 def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool | None = None) -> Activations:
     """Saved activations of one micro-batch, tensor class by tensor class, and the backward pass as stages."""
-    b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1)
+    b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1) * max(1, job.generations)
     ckpt = job.grad_ckpt if grad_ckpt is None else grad_ckpt
     sh = job.shape
     s_len = job.seq_len
@@ -814,9 +818,12 @@ def predict(job: Workload) -> Prediction:
     # and frees its logits first.
     reference = reference_model_bytes(job)
     if reference:
-        notes.append("DPO reference: a frozen copy of the model " + (
+        notes.append("reference (DPO, GRPO --beta): a frozen copy of the model " + (
             f"partitioned over the {job.world_size} ranks" if stage == 3 else "on every device")
             + " (LoRA, or --precompute_ref_log_probs, keeps none)")
+    if job.generations:
+        notes.append(f"generation: a KV cache of {job.rows} rows ({job.micro_batch} prompts x {job.generations}) x "
+                     f"{job.seq_len} positions, {fmt_bytes(generation_kv_bytes(job))}, before each training forward")
     static = {
         "parameters": st.params + st.persistent,
         "optimizer states": st.optim,
@@ -837,6 +844,8 @@ def predict(job: Workload) -> Prediction:
                     * (job.shape.head_outputs or job.shape.vocab_size))
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
+        **({"generation": {"gradients": standing_grads, "activations": generation_kv_bytes(job) + st.gathered}}
+           if job.generations else {}),
         "backward": {"gradients": bw_grads, "activations": bw_acts + st.gathered + st.backward_buffers},
         "optimizer step": {"gradients": st.grads, "activations": st.step_transient},
     }
@@ -871,6 +880,14 @@ def predict(job: Workload) -> Prediction:
         host["checkpoint in page cache"] = _checkpoint_bytes(job)
     host = {k: v for k, v in host.items() if v}
     return Prediction(job, device, host, notes, peak_name, st, act)
+
+
+def generation_kv_bytes(job: Workload) -> int:
+    """The KV cache of a method that generates (GRPO): keys and values of every layer for each of the micro-batch's
+    prompts x generations rows over prompt + completion (seq_len), in the activation dtype, plus one position's
+    fp32 logits per row. No gradients are kept while it exists (the training forward comes after)."""
+    sh, a = job.shape, precision_of(job).act
+    return 2 * sh.num_layers * sh.kv_dim * job.rows * job.seq_len * a + 4 * job.rows * sh.vocab_size
 
 
 def reference_model_bytes(job: Workload) -> int:
@@ -1150,14 +1167,17 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
     per_record = attention.applies(cfg, SimpleNamespace(**config))
     return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
-        micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length,
+        micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length + terms.completion_length,
         grad_accum=args.gradient_accumulation_steps, grad_ckpt=bool(args.gradient_checkpointing),
         accelerator=accelerator, weight_dtype=dtype, mixed_precision=mixed, use_peft=model.use_peft,
         lora_r=model.lora_r, lora_targets=tuple(model.lora_target_modules), lora_dropout=model.lora_dropout,
         quant=quant, bnb_nested=model.use_bnb_nested_quant,
         # Pairs are scored by log-probabilities from the logits, not with the chunked cross-entropy.
-        loss_chunk=0 if terms.pairs or getattr(args, "use_liger_kernel", False) else getattr(model, "loss_chunk_size", 0),
+        # (and a method that generates scores its completions' log-probabilities the same way).
+        loss_chunk=0 if terms.pairs or terms.generations or getattr(args, "use_liger_kernel", False)
+        else getattr(model, "loss_chunk_size", 0),
         pairs=terms.pairs, reference_copy=terms.reference_copy, method_note=terms.note,
+        generations=terms.generations, completion_length=terms.completion_length,
         # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,

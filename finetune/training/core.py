@@ -288,11 +288,12 @@ def global_count(count: Callable, chunk: list[dict], device):
     return all_sum(count(chunk).to(device))
 
 
-def method_context(cfg, device, unwrap: Callable, autocast: Callable, *, resumed: bool):
+def method_context(cfg, device, unwrap: Callable, autocast: Callable, *, resumed: bool,
+                   step: Callable[[], int] | None = None):
     """What a path lends the run's method (finetune.methods.base.Context): this module's collectives, rank 0's print,
-    the run's one-message exit."""
+    the run's one-message exit, the optimizer steps done."""
     return Context(cfg, device, unwrap, autocast, resumed=resumed, log=rank0_print, all_sum=all_sum, rank=rank,
-                   world=world, fail=exit_with, hash_path=_hash_path)
+                   world=world, fail=exit_with, hash_path=_hash_path, step=step or (lambda: 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,6 +448,7 @@ class TrainingPath:
     # metrics() -> {name: value} of the logging window, added to each logged entry (DPO's rewards); every rank calls
     # it at the same steps, so it may reduce over ranks.
     metrics: Callable | None = None
+    position: "Position | None" = None  # where the run stands, once train() has read it (a method's Context.step)
 
 
 def _show(entry: dict) -> None:
@@ -457,7 +459,7 @@ def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int
           resume: Path | None) -> tuple[LogWindow, Position]:
     """Run from the resumed position (or step 0) to max_steps, or until early stopping; evaluates, checkpoints every
     --save_steps, and with --load_best_model_at_end ends with the best checkpoint's weights in the model."""
-    pos = Position.read(resume)
+    pos = path.position = Position.read(resume)
     log = LogWindow.for_run(args, max_steps, pos.log)
     ev = path.evaluator
     if ev is not None:
@@ -491,8 +493,10 @@ def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int
             # The epoch's last step may have fewer micro-batches (as the Trainer's).
             chunk = [next(batches) for _ in range(min(accum, micro_per_epoch - pos.micro_done))]
             pos.micro_done += len(chunk)
+            # Counted first: a method that generates makes the step's completions there (their tokens are seen).
+            n_items = global_count(path.count, chunk, path.device)
             log.count(chunk, path.device)
-            loss, lr, grad_norm = path.step(chunk, global_count(path.count, chunk, path.device))
+            loss, lr, grad_norm = path.step(chunk, n_items)
             pos.step += 1
             faults.stop_point(pos.step)
             epoch = pos.epoch + pos.micro_done / micro_per_epoch

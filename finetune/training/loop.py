@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     # What else the method needs (DPO's reference: a frozen copy of full fine-tuning is taken here, before any update).
     session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, accelerator.device, lambda: accelerator.unwrap_model(model), accelerator.autocast,
-        resumed=resume is not None))
+        resumed=resume is not None, step=lambda: path.position.step))
     if described := session.describe():
         rank0_print(described)
     ds_config = args.hf_deepspeed_config.config if deepspeed else {}

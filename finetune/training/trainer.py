@@ -93,7 +93,7 @@ def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resum
     # The trainer lends the method its accelerator once built (the lambdas run after this function returns).
     session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, cfg.training.device, lambda: trainer.accelerator.unwrap_model(trainer.model),
-        lambda: trainer.accelerator.autocast(), resumed=resume is not None))
+        lambda: trainer.accelerator.autocast(), resumed=resume is not None, step=lambda: trainer.state.global_step))
     trainer = MethodTrainer(method=method, session=session, held_out=held_out, **common)
     if described := session.describe():
         rank0_print(described)
