@@ -166,11 +166,11 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
     (["--method", "dpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "dpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "dpo", "--packing"], "packing: not supported with --method dpo yet"),
-    (["--method", "dpo", "--loss_type", "ipoo"], "--loss_type: loss_type: 'ipoo' is not one of sigmoid, hinge, ipo, "
+    (["--method", "dpo", "--loss_type", "ipoo"], "loss_type: 'ipoo' is not one of sigmoid, hinge, ipo, "
                                                  "robust; did you mean 'ipo'?"),
     (["--method", "dpo", "--loss_type", "hinge", "--label_smoothing", "0.1"], "label_smoothing: --loss_type hinge does "
                                                                                "not use it"),
-    (["--method", "simpo", "--loss_type", "ipo"], "loss_type: a DPO option; add --method dpo"),
+    (["--method", "simpo", "--loss_type", "ipo"], "loss_type: an option of DPO, GRPO, RLOO; add --method dpo or grpo or rloo"),
     (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
                                                              "yet (DPO's own is --label_smoothing)"),
     (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),

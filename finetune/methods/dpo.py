@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
+from finetune.errors import did_you_mean
 from finetune.methods.base import Context, Examples, Method, MethodConfig, PlannerTerms, Session, Window
 
 # torch and the data modules are imported in the functions: the parser reads this module's flags, and a flag
@@ -71,7 +71,6 @@ def robust_loss(chosen_ratio, rejected_ratio, lengths, beta: float, label_smooth
 
 
 LOSSES = {"sigmoid": sigmoid_loss, "hinge": hinge_loss, "ipo": ipo_loss, "robust": robust_loss}
-LossType = Literal[tuple(LOSSES)]  # the parser's choices, with did-you-mean
 # The loss types that read --label_smoothing (the others refuse it rather than ignore it).
 SMOOTHED = ("sigmoid", "robust")
 
@@ -85,7 +84,8 @@ class DPOConfig(MethodConfig):
         metadata={"help": "DPO: how far the model may move from the reference (higher keeps it closer); the "
                           "rewards logged are beta x log(policy / reference) of each completion."},
     )
-    loss_type: LossType = field(
+    # A plain string: --loss_type is one flag shared with GRPO, whose names differ; validate() checks DPO's.
+    loss_type: str = field(
         default="sigmoid",
         metadata={"help": "DPO: the loss of each pair's log-ratio margin, as TRL names it: sigmoid (DPO), hinge "
                           "(SLiC), ipo (IPO, length-normalized), robust (Robust DPO, with --label_smoothing)."},
@@ -133,9 +133,12 @@ class DPO(Method):
         problems = []
         if options.beta <= 0:
             problems.append(f"beta: must be positive, got {options.beta}")
+        if options.loss_type not in LOSSES:
+            problems.append(f"loss_type: '{options.loss_type}' is not one of {', '.join(LOSSES)}"
+                            f"{did_you_mean(options.loss_type, list(LOSSES))}")
         if not 0.0 <= options.label_smoothing < 0.5:
             problems.append(f"label_smoothing: must be in [0, 0.5), got {options.label_smoothing}")
-        elif options.label_smoothing and options.loss_type not in SMOOTHED:
+        elif options.label_smoothing and options.loss_type in LOSSES and options.loss_type not in SMOOTHED:
             problems.append(f"label_smoothing: --loss_type {options.loss_type} does not use it; leave it out or use "
                             f"--loss_type {' or '.join(SMOOTHED)}")
         return problems + pair_data_problems("dpo", data, training, evaluation,
