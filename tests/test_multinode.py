@@ -14,6 +14,7 @@ command resumes, with the one-process run's losses.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -21,12 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from finetune.apps import nodes as nodes_app
 from finetune.training import checkpoint
-from launch import (ENGINE, LOOP, TRAIN, free_port, losses, matrix, node_launcher, run, run_nodes, run_nodes_and_kill_rank,
-                    write_hostfile)
+from launch import (ENGINE, LOOP, REPO, TRAIN, Launched, env, free_port, losses, matrix, node_launcher, run, run_nodes,
+                    run_nodes_and_kill_rank, slurm_stubs, write_hostfile)
 
 STEPS, SAVE = 6, 2  # 20 records, global batch 4: 5 steps per epoch, so the resumed run crosses into epoch 2
 SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": ENGINE}
+# Each launch line of docs/multi-node.md (the SLURM script runs torchrun with c10d on the Trainer path).
+LINES = {**SCRIPTS, "slurm": TRAIN}
+LATE = 40.0  # node 1 starts this long after node 0
 # Two ranks sum the loss and gradients in another order than one process: a few float32 ulps at a loss of 6
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6
@@ -172,3 +177,79 @@ def test_folder_per_node_refuses_latest_on_every_node_then_resumes_once_merged(k
         for node, r in enumerate(again):
             assert r.returncode != 0 and r.output.count(REFUSAL) == 1, (node, r.output[-3000:])
             assert f"(rank 0: final model (global_step {STEPS}); rank 1: none)" in r.output, r.output[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# A node whose peers do not come (`finetune nodes` before each launch line): it says so within 30 s, names the
+# address and port, the nodes there and expected, and the likely causes, then gives up with one line.
+
+WAITING = re.compile(r"finetune: node .*: waiting (\d+) s for the other nodes at 127\.0\.0\.1:(\d+): 1 of 2 nodes "
+                     r"here.*likely causes: a typo in the address or port.*a firewall.*has not started")
+GAVE_UP = "gave up after"
+
+
+def launch_line(kind: str, rank: int, port: int, root: Path, timeout: float) -> list[str]:
+    hostfile = (slurm_stubs(root / "stubs") if kind == "slurm" else write_hostfile(root / "hostfile"))
+    return node_launcher(kind, rank, port, script=LINES[kind], hostfile=hostfile, timeout=timeout)
+
+
+@pytest.mark.parametrize("kind, rank", [(k, 0) for k in LINES] + [("torchrun", 1)])
+def test_a_node_alone_says_what_it_waits_for_and_gives_up(kind, rank, tmp_path):
+    bound = 12.0  # the test's --timeout; the default is nodes_app.DEFAULT_TIMEOUT_S
+    port = free_port()
+    cmd = launch_line(kind, rank, port, tmp_path, bound) + ["--output_dir", str(tmp_path / "out")]
+    start = time.monotonic()
+    with Launched(cmd, REPO, env()) as job:
+        assert job.wait(30, until=lambda: WAITING.search(job.output)), f"no waiting line in 30 s\n{job.output[-3000:]}"
+        said = time.monotonic() - start
+        assert job.wait(bound + 40), f"still waiting {bound + 40:.0f} s after its first line\n{job.output[-3000:]}"
+        ended = time.monotonic() - start
+        assert not job.finish()
+    out = job.output
+    line = WAITING.search(out)
+    assert int(line.group(2)) == port and f"giving up after {bound:.0f} s (finetune nodes --timeout)" in out, out
+    assert job.returncode == 2 and out.count(GAVE_UP) == 1, (job.returncode, out[-3000:])
+    last = [x for x in out.splitlines() if x.strip()][-1]
+    assert GAVE_UP in last and "1 of 2 nodes here" in last and "--timeout SECONDS" in last, last
+    if rank == 0:
+        assert "(missing: node 1)" in last, last
+    else:
+        assert "cannot reach node 0 at 127.0.0.1" in last, last
+    assert not (tmp_path / "out").exists() and "'loss'" not in out  # no launcher, no rank started
+    print(f"{kind} node {rank} alone: waiting line after {said:.1f}s, gave up (exit 2) after {ended:.1f}s "
+          f"(--timeout {bound:.0f})\n  {line.group(0)[:160]}...\n  {last[:160]}...")
+
+
+def test_node_lines_are_read_with_the_launchers_own_parsers(tmp_path):
+    """Where each launch line meets, which node this is, and the launcher's own rendezvous bound added."""
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    got = {kind: nodes_app.plan(node_launcher(kind, 1, 4321, 3, hostfile=hostfile)[4:], 77) for kind in SCRIPTS}
+    for kind, p in got.items():
+        assert (p.nnodes, p.rank, p.addr, p.port) == (3, 1, "127.0.0.1", 4321), (kind, vars(p))
+    assert got["torchrun"].launch[1:3] == ["--rdzv_conf", "timeout=77"]
+    assert got["accelerate"].launch[2:4] == ["--rdzv_conf", "timeout=77"]
+    assert got["deepspeed"].launch == node_launcher("deepspeed", 1, 4321, 3, hostfile=hostfile)[4:]  # no such bound
+    c10d = nodes_app.plan(["torchrun", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:9", "x.py"], 5)
+    assert (c10d.nnodes, c10d.addr, c10d.port, c10d.launch[1:3]) == (2, "h", 9, ["--rdzv_conf", "join_timeout=5"])
+    own = ["torchrun", "--rdzv_conf", "timeout=9", "--nnodes", "2", "--node_rank", "0", "x.py"]
+    assert nodes_app.plan(own, 5).launch == own  # the user's own setting stays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(LINES))
+def test_node_1_started_40_s_late_still_trains_with_the_one_process_losses(kind, job, reference):
+    expected = reference(LINES[kind])
+    out, cache = job[0] / f"{kind}-late", job[0] / "cache"
+    port = free_port()
+    hostfile = slurm_stubs(job[0] / "stubs") if kind == "slurm" else job[3]
+    cmds = [node_launcher(kind, r, port, script=LINES[kind], hostfile=hostfile) + flags(job, out, cache)
+            for r in range(2)]
+    start = time.time()
+    done = run_nodes(cmds, timeout=900, delays=[0.0, LATE])
+    seconds = time.time() - start
+    for node, r in enumerate(done):
+        assert r.returncode == 0, (node, r.output[-3000:])
+    line = WAITING.search(done[0].output)
+    assert line, done[0].output[-3000:]
+    assert "all 2 nodes here; starting" in done[0].output and "all 2 nodes here; starting" in done[1].output
+    assert_same_losses(expected, out, f"{kind}, node 1 started {LATE:.0f} s late (job {seconds:.0f}s)")

@@ -67,7 +67,7 @@ def plan(argv: list[str], timeout: float) -> Plan:
 
         args = get_args_parser().parse_args(argv[1:])
         if args.rdzv_backend == "static" and not args.rdzv_endpoint:
-            addr, port, rank, key = args.master_addr, int(args.master_port), args.node_rank, "timeout"
+            addr, port, rank, key = args.master_addr, int(args.master_port or 29500), args.node_rank, "timeout"
         else:
             host, _, port_ = (args.rdzv_endpoint or "").rpartition(":")
             addr, port = host or args.rdzv_endpoint, int(port_ or 29400)
@@ -290,8 +290,7 @@ def join(p: Plan, node: str, clock: Clock, me: str) -> None:
         time.sleep(1)
 
 
-def meet(p: Plan, timeout: float) -> None:
-    clock = Clock(timeout)
+def meet(p: Plan, clock: Clock) -> None:
     if p.rank is not None:
         me = f"node {p.rank} of {p.nnodes}"
         if p.rank == 0:
@@ -313,7 +312,7 @@ def meet(p: Plan, timeout: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    timeout = DEFAULT_TIMEOUT_S
+    timeout, started = DEFAULT_TIMEOUT_S, time.monotonic()  # the bound counts from here, the launchers' imports included
     if argv[:1] and argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__, file=sys.stderr)
         raise SystemExit(0)
@@ -327,9 +326,11 @@ def main(argv: list[str]) -> None:
                 raise Refused(f"finetune nodes: --timeout {value}: give seconds, e.g. --timeout 600") from None
             if not timeout > 0:
                 raise Refused(f"finetune nodes: --timeout {value}: give a number of seconds above 0")
+        clock = Clock(timeout)
+        clock.start = started
         p = plan(argv, timeout)
         if p.nnodes > 1:
-            meet(p, timeout)
+            meet(p, clock)
     except Refused as e:
         message = str(e)
         print(message if message.startswith("finetune") else f"finetune: {message}", file=sys.stderr, flush=True)
