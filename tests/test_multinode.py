@@ -14,6 +14,7 @@ command resumes, with the one-process run's losses.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -38,7 +39,52 @@ TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
 # CI's cover: every launcher (and so every path) once over the two cases; both cases on all three with
 # FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared core's, whatever the launcher.
-SHARED_COVER, PER_NODE_COVER = ["torchrun", "deepspeed"], ["accelerate"]
+SHARED_COVER = [("torchrun", "zero2"), ("deepspeed", "zero2"), ("torchrun", "zero3"), ("deepspeed", "zero3")]
+PER_NODE_COVER = ["accelerate"]
+
+
+# The "Measured" table of docs/multi-node.md: each slow case below adds its row; FINETUNE_WRITE_MEASURED=1 writes the
+# rows measured in this session into the page, between the markers (rows of cases not run this time stay).
+DOC = REPO / "docs" / "multi-node.md"
+BEGIN, END = "<!-- measured by tests/test_multinode.py (FINETUNE_WRITE_MEASURED=1) -->", "<!-- end of measured -->"
+HEADER = "| launch line | path | preset | case | result |\n|---|---|---|---|---|"
+MEASURED: dict[tuple[str, str, str, str], str] = {}
+
+
+def measured(kind: str, config: str, case: str, result: str) -> None:
+    MEASURED[(kind, Path(LINES[kind]).name, config, case)] = result
+
+
+def write_measured_table(doc: Path = DOC) -> None:
+    text = doc.read_text()
+    head, _, rest = text.partition(BEGIN)
+    old, _, tail = rest.partition(END)
+    assert BEGIN in text and END in rest, f"{doc}: no {BEGIN} ... {END}"
+    rows = {}
+    for line in old.strip().splitlines()[2:]:
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        rows[tuple(cells[:4])] = cells[4]
+    rows.update(MEASURED)
+    order = list(LINES)
+    body = "\n".join(f"| `{k}` | `{s}` | {c} | {case} | {r} |" for (k, s, c, case), r in
+                      sorted(rows.items(), key=lambda kv: (kv[0][3], order.index(kv[0][0]), kv[0][2])))
+    doc.write_text(f"{head}{BEGIN}\n{HEADER}\n{body}\n{END}{tail}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured_table():
+    yield
+    if MEASURED and os.environ.get("FINETUNE_WRITE_MEASURED") == "1":
+        write_measured_table()
+
+
+def test_the_measured_table_is_written_between_its_markers(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text(f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept | 1 |\n{END}\nafter\n")
+    monkeypatch.setattr(sys.modules[__name__], "MEASURED", {("torchrun", "train.py", "zero3", "new"): "2"})
+    write_measured_table(page)
+    assert page.read_text() == (f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept | 1 |\n"
+                                f"| `torchrun` | `train.py` | zero3 | new | 2 |\n{END}\nafter\n")
 
 
 def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, monkeypatch):
@@ -128,18 +174,24 @@ def assert_same_losses(expected: list[float], out: Path, what: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", matrix(list(SCRIPTS), SHARED_COVER))
-def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, job, reference):
+@pytest.mark.parametrize("kind, config", matrix([(k, c) for c in ("zero2", "zero3") for k in SCRIPTS], SHARED_COVER))
+def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, config, job, reference):
     expected = reference(SCRIPTS[kind])
-    out, cache = job[0] / f"{kind}-shared", job[0] / "cache"  # the reference filled the cache: no tokenizing race
-    cmds = nodes(job, kind, [out, out], [cache, cache])
+    out, cache = job[0] / f"{kind}-{config}-shared", job[0] / "cache"  # the reference filled the cache
+    port = free_port()
+    cmds = [node_launcher(kind, r, port, script=SCRIPTS[kind], hostfile=job[3]) + flags(job, out, cache, config)
+            for r in range(2)]
     killed = killed_on_node_1(cmds, out)
     resumed = run_nodes(cmds, timeout=600)
     for node, r in enumerate(resumed):
         assert r.returncode == 0, (node, r.output[-3000:])
     assert f"resume: from {out}/checkpoint-" in resumed[0].output, resumed[0].output[-3000:]
-    assert_same_losses(expected, out, f"{kind}, shared folder, killed on node 1 "
-                                      f"(exit after {max(k.exit_seconds for k in killed):.1f}s) and resumed")
+    exit_s = max(k.exit_seconds for k in killed)
+    diff = assert_same_losses(expected, out, f"{kind}, {config}, shared folder, killed on node 1 "
+                                             f"(exit after {exit_s:.1f}s) and resumed")
+    measured(kind, config, f"shared folder: `kill -9` of node 1's rank after checkpoint-{SAVE}, same line again",
+             f"every process gone {exit_s:.1f} s after the kill; resumed, {STEPS} losses vs one process: "
+             f"max diff {diff:.1e}")
 
 
 @pytest.mark.slow
@@ -216,6 +268,8 @@ def test_a_node_alone_says_what_it_waits_for_and_gives_up(kind, rank, tmp_path):
     else:
         assert "cannot reach node 0 at 127.0.0.1" in last, last
     assert not (tmp_path / "out").exists() and "'loss'" not in out  # no launcher, no rank started
+    measured(kind, "-", f"node {rank} alone, `--timeout {bound:.0f}`",
+             f"first waiting line after {said:.1f} s; exit 2 after {ended:.1f} s")
     print(f"{kind} node {rank} alone: waiting line after {said:.1f}s, gave up (exit 2) after {ended:.1f}s "
           f"(--timeout {bound:.0f})\n  {line.group(0)[:160]}...\n  {last[:160]}...")
 
@@ -252,4 +306,6 @@ def test_node_1_started_40_s_late_still_trains_with_the_one_process_losses(kind,
     line = WAITING.search(done[0].output)
     assert line, done[0].output[-3000:]
     assert "all 2 nodes here; starting" in done[0].output and "all 2 nodes here; starting" in done[1].output
-    assert_same_losses(expected, out, f"{kind}, node 1 started {LATE:.0f} s late (job {seconds:.0f}s)")
+    diff = assert_same_losses(expected, out, f"{kind}, node 1 started {LATE:.0f} s late (job {seconds:.0f}s)")
+    measured(kind, "zero2", f"node 1 started {LATE:.0f} s after node 0",
+             f"node 0's waiting line after {line.group(1)} s; trained, {STEPS} losses vs one process: max diff {diff:.1e}")
