@@ -53,6 +53,8 @@ def _stale(holder: dict, age: float) -> str | None:
             return f"its process {pid} on this host is gone"
         if holder.get("pid_start") not in (None, ticks):
             return f"pid {pid} on this host is another process now"
+        if pid == os.getpid():
+            return "an earlier run in this process, ended (runs in one process follow each other)"
         return None
     if age > STALE_S:
         return f"not refreshed for {age:.0f} s (its holder updates it every {HEARTBEAT_S:.0f} s)"
@@ -74,6 +76,7 @@ def _heartbeat(path: Path, run: str, stop: threading.Event) -> None:
 
 def acquire(output_dir: str | Path) -> str | None:
     """Take the folder's lock for this process; the refusal's words when another live run holds it."""
+    release()  # an earlier run of this process (a caller running entry points in-process) that did not release
     out = Path(output_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
