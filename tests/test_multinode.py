@@ -309,3 +309,14 @@ def test_node_1_started_40_s_late_still_trains_with_the_one_process_losses(kind,
     diff = assert_same_losses(expected, out, f"{kind}, node 1 started {LATE:.0f} s late (job {seconds:.0f}s)")
     measured(kind, "zero2", f"node 1 started {LATE:.0f} s after node 0",
              f"node 0's waiting line after {line.group(1)} s; trained, {STEPS} losses vs one process: max diff {diff:.1e}")
+
+
+def test_the_waiting_line_comes_at_5_s_then_every_30_s(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(nodes_app.time, "monotonic", lambda: now[0])
+    clock, said = nodes_app.Clock(200), []
+    for tenth in range(0, 2000):
+        now[0] = tenth / 10
+        if clock.due():
+            said.append(now[0])
+    assert said == [5.0, 30.0, 60.0, 90.0, 120.0, 150.0, 180.0] and clock.over()
