@@ -314,7 +314,7 @@ def test_node_1_started_40_s_late_still_trains_with_the_one_process_losses(kind,
 def test_the_waiting_line_comes_at_5_s_then_every_30_s(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(nodes_app.time, "monotonic", lambda: now[0])
-    clock, said = nodes_app.Clock(200), []
+    clock, said = nodes_app.Clock(199), []
     for tenth in range(0, 2000):
         now[0] = tenth / 10
         if clock.due():
