@@ -342,6 +342,9 @@ def commit_staged(staging: Path, output_dir: str | Path) -> None:
     for f in files:
         os.replace(f, out / f.name)
     shutil.rmtree(staging, ignore_errors=True)
+    from finetune.training import runlock
+
+    runlock.release()  # the run's outputs are in place: the folder is free for the next run (a resume)
 
 
 def write_json_atomic(path: str | Path, data) -> None:
