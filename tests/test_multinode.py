@@ -252,8 +252,9 @@ def test_a_node_alone_says_what_it_waits_for_and_gives_up(kind, rank, tmp_path):
     cmd = launch_line(kind, rank, port, tmp_path, bound) + ["--output_dir", str(tmp_path / "out")]
     start = time.monotonic()
     with Launched(cmd, REPO, env()) as job:
-        assert job.wait(30, until=lambda: WAITING.search(job.output)), f"no waiting line in 30 s\n{job.output[-3000:]}"
+        job.wait(30, until=lambda: WAITING.search(job.output))
         said = time.monotonic() - start
+        assert WAITING.search(job.output) and said <= 30, f"no waiting line in 30 s\n{job.output[-3000:]}"
         assert job.wait(bound + 40), f"still waiting {bound + 40:.0f} s after its first line\n{job.output[-3000:]}"
         ended = time.monotonic() - start
         assert not job.finish()

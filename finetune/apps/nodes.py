@@ -312,7 +312,7 @@ def meet(p: Plan, clock: Clock) -> None:
 
 
 def main(argv: list[str]) -> None:
-    timeout, started = DEFAULT_TIMEOUT_S, time.monotonic()  # the bound counts from here, the launchers' imports included
+    timeout = DEFAULT_TIMEOUT_S
     if argv[:1] and argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__, file=sys.stderr)
         raise SystemExit(0)
@@ -326,11 +326,9 @@ def main(argv: list[str]) -> None:
                 raise Refused(f"finetune nodes: --timeout {value}: give seconds, e.g. --timeout 600") from None
             if not timeout > 0:
                 raise Refused(f"finetune nodes: --timeout {value}: give a number of seconds above 0")
-        clock = Clock(timeout)
-        clock.start = started
         p = plan(argv, timeout)
         if p.nnodes > 1:
-            meet(p, clock)
+            meet(p, Clock(timeout))  # the bound counts from here (reading the line imports the launcher: seconds)
     except Refused as e:
         message = str(e)
         print(message if message.startswith("finetune") else f"finetune: {message}", file=sys.stderr, flush=True)
