@@ -321,3 +321,16 @@ def test_the_waiting_line_comes_at_5_s_then_every_30_s(monkeypatch):
         if clock.due():
             said.append(now[0])
     assert said == [5.0, 30.0, 60.0, 90.0, 120.0, 150.0, 180.0] and clock.over()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "usage: finetune nodes [--timeout SECONDS] LAUNCHER"),
+    (["--timeout", "soon", "torchrun"], "finetune nodes: --timeout soon: give seconds"),
+    (["--timeout", "0", "torchrun"], "finetune nodes: --timeout 0: give a number of seconds above 0"),
+    (["mpirun", "-n", "2", "x.py"], "finetune nodes: unknown launcher 'mpirun' (one of: torchrun, accelerate launch, deepspeed)"),
+])
+def test_a_wrong_nodes_line_is_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        nodes_app.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
