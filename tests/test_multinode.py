@@ -284,6 +284,14 @@ def test_node_lines_are_read_with_the_launchers_own_parsers(tmp_path):
     assert got["torchrun"].launch[1:3] == ["--rdzv_conf", "timeout=77"]
     assert got["accelerate"].launch[2:4] == ["--rdzv_conf", "timeout=77"]
     assert got["deepspeed"].launch == node_launcher("deepspeed", 1, 4321, 3, hostfile=hostfile)[4:]  # no such bound
+    # DeepSpeed's line is read without importing DeepSpeed (slow): the same values as its own parser.
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args
+
+    line = node_launcher("deepspeed", 1, 4321, 3, hostfile=hostfile)[5:] + ["--output_dir", "x", "--num_nodes", "9"]
+    theirs, ours = parse_args(line), nodes_app._deepspeed_args(line)
+    for key in ("hostfile", "num_nodes", "node_rank", "master_addr", "master_port", "no_ssh"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert nodes_app._hostfile(str(hostfile)) == list(fetch_hostfile(str(hostfile)))
     c10d = nodes_app.plan(["torchrun", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:9", "x.py"], 5)
     assert (c10d.nnodes, c10d.addr, c10d.port, c10d.launch[1:3]) == (2, "h", 9, ["--rdzv_conf", "join_timeout=5"])
     own = ["torchrun", "--rdzv_conf", "timeout=9", "--nnodes", "2", "--node_rank", "0", "x.py"]

@@ -10,11 +10,13 @@ rendezvous timeout set to the same bound where it has one. The port is free agai
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shlex
 import socket
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 300.0
 EVERY_S = 30.0
@@ -59,6 +61,40 @@ def _slurm_rank() -> int | None:
     return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else None
 
 
+def _deepspeed_args(argv: list[str]):
+    """The runner's flags this needs, with its names and defaults (deepspeed/launcher/runner.py, 0.19.8), read up to
+    the training script: importing DeepSpeed to use its own parser takes 10-25 s, too long before the first line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("-H", "--hostfile", default="/job/hostfile")
+    parser.add_argument("--num_nodes", type=int, default=-1)
+    parser.add_argument("--node_rank", type=int, default=-1)
+    parser.add_argument("--master_addr", default="")
+    parser.add_argument("--master_port", type=int, default=29500)
+    parser.add_argument("--no_ssh", action="store_true")
+    head = next((i for i, a in enumerate(argv) if not a.startswith("-") and a.endswith(".py")), len(argv))
+    return parser.parse_known_args(argv[:head])[0]
+
+
+def _hostfile(path: str) -> list[str]:
+    """The host names of a DeepSpeed hostfile ("name slots=N" a line; # comments), in order."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise Refused(f"finetune nodes: deepspeed --hostfile {path}: {e.strerror}") from None
+    hosts = []
+    for no, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if not match:
+            raise Refused(f"finetune nodes: {path}:{no}: {line!r} is not \"HOST slots=N\"")
+        hosts.append(match.group(1))
+    return hosts
+
+
 def plan(argv: list[str], timeout: float) -> Plan:
     """Read a launch line with the launcher's own argument parser."""
     name = os.path.basename(argv[0]) if argv else ""
@@ -85,10 +121,8 @@ def plan(argv: list[str], timeout: float) -> Plan:
         return Plan(int(args.num_machines), int(args.machine_rank or 0), args.main_process_ip or "127.0.0.1",
                     int(args.main_process_port or 29500), _with_rendezvous_timeout(argv, 2, key, timeout))
     if name == "deepspeed":
-        from deepspeed.launcher.runner import fetch_hostfile, parse_args
-
-        args = parse_args(argv[1:])
-        hosts = fetch_hostfile(args.hostfile) or {}
+        args = _deepspeed_args(argv[1:])
+        hosts = _hostfile(args.hostfile)
         if not args.no_ssh:
             raise Refused("finetune nodes: deepspeed without --no_ssh starts every node's ranks from node 0 over ssh, so "
                           "only one node runs this line; run it without `finetune nodes`, or with --no_ssh on every node")
@@ -97,7 +131,7 @@ def plan(argv: list[str], timeout: float) -> Plan:
             raise Refused(f"finetune nodes: deepspeed --node_rank {args.node_rank}: give this node's rank, 0 to "
                           f"{nnodes - 1} for the {nnodes} node(s) of --hostfile {args.hostfile}")
         # DeepSpeed has no rendezvous bound of its own to set: its ranks meet in torch's init_process_group.
-        return Plan(nnodes, args.node_rank, args.master_addr or next(iter(hosts)), int(args.master_port), argv)
+        return Plan(nnodes, args.node_rank, args.master_addr or hosts[0], int(args.master_port), argv)
     raise Refused(f"finetune nodes: unknown launcher {argv[0]!r} (one of: {', '.join(LAUNCHERS)})" if argv else USAGE)
 
 
