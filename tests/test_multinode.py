@@ -62,8 +62,8 @@ def write_measured_table(doc: Path = DOC) -> None:
     assert BEGIN in text and END in rest, f"{doc}: no {BEGIN} ... {END}"
     rows = {}
     for line in old.strip().splitlines()[2:]:
-        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-        rows[tuple(cells[:4])] = cells[4]
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[(cells[0].strip("`"), cells[1].strip("`"), *cells[2:4])] = cells[4]
     rows.update(MEASURED)
     order = list(LINES)
     body = "\n".join(f"| `{k}` | `{s}` | {c} | {case} | {r} |" for (k, s, c, case), r in
@@ -80,10 +80,12 @@ def measured_table():
 
 def test_the_measured_table_is_written_between_its_markers(tmp_path, monkeypatch):
     page = tmp_path / "page.md"
-    page.write_text(f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept | 1 |\n{END}\nafter\n")
+    page.write_text(f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept `--x 1` | 1 |\n"
+                    f"| `torchrun` | `train.py` | zero3 | new | old |\n{END}\nafter\n")
     monkeypatch.setattr(sys.modules[__name__], "MEASURED", {("torchrun", "train.py", "zero3", "new"): "2"})
     write_measured_table(page)
-    assert page.read_text() == (f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept | 1 |\n"
+    write_measured_table(page)  # the same rows again: nothing doubled
+    assert page.read_text() == (f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept `--x 1` | 1 |\n"
                                 f"| `torchrun` | `train.py` | zero3 | new | 2 |\n{END}\nafter\n")
 
 
@@ -333,13 +335,15 @@ def test_the_waiting_line_comes_at_5_s_then_every_30_s(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "usage: finetune nodes [--timeout SECONDS] LAUNCHER"),
-    (["--timeout", "soon", "torchrun"], "finetune nodes: --timeout soon: give seconds"),
-    (["--timeout", "0", "torchrun"], "finetune nodes: --timeout 0: give a number of seconds above 0"),
-    (["mpirun", "-n", "2", "x.py"], "finetune nodes: unknown launcher 'mpirun' (one of: torchrun, accelerate launch, deepspeed)"),
+    ([], "LAUNCHER: required (torchrun, accelerate launch or deepspeed, then its line)"),
+    (["--timeout", "soon", "torchrun"], "--timeout: expected a number of seconds, got 'soon'"),
+    (["--timeout", "0", "torchrun"], "--timeout: give a number of seconds above 0, got 0"),
+    (["mpirun", "-n", "2", "x.py"], "unknown launcher 'mpirun' (one of: torchrun, accelerate launch, deepspeed)"),
+    (["--timout=9", "torchrun"], "--timout: unknown key 'timout'; did you mean 'timeout'?"),
 ])
 def test_a_wrong_nodes_line_is_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         nodes_app.main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert e.value.code == 2 and "finetune nodes: 1 configuration problem(s): " + message in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -24,8 +24,9 @@ FIRST_S = 5.0  # the first waiting line: nodes started together meet well within
 LAUNCHERS = ("torchrun", "accelerate launch", "deepspeed")
 CAUSES = ("likely causes: a typo in the address or port (every node's line must name node 0's), a firewall closing "
           "that port between the nodes, or a node whose job has not started (or failed before this point)")
-USAGE = ("usage: finetune nodes [--timeout SECONDS] LAUNCHER ...   (LAUNCHER: torchrun, accelerate launch, deepspeed; "
-         f"the launch line of docs/multi-node.md; --timeout default {DEFAULT_TIMEOUT_S:.0f})")
+USAGE = ("usage: finetune nodes [--timeout SECONDS] LAUNCHER ...   (LAUNCHER: torchrun, accelerate launch or deepspeed "
+         "and its line, as in docs/multi-node.md)\n\n  --timeout SECONDS  how long a node waits for the others before it "
+         f"gives up (exit 2); default {DEFAULT_TIMEOUT_S:.0f}")
 
 
 class Refused(Exception):
@@ -132,7 +133,7 @@ def plan(argv: list[str], timeout: float) -> Plan:
                           f"{nnodes - 1} for the {nnodes} node(s) of --hostfile {args.hostfile}")
         # DeepSpeed has no rendezvous bound of its own to set: its ranks meet in torch's init_process_group.
         return Plan(nnodes, args.node_rank, args.master_addr or hosts[0], int(args.master_port), argv)
-    raise Refused(f"finetune nodes: unknown launcher {argv[0]!r} (one of: {', '.join(LAUNCHERS)})" if argv else USAGE)
+    raise Refused(f"finetune nodes: unknown launcher {argv[0]!r} (one of: {', '.join(LAUNCHERS)})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,21 +346,43 @@ def meet(p: Plan, clock: Clock) -> None:
         join(p, f"{socket.gethostname()}:{os.getpid()}", clock, me)
 
 
+def _flags(argv: list[str]) -> tuple[float, list[str], list[str]]:
+    """finetune nodes' own flags (before the launcher): (timeout, the launch line, problems)."""
+    import difflib
+
+    argv, timeout, problems = list(argv), DEFAULT_TIMEOUT_S, []
+    while argv and argv[0].startswith("-"):
+        key, eq, value = argv.pop(0)[2:].partition("=")
+        if key != "timeout":
+            close = difflib.get_close_matches(key, ["timeout"], n=1)
+            problems.append(f"--{key}: unknown key '{key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+            continue
+        value = value if eq else (argv.pop(0) if argv else "")
+        try:
+            timeout = float(value)
+        except ValueError:
+            problems.append(f"--timeout: expected a number of seconds, got '{value}'")
+            continue
+        if not timeout > 0:
+            problems.append(f"--timeout: give a number of seconds above 0, got {value}")
+    name = os.path.basename(argv[0]) if argv else ""
+    if not argv:
+        problems.append("LAUNCHER: required (torchrun, accelerate launch or deepspeed, then its line)")
+    elif not (name in ("torchrun", "deepspeed") or (name == "accelerate" and argv[1:2] == ["launch"])):
+        problems.append(f"unknown launcher '{' '.join(argv[:2]) if name == 'accelerate' else argv[0]}' "
+                        f"(one of: {', '.join(LAUNCHERS)})")
+    return timeout, argv, problems
+
+
 def main(argv: list[str]) -> None:
-    timeout = DEFAULT_TIMEOUT_S
     if argv[:1] and argv[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + __doc__, file=sys.stderr)
+        print(USAGE + "\n\n" + __doc__)
         raise SystemExit(0)
     try:
-        if argv[:1] == ["--timeout"] or (argv and argv[0].startswith("--timeout=")):
-            value, argv = (argv[1], argv[2:]) if argv[0] == "--timeout" and len(argv) > 1 else \
-                (argv[0].partition("=")[2], argv[1:])
-            try:
-                timeout = float(value)
-            except ValueError:
-                raise Refused(f"finetune nodes: --timeout {value}: give seconds, e.g. --timeout 600") from None
-            if not timeout > 0:
-                raise Refused(f"finetune nodes: --timeout {value}: give a number of seconds above 0")
+        timeout, argv, problems = _flags(argv)
+        if problems:
+            raise Refused(f"finetune nodes: {len(problems)} configuration problem(s): " + "; ".join(problems)
+                          + f" ({USAGE.split('   ')[0].removeprefix('usage: ')})")
         p = plan(argv, timeout)
         if p.nnodes > 1:
             meet(p, Clock(timeout))  # the bound counts from here (reading the line imports the launcher: seconds)
