@@ -15,6 +15,7 @@ COMMANDS = {
     "import-gguf": ("finetune.convert.gguf_import", "turn a GGUF file of a Llama-style model into a plain HF folder (safetensors)"),
     "report": ("finetune.apps.report", "write OUTPUT_DIR/report/: loss, learning-rate and tokens/s curves (PNG), final metrics (markdown, JSON)"),
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
+    "nodes": ("finetune.apps.nodes", "start a multi-node launch line once every node is there (says what it waits for every 30 s, gives up after --timeout)"),
     "tiny": ("finetune.apps.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
 }
 # The commands that run finetune's workarounds for other libraries' internals (finetune.compat).

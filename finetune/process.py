@@ -46,6 +46,23 @@ def exit_with(message: str) -> NoReturn:
 # (run_rank): a launched rank, and the process of a training entry point (own_process).
 
 
+_AT_END: list = []
+
+
+def at_end(fn) -> None:
+    """Run `fn()` before end_finished_process ends the process (os._exit skips atexit): a lock to release."""
+    if fn not in _AT_END:
+        _AT_END.append(fn)
+
+
+def run_at_end() -> None:
+    for fn in _AT_END:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - ending anyway; say what was left
+            print(f"finetune: at exit: {e}", file=sys.stderr)
+
+
 def end_finished_process(code: int = 0, own_process: bool = False) -> None:
     """End the process, its work done: flush, then os._exit. Only a rank its launcher started (LOCAL_RANK set at
     start) or an entry point's own process (own_process, and the process started with the arguments in sys.argv)
@@ -55,6 +72,7 @@ def end_finished_process(code: int = 0, own_process: bool = False) -> None:
         return
     import logging
 
+    run_at_end()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -90,6 +108,8 @@ def run_rank(main, *args, own_process: bool = False, resume_hint: bool = False) 
         if e.code in (None, 0):
             end_finished_process(0, own_process)
         raise
+    finally:
+        run_at_end()  # in this process too (a test's): the run's lock is released when its main ends
     end_finished_process(0, own_process)
 
 

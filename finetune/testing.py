@@ -86,24 +86,51 @@ def deepspeed_launcher(nproc: int = 2, script: str = ENGINE) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script]
 
 
+NODES_TIMEOUT = 300.0  # `finetune nodes --timeout` in the tests' launch lines (its default)
+SLURM_SCRIPT = REPO / "scripts" / "slurm" / "finetune.sbatch"
+
+
 def node_launcher(kind: str, node_rank: int, port: int, nnodes: int = 2, script: str = TRAIN,
-                  hostfile: Path | None = None) -> list[str]:
-    """The launch line of one node of an `nnodes`-node job, one rank per node, all "nodes" on 127.0.0.1.
+                  hostfile: Path | None = None, timeout: float = NODES_TIMEOUT) -> list[str]:
+    """The launch line of one node of an `nnodes`-node job, one rank per node, all "nodes" on 127.0.0.1, as
+    docs/multi-node.md gives it: `finetune nodes --timeout S` then the launcher's line.
 
     Every node's line names the same `port` (node 0's rendezvous); deepspeed's runner also needs a `hostfile`
-    (see write_hostfile) and starts this node's ranks itself (`--no_ssh`)."""
+    (see write_hostfile) and starts this node's ranks itself (`--no_ssh`). "slurm" runs
+    scripts/slurm/finetune.sbatch as one node's share of its `srun` (see slurm_stubs; the hostfile argument
+    names the stubs' folder)."""
+    nodes = [str(BIN / "finetune"), "nodes", "--timeout", f"{timeout:g}"]
     if kind == "torchrun":
-        return [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", "1",
-                "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+        return nodes + [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+                        "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), script]
     if kind == "accelerate":  # --num_processes counts every node's processes
-        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", str(nnodes), "--machine_rank",
-                str(node_rank), "--num_processes", str(nnodes), "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", script]
+        return nodes + [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", str(nnodes),
+                        "--machine_rank", str(node_rank), "--num_processes", str(nnodes), "--main_process_ip",
+                        "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend",
+                        "no", script]
     if kind == "deepspeed":
         assert hostfile is not None, "deepspeed needs a hostfile: write_hostfile()"
-        return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
-                "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+        return nodes + [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
+                        str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+    if kind == "slurm":
+        assert hostfile is not None, "slurm needs the stubs' folder: slurm_stubs()"
+        stubs = hostfile if hostfile.is_dir() else slurm_stubs(hostfile.parent / "slurm-stubs")
+        return ["env", f"PATH={stubs}{os.pathsep}{os.environ.get('PATH', '')}", "SLURM_JOB_NODELIST=loopback",
+                f"SLURM_NTASKS={nnodes}", f"SLURM_PROCID={node_rank}", "SLURM_JOB_ID=1", "NPROC_PER_NODE=1",
+                f"FINETUNE_SCRIPT={script}", f"TORCHRUN={BIN / 'torchrun'}", f"FINETUNE={BIN / 'finetune'}",
+                f"RDZV_PORT={port}", f"NODES_TIMEOUT={timeout:g}", "bash", str(SLURM_SCRIPT)]
     raise ValueError(kind)
+
+
+def slurm_stubs(folder: Path) -> Path:
+    """`srun` and `scontrol` for running scripts/slurm/finetune.sbatch as one node's task: srun runs its command
+    once (this node's task; SLURM_PROCID comes from the line), scontrol names 127.0.0.1 as the job's first node."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, body in (("srun", 'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n'),
+                       ("scontrol", "echo 127.0.0.1\n")):
+        (folder / name).write_text("#!/bin/sh\n" + body)
+        (folder / name).chmod(0o755)
+    return folder
 
 
 def write_hostfile(path: Path, nnodes: int = 2) -> Path:
@@ -576,11 +603,20 @@ def run_and_signal(cmd: list[str], target: str, sig: int, ready: str, *, timeout
 # Several "nodes" on loopback: one launcher per node, started together, each one's processes tracked.
 
 
-def run_nodes(cmds: list[list[str]], timeout: float = 300, **extra_env: str) -> list[Result]:
-    """Run one launch line per node at once, to their end (at most `timeout` s in all); no process may outlive it."""
-    jobs = [Launched(cmd, REPO, env(**extra_env)) for cmd in cmds]
+def run_nodes(cmds: list[list[str]], timeout: float = 300, delays: list[float] | None = None,
+              **extra_env: str) -> list[Result]:
+    """Run one launch line per node, to their end (at most `timeout` s in all); no process may outlive it.
+    delays: seconds after the first node's start at which each node starts (default: all at once)."""
+    jobs: list[Launched] = []
     try:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        for cmd, delay in zip(cmds, delays or [0.0] * len(cmds)):
+            while time.monotonic() < start + delay and not any(job.returncode is not None for job in jobs):
+                for job in jobs:  # a node that already ended stops the wait: its output says why
+                    job.watch()
+                time.sleep(0.1)
+            jobs.append(Launched(cmd, REPO, env(**extra_env)))
+        deadline = start + timeout
         for job in jobs:
             if not job.wait(max(0.0, deadline - time.monotonic())):
                 raise AssertionError(f"timed out after {timeout}s: {' '.join(job.cmd)}\n" + _outputs(jobs))

@@ -230,6 +230,11 @@ def isolated():
     from accelerate.state import AcceleratorState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    from finetune.training import runlock
+
+    runlock.release()  # a run that raised before its main returned (it would hold its output folder's lock)
+    runlock.adopt(None)
+
     unset_hf_deepspeed_config()
     if not had_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

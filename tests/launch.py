@@ -3,7 +3,7 @@
 from finetune.testing import (  # noqa: F401
     ALLOWED_WARNINGS, BIN, ENGINE, LOOP, REPO, TRAIN, Launched, Killed, Result, deepspeed_launcher, env, eval_entries,
     eval_losses, finish, free_port, launcher, losses, node_launcher, rank_pids, run, run_and_kill_rank, run_nodes,
-    run_nodes_and_kill_rank, side_by_side, tiny_job, unexpected_warnings, write_hostfile,
+    run_nodes_and_kill_rank, side_by_side, slurm_stubs, tiny_job, unexpected_warnings, write_hostfile,
 )
 
 import os

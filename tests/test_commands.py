@@ -49,6 +49,7 @@ TYPOS = [
     ("quickstart", ["--max_step", "3"], "max_steps"),
     ("tiny", ["out", "--layer", "3"], "layers"),
     ("report", ["run", "--report_dri", "x"], "report_dir"),
+    ("nodes", ["--timout", "9", "torchrun"], "timeout"),
 ]
 
 
@@ -96,6 +97,7 @@ TWO_BAD = [
     ("tiny", ["out", "--hidden", "30", "--style", "chatm"],
      ["--hidden: must be a positive multiple of 8, got 30", "--style: 'chatm' is not one of chatml, llama3, plain; did you mean 'chatml'?"]),
     ("report", ["--report_dir"], ["--report_dir: needs a value", "OUTPUT_DIR: required"]),
+    ("nodes", ["--timeout", "x", "mpirun"], ["--timeout: expected a number of seconds, got 'x'", "unknown launcher 'mpirun'"]),
 ]
 
 
@@ -130,6 +132,7 @@ def test_help(command, capsys):
         "quickstart": ["--model_dir", "--config, --deepspeed, --deepspeed_config", "--max_minutes", "[-- ARGS]"],
         "tiny": ["OUT_DIR", "--style", "--hidden"],
         "report": ["OUTPUT_DIR", "--report_dir"],
+        "nodes": ["--timeout SECONDS", "LAUNCHER"],
     }[command]
     for flag in flags:
         assert flag in out, (flag, out[:2000])

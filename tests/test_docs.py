@@ -106,3 +106,25 @@ def test_relative_links_resolve(path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{where} no heading '#{anchor}' in {dest.relative_to(REPO)}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# A placeholder left where a measurement or text was to go: a line that is one ALL_CAPS_NAME alone (MEASURED_TABLE),
+# the usual markers, or a template's braces. Code blocks and `code spans` are not prose (environment variables).
+PLACEHOLDER = re.compile(r"^\s*[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\s*$|\b(?:TODO|TBD|FIXME|XXX)\b|\{\{[^}]*\}\}")
+
+
+def placeholders(path: Path) -> list[str]:
+    return [f"{path.name}:{no}: {line.strip()}" for no, line in prose_lines(path)
+            if PLACEHOLDER.search(line)]
+
+
+def test_the_placeholder_pattern_finds_what_it_is_for(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("## Measured\n\nMEASURED_TABLE\n\nsteps: TBD\n\n```\nOMP_NUM_THREADS=1\n```\nset `HF_HUB_OFFLINE`\n")
+    assert [x.split(": ", 1)[1] for x in placeholders(page)] == ["MEASURED_TABLE", "steps: TBD"]
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_placeholder_is_left(path):
+    found = placeholders(path)
+    assert not found, "placeholders left (fill them from a run):\n" + "\n".join(found)

@@ -161,7 +161,7 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 def assert_complete(out: Path, weights: str = "model.safetensors", marker: str = "config.json") -> None:
     names = {p.name for p in out.iterdir()}
     assert {weights, marker, "tokenizer.json", "trainer_state.json", "finetune_config.yaml"} <= names, names
-    assert not staging_dir(out).exists()
+    assert not staging_dir(out).exists() and not list(out.glob(".staging-final*"))
     assert not any(n.endswith((".bin", ".pkl")) for n in names), names  # final outputs are pickle-free
 
 

@@ -14,6 +14,8 @@ command resumes, with the one-process run's losses.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import sys
 import time
@@ -21,19 +23,70 @@ from pathlib import Path
 
 import pytest
 
+from finetune.apps import nodes as nodes_app
 from finetune.training import checkpoint
-from launch import (ENGINE, LOOP, TRAIN, free_port, losses, matrix, node_launcher, run, run_nodes, run_nodes_and_kill_rank,
-                    write_hostfile)
+from launch import (ENGINE, LOOP, REPO, TRAIN, Launched, env, free_port, losses, matrix, node_launcher, run, run_nodes,
+                    run_nodes_and_kill_rank, slurm_stubs, write_hostfile)
 
 STEPS, SAVE = 6, 2  # 20 records, global batch 4: 5 steps per epoch, so the resumed run crosses into epoch 2
 SCRIPTS = {"torchrun": TRAIN, "accelerate": LOOP, "deepspeed": ENGINE}
+# Each launch line of docs/multi-node.md (the SLURM script runs torchrun with c10d on the Trainer path).
+LINES = {**SCRIPTS, "slurm": TRAIN}
+LATE = 40.0  # node 1 starts this long after node 0
 # Two ranks sum the loss and gradients in another order than one process: a few float32 ulps at a loss of 6
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
 # CI's cover: every launcher (and so every path) once over the two cases; both cases on all three with
 # FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared core's, whatever the launcher.
-SHARED_COVER, PER_NODE_COVER = ["torchrun", "deepspeed"], ["accelerate"]
+SHARED_COVER = [("torchrun", "zero2"), ("deepspeed", "zero2"), ("torchrun", "zero3"), ("deepspeed", "zero3")]
+PER_NODE_COVER = ["accelerate"]
+
+
+# The "Measured" table of docs/multi-node.md: each slow case below adds its row; FINETUNE_WRITE_MEASURED=1 writes the
+# rows measured in this session into the page, between the markers (rows of cases not run this time stay).
+DOC = REPO / "docs" / "multi-node.md"
+BEGIN, END = "<!-- measured by tests/test_multinode.py (FINETUNE_WRITE_MEASURED=1) -->", "<!-- end of measured -->"
+HEADER = "| launch line | path | preset | case | result |\n|---|---|---|---|---|"
+MEASURED: dict[tuple[str, str, str, str], str] = {}
+
+
+def measured(kind: str, config: str, case: str, result: str) -> None:
+    MEASURED[(kind, Path(LINES[kind]).name, config, case)] = result
+
+
+def write_measured_table(doc: Path = DOC) -> None:
+    text = doc.read_text()
+    head, _, rest = text.partition(BEGIN)
+    old, _, tail = rest.partition(END)
+    assert BEGIN in text and END in rest, f"{doc}: no {BEGIN} ... {END}"
+    rows = {}
+    for line in old.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[(cells[0].strip("`"), cells[1].strip("`"), *cells[2:4])] = cells[4]
+    rows.update(MEASURED)
+    order = list(LINES)
+    body = "\n".join(f"| `{k}` | `{s}` | {c} | {case} | {r} |" for (k, s, c, case), r in
+                      sorted(rows.items(), key=lambda kv: (kv[0][3], order.index(kv[0][0]), kv[0][2])))
+    doc.write_text(f"{head}{BEGIN}\n{HEADER}\n{body}\n{END}{tail}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured_table():
+    yield
+    if MEASURED and os.environ.get("FINETUNE_WRITE_MEASURED") == "1":
+        write_measured_table()
+
+
+def test_the_measured_table_is_written_between_its_markers(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text(f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept `--x 1` | 1 |\n"
+                    f"| `torchrun` | `train.py` | zero3 | new | old |\n{END}\nafter\n")
+    monkeypatch.setattr(sys.modules[__name__], "MEASURED", {("torchrun", "train.py", "zero3", "new"): "2"})
+    write_measured_table(page)
+    write_measured_table(page)  # the same rows again: nothing doubled
+    assert page.read_text() == (f"# x\n{BEGIN}\n{HEADER}\n| `deepspeed` | `sft.py` | zero2 | kept `--x 1` | 1 |\n"
+                                f"| `torchrun` | `train.py` | zero3 | new | 2 |\n{END}\nafter\n")
 
 
 def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, monkeypatch):
@@ -123,18 +176,24 @@ def assert_same_losses(expected: list[float], out: Path, what: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", matrix(list(SCRIPTS), SHARED_COVER))
-def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, job, reference):
+@pytest.mark.parametrize("kind, config", matrix([(k, c) for c in ("zero2", "zero3") for k in SCRIPTS], SHARED_COVER))
+def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, config, job, reference):
     expected = reference(SCRIPTS[kind])
-    out, cache = job[0] / f"{kind}-shared", job[0] / "cache"  # the reference filled the cache: no tokenizing race
-    cmds = nodes(job, kind, [out, out], [cache, cache])
+    out, cache = job[0] / f"{kind}-{config}-shared", job[0] / "cache"  # the reference filled the cache
+    port = free_port()
+    cmds = [node_launcher(kind, r, port, script=SCRIPTS[kind], hostfile=job[3]) + flags(job, out, cache, config)
+            for r in range(2)]
     killed = killed_on_node_1(cmds, out)
     resumed = run_nodes(cmds, timeout=600)
     for node, r in enumerate(resumed):
         assert r.returncode == 0, (node, r.output[-3000:])
     assert f"resume: from {out}/checkpoint-" in resumed[0].output, resumed[0].output[-3000:]
-    assert_same_losses(expected, out, f"{kind}, shared folder, killed on node 1 "
-                                      f"(exit after {max(k.exit_seconds for k in killed):.1f}s) and resumed")
+    exit_s = max(k.exit_seconds for k in killed)
+    diff = assert_same_losses(expected, out, f"{kind}, {config}, shared folder, killed on node 1 "
+                                             f"(exit after {exit_s:.1f}s) and resumed")
+    measured(kind, config, f"shared folder: `kill -9` of node 1's rank after checkpoint-{SAVE}, same line again",
+             f"every process gone {exit_s:.1f} s after the kill; resumed, {STEPS} losses vs one process: "
+             f"max diff {diff:.1e}")
 
 
 @pytest.mark.slow
@@ -172,3 +231,119 @@ def test_folder_per_node_refuses_latest_on_every_node_then_resumes_once_merged(k
         for node, r in enumerate(again):
             assert r.returncode != 0 and r.output.count(REFUSAL) == 1, (node, r.output[-3000:])
             assert f"(rank 0: final model (global_step {STEPS}); rank 1: none)" in r.output, r.output[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# A node whose peers do not come (`finetune nodes` before each launch line): it says so within 30 s, names the
+# address and port, the nodes there and expected, and the likely causes, then gives up with one line.
+
+WAITING = re.compile(r"finetune: node .*: waiting (\d+) s for the other nodes at 127\.0\.0\.1:(\d+): 1 of 2 nodes "
+                     r"here.*likely causes: a typo in the address or port.*a firewall.*has not started")
+GAVE_UP = "gave up after"
+
+
+def launch_line(kind: str, rank: int, port: int, root: Path, timeout: float) -> list[str]:
+    hostfile = (slurm_stubs(root / "stubs") if kind == "slurm" else write_hostfile(root / "hostfile"))
+    return node_launcher(kind, rank, port, script=LINES[kind], hostfile=hostfile, timeout=timeout)
+
+
+@pytest.mark.parametrize("kind, rank", [(k, 0) for k in LINES] + [("torchrun", 1)])
+def test_a_node_alone_says_what_it_waits_for_and_gives_up(kind, rank, tmp_path):
+    bound = 12.0  # the test's --timeout; the default is nodes_app.DEFAULT_TIMEOUT_S
+    port = free_port()
+    cmd = launch_line(kind, rank, port, tmp_path, bound) + ["--output_dir", str(tmp_path / "out")]
+    start = time.monotonic()
+    with Launched(cmd, REPO, env()) as job:
+        job.wait(30, until=lambda: WAITING.search(job.output))
+        said = time.monotonic() - start
+        assert WAITING.search(job.output) and said <= 30, f"no waiting line in 30 s\n{job.output[-3000:]}"
+        assert job.wait(bound + 40), f"still waiting {bound + 40:.0f} s after its first line\n{job.output[-3000:]}"
+        ended = time.monotonic() - start
+        assert not job.finish()
+    out = job.output
+    line = WAITING.search(out)
+    assert int(line.group(2)) == port and f"giving up after {bound:.0f} s (finetune nodes --timeout)" in out, out
+    assert job.returncode == 2 and out.count(GAVE_UP) == 1, (job.returncode, out[-3000:])
+    last = [x for x in out.splitlines() if x.strip()][-1]
+    assert GAVE_UP in last and "1 of 2 nodes here" in last and "--timeout SECONDS" in last, last
+    if rank == 0:
+        assert "(missing: node 1)" in last, last
+    else:
+        assert "cannot reach node 0 at 127.0.0.1" in last, last
+    assert not (tmp_path / "out").exists() and "'loss'" not in out  # no launcher, no rank started
+    measured(kind, "-", f"node {rank} alone, `--timeout {bound:.0f}`",
+             f"first waiting line after {said:.1f} s; exit 2 after {ended:.1f} s")
+    print(f"{kind} node {rank} alone: waiting line after {said:.1f}s, gave up (exit 2) after {ended:.1f}s "
+          f"(--timeout {bound:.0f})\n  {line.group(0)[:160]}...\n  {last[:160]}...")
+
+
+def test_node_lines_are_read_with_the_launchers_own_parsers(tmp_path):
+    """Where each launch line meets, which node this is, and the launcher's own rendezvous bound added."""
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    got = {kind: nodes_app.plan(node_launcher(kind, 1, 4321, 3, hostfile=hostfile)[4:], 77) for kind in SCRIPTS}
+    for kind, p in got.items():
+        assert (p.nnodes, p.rank, p.addr, p.port) == (3, 1, "127.0.0.1", 4321), (kind, vars(p))
+    assert got["torchrun"].launch[1:3] == ["--rdzv_conf", "timeout=77"]
+    assert got["accelerate"].launch[2:4] == ["--rdzv_conf", "timeout=77"]
+    assert got["deepspeed"].launch == node_launcher("deepspeed", 1, 4321, 3, hostfile=hostfile)[4:]  # no such bound
+    # DeepSpeed's line is read without importing DeepSpeed (slow): the same values as its own parser.
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args
+
+    line = node_launcher("deepspeed", 1, 4321, 3, hostfile=hostfile)[5:] + ["--output_dir", "x", "--num_nodes", "9"]
+    theirs, ours = parse_args(line), nodes_app._deepspeed_args(line)
+    for key in ("hostfile", "num_nodes", "node_rank", "master_addr", "master_port", "no_ssh"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert nodes_app._hostfile(str(hostfile)) == list(fetch_hostfile(str(hostfile)))
+    c10d = nodes_app.plan(["torchrun", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:9", "x.py"], 5)
+    assert (c10d.nnodes, c10d.addr, c10d.port, c10d.launch[1:3]) == (2, "h", 9, ["--rdzv_conf", "join_timeout=5"])
+    own = ["torchrun", "--rdzv_conf", "timeout=9", "--nnodes", "2", "--node_rank", "0", "x.py"]
+    assert nodes_app.plan(own, 5).launch == own  # the user's own setting stays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(LINES))
+def test_node_1_started_40_s_late_still_trains_with_the_one_process_losses(kind, job, reference):
+    expected = reference(LINES[kind])
+    out, cache = job[0] / f"{kind}-late", job[0] / "cache"
+    port = free_port()
+    hostfile = slurm_stubs(job[0] / "stubs") if kind == "slurm" else job[3]
+    # DDP: what is tested is the launch (the ZeRO stages have the kill test above); no DeepSpeed op to build or wait for.
+    cmds = [node_launcher(kind, r, port, script=LINES[kind], hostfile=hostfile) + flags(job, out, cache, "ddp")
+            for r in range(2)]
+    start = time.time()
+    done = run_nodes(cmds, timeout=900, delays=[0.0, LATE])
+    seconds = time.time() - start
+    for node, r in enumerate(done):
+        assert r.returncode == 0, (node, r.output[-3000:])
+    line = WAITING.search(done[0].output)
+    assert line, done[0].output[-3000:]
+    assert "all 2 nodes here; starting" in done[0].output and "all 2 nodes here; starting" in done[1].output
+    diff = assert_same_losses(expected, out, f"{kind}, node 1 started {LATE:.0f} s late (job {seconds:.0f}s)")
+    measured(kind, "ddp", f"node 1 started {LATE:.0f} s after node 0",
+             f"node 0's waiting line after {line.group(1)} s; trained, {STEPS} losses vs one process: max diff {diff:.1e}")
+
+
+def test_the_waiting_line_comes_at_5_s_then_every_30_s(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(nodes_app.time, "monotonic", lambda: now[0])
+    clock, said = nodes_app.Clock(199), []
+    for tenth in range(0, 2000):
+        now[0] = tenth / 10
+        if clock.due():
+            said.append(now[0])
+    assert said == [5.0, 30.0, 60.0, 90.0, 120.0, 150.0, 180.0] and clock.over()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "LAUNCHER: required (torchrun, accelerate launch or deepspeed, then its line)"),
+    (["--timeout", "soon", "torchrun"], "--timeout: expected a number of seconds, got 'soon'"),
+    (["--timeout", "0", "torchrun"], "--timeout: give a number of seconds above 0, got 0"),
+    (["mpirun", "-n", "2", "x.py"], "unknown launcher 'mpirun' (one of: torchrun, accelerate launch, deepspeed)"),
+    (["--timout=9", "torchrun"], "--timout: unknown key 'timout'; did you mean 'timeout'?"),
+])
+def test_a_wrong_nodes_line_is_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        nodes_app.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "finetune nodes: 1 configuration problem(s): " + message in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -56,13 +56,15 @@ def run(entry):
 
 @pytest.fixture
 def run_each(run, request, tmp_path):
-    """Runs that are independent of each other and must each leave the output folder as it was (refusals): in this
-    process one after another, `unchanged()` checked after each; in real processes (slow) started together, each
-    awaited, `unchanged()` checked once they have all exited."""
+    """Runs that are independent of each other and must each leave the output folder as it was (refusals), one after
+    another (runs into one folder at once are refused as such: tests/test_runlock.py): in this process, or in real
+    processes (slow); `unchanged()` checked after each."""
     def each(how, argvs, unchanged):
         if request.node.callspec.params.get("entry") == "process":
-            procs = in_processes(how, argvs, tmp_path)
-            assert unchanged()
+            procs = []
+            for argv in argvs:
+                procs.extend(in_processes(how, [argv], tmp_path))
+                assert unchanged(), argv
             return procs
         procs = []
         for argv in argvs:

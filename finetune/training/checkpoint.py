@@ -66,7 +66,7 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
         meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
                 "fingerprint": fingerprint, "files": files,
                 HASH: {str(p.relative_to(folder)): file_hash(p) for p in paths}}
-        tmp = folder / f".{MARKER}.tmp"
+        tmp = folder / f".{MARKER}.tmp{os.getpid()}"  # never another process's temporary name
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()

@@ -79,9 +79,18 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do; so does an
     output folder holding another run's model or checkpoints (guard_output_dir). `latest` on a run that has already
     saved its final model exits 0 with nothing done (every rank alike)."""
-    from finetune.training import checkpoint
+    from finetune.training import checkpoint, runlock
 
     args = cfg.training
+    # One run per output folder: rank 0 takes the folder's lock before anything else looks at or writes into it.
+    problem, run = (runlock.acquire(args.output_dir), runlock.held_run()) if is_rank0() else (None, None)
+    problem, run = next((v for v in checkpoint.gather((problem, run)) if v[0] or v[1]), (problem, run))
+    if problem:
+        exit_with(problem)
+    runlock.adopt(run)
+    if is_rank0():  # a killed run's staging folder (the lock is ours: nobody else's)
+        for leftover in Path(args.output_dir).glob(".staging-final*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     finished = guard_output_dir(cfg)
     if args.resume_from_checkpoint == "latest":
         # Collective: a final model that only some nodes see (no shared filesystem) must not finish those ranks and
@@ -315,7 +324,11 @@ def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:
 
 
 def staging_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / ".staging-final"
+    """The final save's temporary folder, named for this run (runlock.run_id): no other run's is the same."""
+    from finetune.training import runlock
+
+    run = runlock.run_id()
+    return Path(output_dir) / (f".staging-final-{run}" if run else ".staging-final")
 
 
 def commit_staged(staging: Path, output_dir: str | Path) -> None:
@@ -331,6 +344,9 @@ def commit_staged(staging: Path, output_dir: str | Path) -> None:
     for f in files:
         os.replace(f, out / f.name)
     shutil.rmtree(staging, ignore_errors=True)
+    from finetune.training import runlock
+
+    runlock.release()  # the run's outputs are in place: the folder is free for the next run (a resume)
 
 
 def write_json_atomic(path: str | Path, data) -> None:
