@@ -94,17 +94,8 @@ def is_decay(name: str) -> bool:
 
 
 def lora_tensors(shape: ModelShape, r: int, targets: list[str]) -> list[Tensor]:
-    """peft's trainable tensors for rank r: lora_A (r x in) and lora_B (out x r) per targeted linear, in order."""
-    chosen = shape.family.lora_targets(targets)
-    out = []
-    for layer in range(shape.num_layers):
-        for lin in shape.linears():
-            if lin.name not in chosen:
-                continue
-            prefix = f"base_model.model.model.layers.{layer}.{lin.block}.{lin.name}"
-            out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, lin.inp), "lora"))
-            out.append(Tensor(f"{prefix}.lora_B.default.weight", (lin.out, r), "lora"))
-    return out
+    """peft's trainable tensors for rank r, as the model's family lays them out (finetune.models.families)."""
+    return shape.family.lora_tensors(shape, r, targets)
 
 
 # ----------------------------------------------------------------------------------------------
