@@ -1191,7 +1191,8 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
     states = {"parameters": states["params"], "gradients": states["grads"], "optimizer states": states["optimizer"]}
     return {
         "model": {
-            "model_type": sh.model_type, "parameters": sh.num_params, "trainable_parameters": trainable,
+            "family": sh.family.name, "model_type": sh.model_type, "parameters": sh.num_params,
+            "trainable_parameters": trainable, "experts": sh.num_experts, "experts_per_token": sh.experts_per_tok,
             "hidden_size": sh.hidden_size, "layers": sh.num_layers, "heads": sh.num_heads, "kv_heads": sh.num_kv_heads,
             "intermediate_size": sh.intermediate_size,
             "vocab_size": sh.vocab_size, "tie_word_embeddings": sh.tie_word_embeddings,
@@ -1226,9 +1227,11 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
 def render(plan: dict[str, Any]) -> str:
     m, j, lim = plan["model"], plan["job"], plan["limits"]
     lines = [
-        f"model: {m['model_type']}, {fmt_count(m['parameters'])} parameters ({fmt_count(m['trainable_parameters'])} trainable); "
+        f"model: {m['model_type']} (family {m['family']}), {fmt_count(m['parameters'])} parameters "
+        f"({fmt_count(m['trainable_parameters'])} trainable); "
         f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
-        f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}",
+        f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}"
+        + (f", {m['experts']} experts ({m['experts_per_token']} per token)" if m.get("experts") else ""),
         f"method: {j['method']}; precision: {j['precision']}",
         f"job: --config {j['config']} = {j['strategy']}; {j['world_size']} {j['accelerator'].upper()} device(s) "
         f"({j['num_nodes']} node(s) x {j['devices_per_node']}); micro-batch {j['per_device_train_batch_size']} x "

@@ -36,8 +36,6 @@ class Gemma2Family(LlamaFamily):
                     "are soft-capped); use --attn_implementation eager (or flash_attention_2 on a GPU)")
         return None
 
-    def gguf_refusal(self, config) -> str | None:
-        return f"model_type '{config.model_type}': finetune's GGUF export does not write {self.name} yet"
 
 
 GEMMA2 = Gemma2Family(

@@ -60,5 +60,3 @@ class MoeFamily(LlamaFamily):
                     Tensor(f"{module}.lora_B.default.weight", (a, r * e), "lora")]
         return out
 
-    def gguf_refusal(self, config) -> str | None:
-        return f"model_type '{config.model_type}': finetune's GGUF export does not write {self.name} yet"

@@ -21,8 +21,6 @@ class Phi3Family(LlamaFamily):
             Linear("down_proj", "mlp", h, i, False, "mlp_act"),
         )
 
-    def gguf_refusal(self, config) -> str | None:
-        return f"model_type '{config.model_type}': finetune's GGUF export does not write {self.name} yet"
 
 
 PHI3 = Phi3Family(
