@@ -6,6 +6,7 @@ of 1.0 where the soft-cap dominates), the MoE router's auxiliary loss added as t
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -80,3 +81,29 @@ def test_chunked_loss_equals_transformers(case):
         assert spec["family"] in ("qwen3_moe", "mixtral") and aux.item() > 0
         lm.config.output_router_logits = False
         assert abs(run(other, batch())[1][0].item() - reference[0].item()) > 1e-5  # without it: another loss
+
+
+def test_gemma2_under_sdpa_is_refused_before_any_model_loads(tmp_path):
+    """transformers has no sdpa kernel for Gemma-2 (soft-capped attention): the default --attn_implementation is
+    refused with one line naming eager, with the configuration problems (before any model loads); eager passes."""
+    from test_fast_errors import run_timed_imports
+
+    from finetune.models import families, tiny
+
+    folder = tmp_path / "gemma2"
+    tokenizer = tiny.build_tokenizer(folder, "chatml", vocab_size=256)
+    tiny_model("gemma2", vocab_size=len(tokenizer)).save_pretrained(folder)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a b"}\n')
+    cmd = [sys.executable, "-m", "finetune", "train", "--model_name_or_path", str(folder), "--dataset", str(data),
+           "--output_dir", str(tmp_path / "out")]
+    proc, _ = run_timed_imports(cmd, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = (f"attn_implementation: sdpa: transformers has no sdpa kernel for gemma2 (its attention logits are "
+            f"soft-capped); use --attn_implementation eager (or flash_attention_2 on a GPU) ({folder}/config.json: "
+            "model_type 'gemma2')")
+    assert proc.stderr.splitlines() == ["finetune: 1 configuration problem(s):", f"  - {line}"], proc.stderr
+    assert not (tmp_path / "out").exists()
+    assert families.family_of("gemma2").attention_problem("eager") is None
+    assert all(families.family_of(t).attention_problem("sdpa") is None for t in ("gemma3", "gemma3_text", "phi3",
+                                                                                 "qwen3_moe", "mixtral"))
