@@ -154,3 +154,19 @@ def test_moe_full_fine_tune_that_cannot_fit_says_so(tmp_path):
     assert data["recommendation"]["config"] != "ddp"
     print(f"Qwen3-30B-A3B full, ddp: fits {data['fits']}: {data['does_not_fit_because']}; recommended "
           f"{data['recommendation']['config']}: {data['recommendation']['reason']}")
+
+
+def test_the_docs_table_is_the_registry_and_its_tests_exist():
+    """docs/families.md: one row per registered family (its model_types), and every test it cites exists."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    text = (repo / "docs" / "families.md").read_text()
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [(name.strip(), types.strip()) for name, types in rows] == [
+        (f.name, ", ".join(f.model_types)) for f in families.FAMILIES]
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text)
+    assert cited
+    for path, test in cited:
+        assert re.search(rf"^def {test}\(", (repo / path).read_text(), re.M), f"{path}::{test}"
