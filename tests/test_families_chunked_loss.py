@@ -107,3 +107,20 @@ def test_gemma2_under_sdpa_is_refused_before_any_model_loads(tmp_path):
     assert families.family_of("gemma2").attention_problem("eager") is None
     assert all(families.family_of(t).attention_problem("sdpa") is None for t in ("gemma3", "gemma3_text", "phi3",
                                                                                  "qwen3_moe", "mixtral"))
+
+
+def test_gemma2_generate_under_sdpa_is_refused_too(tmp_path, capsys):
+    from finetune.inference import generate as G
+    from finetune.models import tiny
+
+    folder = tmp_path / "gemma2"
+    tokenizer = tiny.build_tokenizer(folder, "chatml", vocab_size=256)
+    tiny_model("gemma2", vocab_size=len(tokenizer)).save_pretrained(folder)
+    with pytest.raises(SystemExit) as exit_:
+        G.main(["--model_name_or_path", str(folder), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "use --attn_implementation eager" in err and "Traceback" not in err, err
+    out = tmp_path / "gen.jsonl"
+    G.main(["--model_name_or_path", str(folder), "--prompt", "hi", "--attn_implementation", "eager",
+            "--max_new_tokens", "3", "--output", str(out)])
+    assert len(out.read_text().splitlines()) == 1
