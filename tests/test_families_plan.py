@@ -170,3 +170,40 @@ def test_the_docs_table_is_the_registry_and_its_tests_exist():
     assert cited
     for path, test in cited:
         assert re.search(rf"^def {test}\(", (repo / path).read_text(), re.M), f"{path}::{test}"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["full", "lora", "lora-default"])
+@pytest.mark.parametrize("fam", ["qwen3", "qwen3_moe", "mixtral"])
+def test_activation_bytes_equal_saved_tensors(fam, method):
+    """The planner's saved activations are the bytes autograd saves in one forward, exactly, for the families whose
+    layers it models beyond Llama's: Qwen3's q/k norms, and the MoE router and experts (the experts' adapters of
+    the default LoRA targets too, which keep each adapted expert weight)."""
+    import types
+
+    from peft import LoraConfig, get_peft_model
+    from test_plan import _saved_bytes
+
+    from finetune.models.load import add_lora
+
+    model = tiny_model(fam)
+    model.config.use_cache = False
+    if hasattr(model.config, "output_router_logits"):
+        model.config.output_router_logits = False
+    d = model.config.to_dict()
+    targets, dropout = ("q_proj", "k_proj", "v_proj", "o_proj"), 0.05
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets)))
+    elif method == "lora-default":  # all-linear (and the experts), the default dropout where it applies
+        targets = ("all-linear",)
+        model = add_lora(model, types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=dropout,
+                                                      lora_target_modules=list(targets), _hub=None), seed=0)
+    model.train()
+    b, s = 2, 48
+    ids = torch.randint(3, 90, (b, s), generator=torch.Generator().manual_seed(0))
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=False,
+                        use_peft=method != "full", lora_r=4, lora_dropout=dropout, padding_mask=False,
+                        lora_targets=targets)
+    want, got = plan.activations(job).saved, _saved_bytes(model, ids)
+    print(f"{fam} {method}: planner {want:,} bytes saved, measured {got:,}")
+    assert want == got

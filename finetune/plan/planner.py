@@ -539,13 +539,15 @@ def layer_saved_per_token(job: Workload, first: bool = False) -> int:  # noqa: C
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
-        return norms + attn + 4 * a * i
+        return norms + attn + 4 * a * i + sh.family.layer_saved_extra(sh, a, True)
     targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
     per += f32 * h + f32  # norm2 input: the residual sum
     per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
+    # What the family's layer keeps beyond Llama's.
+    per += sh.family.layer_saved_extra(sh, a, False, sh.family.adapts_experts(job.lora_targets))
     lora_elt = f32 if fp32_adapters(job) else a  # a bf16-counted branch was 2.5 GB low for a 1B model (GPU)
     per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
     # Inputs of the frozen base linears that something keeps: y1 (q/k/v: attn_in), y2 (gate/up: mlp_in), down's
@@ -613,7 +615,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     # A padding mask reaches SDPA as a [b, 1, s, s] tensor in the activation dtype; each layer keeps its own copy
     # (measured on CPU: one per layer, float32).
     mask = a * b * s_len * s_len if job.padding_mask else 0
-    per_layer = layer_saved_per_token(job) * t + mask
+    once = sh.family.layer_saved_per_batch(sh, a, job.use_peft and sh.family.adapts_experts(job.lora_targets))
+    per_layer = layer_saved_per_token(job) * t + mask + once
     layer_saved = [per_layer] * sh.num_layers
     if ckpt:
         # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
@@ -621,7 +624,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["layer inputs (checkpointed)"] = sum(layer_saved)
     else:
         if job.use_peft and layer_saved:
-            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask
+            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask + once
         detail["decoder layers"] = sum(layer_saved)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)

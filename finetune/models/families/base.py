@@ -198,6 +198,23 @@ class Family(ABC):
         out += [Tensor(f"{p}{norm}.weight", (sh.hidden_size,), "norm") for norm in self.layer_norms(sh)]
         return out + self.layer_extras(sh, p)
 
+    # ---- activations, for the planner ----
+
+    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+        """Bytes per token a decoder layer saves for backward beyond what the planner counts for Llama's layer (its
+        attention, two norms, a SwiGLU MLP of intermediate_size): `a` bytes per activation; `trains_weights`: a
+        full fine-tune (the layer's own weights get gradients); `adapted_experts`: LoRA on a MoE's experts. None
+        here."""
+        return 0
+
+    def layer_saved_per_batch(self, sh: ModelShape, a: int, adapted_experts: bool = False) -> int:
+        """Bytes a decoder layer saves once per forward whatever the tokens (a MoE's tokens-per-expert counts)."""
+        return 0
+
+    def adapts_experts(self, targets) -> bool:
+        """Whether LoRA on TARGETS puts adapters on the experts (all-linear, for a MoE family)."""
+        return bool(self.expert_parameters()) and list(targets) == ["all-linear"]
+
     # ---- what a run needs ----
 
     def attention_problem(self, attn_implementation: str) -> str | None:

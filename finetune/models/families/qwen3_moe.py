@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune.models.families.base import ModelShape, Tensor
 from finetune.models.families.moe import MoeFamily
-from finetune.models.families.qwen3 import HEAD_DIM
+from finetune.models.families.qwen3 import HEAD_DIM, qk_norms_saved
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Qwen3MoeFamily(MoeFamily):
         at = len(self.linears(sh))  # the q/k norms come after the attention's projections
         return out[:at] + [Tensor(p + "self_attn.q_norm.weight", (sh.head_dim,), "norm"),
                            Tensor(p + "self_attn.k_norm.weight", (sh.head_dim,), "norm")] + out[at:]
+
+    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+        return super().layer_saved_extra(sh, a, trains_weights, adapted_experts) + qk_norms_saved(sh, a, trains_weights)
 
 
 QWEN3_MOE = Qwen3MoeFamily(
