@@ -34,7 +34,7 @@ PATHS = {"trainer": lambda: launcher("accelerate", 2, script=TRAIN),
          "loop": lambda: launcher("accelerate", 2, script=LOOP),
          "engine": lambda: deepspeed_launcher(2, script=ENGINE)}
 FLAGS = ["--max_steps", str(STEPS), "--learning_rate", "2e-3", "--warmup_steps", "2", "--seed", "1234",
-         "--max_seq_length", "96", "--disable_tqdm", "true", "--logging_steps", "1", "--loss_chunk_size", "64"]
+         "--max_seq_length", "384", "--disable_tqdm", "true", "--logging_steps", "1", "--loss_chunk_size", "64"]
 
 
 # sha256 of the unpacked files in tests/data/NAME (tests/data/README.md says where they come from).
