@@ -31,10 +31,10 @@ LLAMA_3_8B = dict(
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
 )
-# microsoft/Phi-3-mini-4k-instruct's shapes: a family finetune does not cover yet (fused qkv_proj, gate_up_proj).
-PHI3_MINI = dict(
-    model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
-    intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+# A GPT-NeoX config: a family finetune does not cover.
+GPT_NEOX = dict(
+    model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], vocab_size=50432, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
 )
 
 
@@ -77,15 +77,16 @@ def test_llama_parameter_count_equals_the_model(config, total, tmp_path):
 
 
 def test_unknown_family_is_refused_by_name(tmp_path):
-    with pytest.raises(families.FamilyError, match=r"no model family for model_type 'gemma3' "
-                                                   r"\(known: llama, qwen2, qwen3, mistral\)"):
-        families.family_of({"model_type": "gemma3", "hidden_size": 8})
+    with pytest.raises(families.FamilyError, match=r"no model family for model_type 'gpt_neox' "
+                                                   r"\(known: llama, qwen2, qwen3, mistral, gemma2, gemma3_text, "
+                                                   r"gemma3, phi3, qwen3_moe, mixtral\)"):
+        families.family_of({"model_type": "gpt_neox", "hidden_size": 8})
     with pytest.raises(families.FamilyError, match=r"no model family for GGUF architecture 'gemma3' "
                                                    r"\(known: llama, qwen2, qwen3\)"):
         families.by_gguf_arch("gemma3")
     assert families.by_gguf_arch("llama") is LLAMA
-    with pytest.raises(plan.PlanError, match="no model family for model_type 'phi3'"):
-        plan.make_plan(["--model_name_or_path", str(write_config(tmp_path / "m", PHI3_MINI))])
+    with pytest.raises(plan.PlanError, match="no model family for model_type 'gpt_neox'"):
+        plan.make_plan(["--model_name_or_path", str(write_config(tmp_path / "m", GPT_NEOX))])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_lora_default_is_the_family_linears_and_peft_all_linear():
     assert ours == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert wrapped(ours) == wrapped("all-linear")
     assert lora_target_modules(config, ["q_proj"]) == ["q_proj"]
-    assert lora_target_modules(SimpleConfig("phi3"), ["all-linear"]) == "all-linear"  # no family: peft's rule
+    assert lora_target_modules(SimpleConfig("gpt_neox"), ["all-linear"]) == "all-linear"  # no family: peft's rule
     with pytest.raises(ValueError, match="'qkv_proj' is not a linear projection of a llama model"):
         LLAMA.lora_targets(["qkv_proj"])
 

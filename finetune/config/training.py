@@ -576,7 +576,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         if not model.model_name_or_path:
             problems.append("model_name_or_path: required (a local model folder)")
         else:
-            problems += resolve_model_or_problems(model)
+            found = resolve_model_or_problems(model)
+            problems += found or family_problems(model)
         if model.model_name_or_path and training.get("output_dir") and \
                 Path(training["output_dir"]).resolve() == Path(model.model_name_or_path).resolve():
             problems.append(f"output_dir: {training['output_dir']} is the model folder (--model_name_or_path); the run "
@@ -719,6 +720,21 @@ def attn_problems(name: str | None, flag: str = "attn_implementation") -> list[s
             return [f"{flag}: {name} needs the {_FLASH[name]} package (pip install {_FLASH[name].split()[0]}); "
                     "or use sdpa (the default)"]
     return []
+
+
+def family_problems(model: ModelConfig) -> list[str]:
+    """What the model's family cannot run with these flags (an attention kernel it lacks), from its config.json."""
+    import json
+
+    from finetune.models import families
+
+    try:
+        d = json.loads((Path(model.model_name_or_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # the load reports an unreadable config.json itself
+    family = families.find(d if isinstance(d, dict) else {})
+    problem = family.attention_problem(model.attn_implementation) if family is not None else None
+    return [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
 
 
 def check_model_folder(path: str, allow_pickle: bool, *, trust_remote_code: bool = False) -> list[str]:

@@ -705,8 +705,10 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--adapter {args.adapter}: no such folder")
     if args.prompts and (problem := prompts_file_problem(args.prompts)):
         problems.append(problem)
-    from finetune.config.training import writable_problem
+    from finetune.config.training import family_problems, writable_problem
 
+    if args.model_name_or_path and Path(args.model_name_or_path).is_dir():
+        problems += family_problems(args)  # an attention kernel the model's family lacks (Gemma-2's sdpa)
     for flag, folder in (("--offload_folder", args.offload_folder),
                          ("--output", Path(args.output).parent if args.output else None)):
         if folder and (problem := writable_problem(flag, folder)):

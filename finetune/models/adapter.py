@@ -49,6 +49,8 @@ def check_adapter(adapter: str, base_path: str, meta_model) -> dict:
             target, kind = m.group(1), m.group(2)
             module = modules.get(target)
             shape = tuple(f.get_slice(key).get_shape())
+            if not hasattr(module, "in_features") and (wrapped := _wrapped_parameter(target, modules, cfg)) is not None:
+                module = wrapped  # a 3-d expert parameter under peft's target_parameters
             if module is None or not hasattr(module, "in_features"):
                 problems.append(f"{target}: no such linear layer in the base model")
             elif kind == "lora_A" and shape[1] != module.in_features:
@@ -60,3 +62,31 @@ def check_adapter(adapter: str, base_path: str, meta_model) -> dict:
         origin = f" (it was trained on {recorded})" if recorded else ""
         raise AdapterError(f"--adapter {adapter} does not fit base model {base_path}{origin}: {shown}")
     return cfg
+
+
+class _ParamShape:
+    """The in/out features peft's lora.ParamWrapper reads from a [experts, a, b] parameter: in b, out a (a, b when
+    the experts module says is_transposed), each times the experts in the LoRA matrices (lora_A [r x experts, in],
+    lora_B [out, r x experts])."""
+
+    def __init__(self, shape, transposed: bool):
+        e, a, b = shape if len(shape) == 3 else (1, *shape)
+        self.in_features, self.out_features = (a, b) if transposed and len(shape) == 3 else (b, a)
+
+
+def _wrapped_parameter(target: str, modules: dict, cfg: dict):
+    """The parameter a target_parameters adapter's key names: peft wraps a module's targeted parameters in the order
+    the module registers them (not the config's, a set), the first innermost: of Qwen3-MoE's experts,
+    `experts.base_layer` is gate_up_proj's adapter and `experts` down_proj's."""
+    base, depth = target, 0
+    while base.endswith(".base_layer"):
+        base, depth = base[: -len(".base_layer")], depth + 1
+    module = modules.get(base)
+    if module is None:
+        return None
+    targets = cfg.get("target_parameters") or []
+    params = [(n, p) for n, p in module.named_parameters(recurse=False)
+              if any(f"{base}.{n}" == t or f"{base}.{n}".endswith("." + t) for t in targets)]
+    if depth >= len(params):
+        return None
+    return _ParamShape(tuple(params[len(params) - 1 - depth][1].shape), getattr(module, "is_transposed", False))

@@ -281,18 +281,41 @@ def lora_target_modules(config, targets: list[str]) -> list[str] | str:
     if targets != ["all-linear"]:
         return targets
     family = families.find(config)
-    return family.lora_targets("all-linear") if family is not None else "all-linear"
+    return family.peft_target_modules(config, family.lora_targets("all-linear")) if family is not None else "all-linear"
+
+
+def lora_target_parameters(config, targets: list[str]) -> list[str] | None:
+    """peft's target_parameters: a mixture-of-experts family's expert parameters under 'all-linear'."""
+    family = families.find(config)
+    if targets != ["all-linear"] or family is None or not family.expert_parameters():
+        return None
+    return list(family.expert_parameters())
+
+
+def _dropout_on_linears(model, p: float) -> None:
+    """--lora_dropout on the LoRA adapters of linear layers, where the experts' (peft's ParamWrapper, which cannot
+    apply dropout: x is not factored out of lora_B(lora_A(dropout(x))) per expert) were made without it."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p)
 
 
 def add_lora(model, model_cfg, seed: int, task: str = "CAUSAL_LM"):
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
+    experts = lora_target_parameters(model.config, model_cfg.lora_target_modules)
     config = LoraConfig(
         r=model_cfg.lora_r,
         lora_alpha=model_cfg.lora_alpha,
-        lora_dropout=model_cfg.lora_dropout,
+        # The experts' adapters take no dropout (ParamWrapper refuses any); the linears get it after, below. The
+        # saved adapter_config.json says 0, so the adapter loads for inference, where dropout does nothing.
+        lora_dropout=0.0 if experts else model_cfg.lora_dropout,
         target_modules=lora_target_modules(model.config, model_cfg.lora_target_modules),
+        target_parameters=experts,
         # SEQ_CLS: peft trains and saves the score head whole beside the adapters (modules_to_save).
         task_type=task,
     )
@@ -301,4 +324,7 @@ def add_lora(model, model_cfg, seed: int, task: str = "CAUSAL_LM"):
     hub = getattr(model_cfg, "_hub", None)
     # A Hub base: adapter_config.json records the commit (base_model_name_or_path is the snapshot folder).
     with quiet_checkpointing_alias():
-        return get_peft_model(model, config, revision=hub.commit if hub else None)
+        model = get_peft_model(model, config, revision=hub.commit if hub else None)
+    if experts and model_cfg.lora_dropout > 0:
+        _dropout_on_linears(model, model_cfg.lora_dropout)
+    return model

@@ -99,16 +99,8 @@ def is_decay(name: str) -> bool:
 
 
 def lora_tensors(shape: ModelShape, r: int, targets: list[str]) -> list[Tensor]:
-    """peft's trainable tensors for rank r: lora_A (r x in) and lora_B (out x r) per targeted linear, in order."""
-    chosen = shape.family.lora_targets(targets)
-    out = []
-    for layer in range(shape.num_layers):
-        for lin in shape.linears():
-            if lin.name not in chosen:
-                continue
-            prefix = f"base_model.model.model.layers.{layer}.{lin.block}.{lin.name}"
-            out.append(Tensor(f"{prefix}.lora_A.default.weight", (r, lin.inp), "lora"))
-            out.append(Tensor(f"{prefix}.lora_B.default.weight", (lin.out, r), "lora"))
+    """peft's trainable tensors for rank r, as the model's family lays them out (finetune.models.families)."""
+    out = shape.family.lora_tensors(shape, r, targets)
     if shape.head_outputs:  # a reward model's score head trains whole beside the adapters (peft's modules_to_save)
         out.append(Tensor("base_model.model.score.modules_to_save.default.weight", (shape.head_outputs,
                                                                                      shape.hidden_size), "head"))
@@ -560,13 +552,15 @@ def layer_saved_per_token(job: Workload, first: bool = False) -> int:  # noqa: C
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
-        return norms + attn + 4 * a * i
+        return norms + attn + 4 * a * i + sh.family.layer_saved_extra(sh, a, True)
     targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
     per += f32 * h + f32  # norm2 input: the residual sum
     per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
+    # What the family's layer keeps beyond Llama's.
+    per += sh.family.layer_saved_extra(sh, a, False, sh.family.adapts_experts(job.lora_targets))
     lora_elt = f32 if fp32_adapters(job) else a  # a bf16-counted branch was 2.5 GB low for a 1B model (GPU)
     per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
     # Inputs of the frozen base linears that something keeps: y1 (q/k/v: attn_in), y2 (gate/up: mlp_in), down's
@@ -635,7 +629,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     # A padding mask reaches SDPA as a [b, 1, s, s] tensor in the activation dtype; each layer keeps its own copy
     # (measured on CPU: one per layer, float32).
     mask = a * b * s_len * s_len if job.padding_mask else 0
-    per_layer = layer_saved_per_token(job) * t + mask
+    once = sh.family.layer_saved_per_batch(sh, a, job.use_peft and sh.family.adapts_experts(job.lora_targets))
+    per_layer = layer_saved_per_token(job) * t + mask + once
     layer_saved = [per_layer] * sh.num_layers
     if ckpt:
         # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
@@ -643,7 +638,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["layer inputs (checkpointed)"] = sum(layer_saved)
     else:
         if job.use_peft and layer_saved:
-            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask
+            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask + once
         detail["decoder layers"] = sum(layer_saved)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
@@ -1241,7 +1236,8 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
     states = {"parameters": states["params"], "gradients": states["grads"], "optimizer states": states["optimizer"]}
     return {
         "model": {
-            "model_type": sh.model_type, "parameters": sh.num_params, "trainable_parameters": trainable,
+            "family": sh.family.name, "model_type": sh.model_type, "parameters": sh.num_params,
+            "trainable_parameters": trainable, "experts": sh.num_experts, "experts_per_token": sh.experts_per_tok,
             "hidden_size": sh.hidden_size, "layers": sh.num_layers, "heads": sh.num_heads, "kv_heads": sh.num_kv_heads,
             "intermediate_size": sh.intermediate_size,
             "vocab_size": sh.vocab_size, "tie_word_embeddings": sh.tie_word_embeddings,
@@ -1276,9 +1272,11 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
 def render(plan: dict[str, Any]) -> str:
     m, j, lim = plan["model"], plan["job"], plan["limits"]
     lines = [
-        f"model: {m['model_type']}, {fmt_count(m['parameters'])} parameters ({fmt_count(m['trainable_parameters'])} trainable); "
+        f"model: {m['model_type']} (family {m['family']}), {fmt_count(m['parameters'])} parameters "
+        f"({fmt_count(m['trainable_parameters'])} trainable); "
         f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
-        f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}",
+        f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}"
+        + (f", {m['experts']} experts ({m['experts_per_token']} per token)" if m.get("experts") else ""),
         f"method: {j['method']}; precision: {j['precision']}",
         f"job: --config {j['config']} = {j['strategy']}; {j['world_size']} {j['accelerator'].upper()} device(s) "
         f"({j['num_nodes']} node(s) x {j['devices_per_node']}); micro-batch {j['per_device_train_batch_size']} x "

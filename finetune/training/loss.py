@@ -17,6 +17,13 @@ normalization is transformers' ForCausalLMLoss: the token-loss sum over num_item
 the whole global batch) when given, else the mean. Only training forwards with grad are chunked; eval and
 generate get ordinary logits.
 
+Two things a model does after its LM head are done here instead, exactly as transformers does them. A final-logit
+soft-cap (config.final_logit_softcapping: Gemma-2's 30.0) is applied to each chunk's logits inside the loss
+(cap * tanh(logits / cap), and its derivative 1 - tanh^2 in the gradients); the model's own soft-cap is switched off
+for the forward, since it would otherwise be applied to the loss value the head hands back. A mixture-of-experts
+model run with output_router_logits adds router_aux_loss_coef * aux_loss (its load-balancing loss) to the loss when
+it has labels: the hook adds it, since the model never sees the labels.
+
 On CUDA with liger-kernel installed, its fused linear cross-entropy kernel replaces the chunk loop for a plain head
 (`pip install finetune[liger]`; checked on a GPU by tests/test_cuda.py, which CI, without one, does not run).
 """
@@ -38,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows of CE(hidden @ weight.T, targets) / denom, a chunk of rows at a time; grads computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, denom, chunk: int, dtype):
+    def forward(ctx, hidden, weight, targets, denom, chunk: int, dtype, cap=None):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -52,9 +59,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 # The previous chunk's logits (probs and g are views or copies of them) go before this chunk's come:
                 # held over the next F.linear, they made the peak two chunks of logits.
-                logits = probs = g = None
+                logits = probs = g = squashed = None
                 h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk]
                 logits = F.linear(h, w).float()
+                if cap is not None:  # soft-capped logits cap * tanh(z / cap), as the model computes them
+                    squashed = logits.div_(cap).tanh_()
+                    logits = squashed * cap
                 lse = _logsumexp(logits)
                 total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
                 if not (need_h or need_w):
@@ -62,6 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()  # d(sum CE)/d(logits) = softmax - one_hot
                 probs[torch.arange(len(y), device=y.device), y] -= 1.0
                 probs.div_(denom)
+                if squashed is not None:  # through the soft-cap: d(cap * tanh(z / cap))/dz = 1 - tanh^2
+                    probs.mul_(squashed.square_().neg_().add_(1.0))
                 g = probs.to(dtype)
                 if need_h:
                     torch.mm(g, w, out=grad_h[start:start + chunk])
@@ -81,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grad_h, grad_w = (next(saved) if has else None for has in ctx.has)
         scale = lambda g: None if g is None else (g if _is_one(grad_output) else g * grad_output.to(g.dtype))
-        return scale(grad_h), scale(grad_w), None, None, None, None
+        return scale(grad_h), scale(grad_w), None, None, None, None, None
 
 
 LSE_ROWS = 32
@@ -100,8 +112,11 @@ def _is_one(t) -> bool:
     return t.numel() == 1 and t.item() == 1.0
 
 
-def _chunk_sum(forward, hidden, targets):
-    return F.cross_entropy(forward(hidden).float(), targets, reduction="sum")
+def _chunk_sum(forward, hidden, targets, cap=None):
+    logits = forward(hidden).float()
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def _trained_rows(hidden, labels, shift_labels):
@@ -114,8 +129,10 @@ def _trained_rows(hidden, labels, shift_labels):
 
 
 @torch.compiler.disable  # data-dependent row selection and a Python chunk loop: left out of a compiled graph
-def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_items_in_batch=None, chunk: int = 1024):
-    """The causal-LM loss of `hidden` through `head` ([B, T, H] -> scalar), never holding [B*T, vocab] logits."""
+def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_items_in_batch=None, chunk: int = 1024,
+                 softcap=None):
+    """The causal-LM loss of `hidden` through `head` ([B, T, H] -> scalar), never holding [B*T, vocab] logits;
+    `softcap`: the model's final-logit soft-cap, applied to the logits before the loss."""
     rows, targets = _trained_rows(hidden, labels, shift_labels)
     if num_items_in_batch is None:  # the mean over this batch's trained tokens (nan for none, as F.cross_entropy)
         denom = torch.tensor(float(len(targets)), device=hidden.device)
@@ -123,18 +140,18 @@ def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_item
         denom = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     if type(head).__bases__[1] is torch.nn.Linear and head.bias is None:
         weight = head.weight
-        if weight.is_cuda and (liger := _liger()) is not None:
+        if weight.is_cuda and softcap is None and (liger := _liger()) is not None:
             out = liger(weight, rows, targets)
             return (out[0] if isinstance(out, tuple) else out) / denom  # some releases return (loss, z_loss)
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else weight.dtype
-        return _LinearCrossEntropy.apply(rows, weight, targets, denom, chunk, dtype)
+        return _LinearCrossEntropy.apply(rows, weight, targets, denom, chunk, dtype, softcap)
     from torch.utils.checkpoint import checkpoint
 
     total = rows.sum().float() * 0.0  # part of the graph even when no row is trained
     for i in range(_chunks(head, rows, chunk)):
         total = total + checkpoint(_chunk_sum, head_forward, rows[i * chunk:(i + 1) * chunk],
-                                   targets[i * chunk:(i + 1) * chunk], use_reentrant=False)
+                                   targets[i * chunk:(i + 1) * chunk], softcap, use_reentrant=False)
     return total / denom
 
 
@@ -176,6 +193,22 @@ def _head_class(cls: type) -> type:
     return _classes[cls]
 
 
+_SOFTCAP = "final_logit_softcapping"
+
+
+def _aux_coef(lm) -> float:
+    """The router auxiliary loss' weight, where the MoE causal LM keeps it (self.router_aux_loss_coef, from config)."""
+    coef = getattr(lm, "router_aux_loss_coef", None)
+    return coef if coef is not None else lm.config.router_aux_loss_coef
+
+
+def _restore(lm):
+    cap = lm.__dict__.pop(_ACTIVE)
+    if cap is not None:
+        setattr(lm.config, _SOFTCAP, cap)
+    lm.get_output_embeddings().__dict__.pop(_PENDING, None)
+
+
 def _causal_lm(model):
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     return model
@@ -194,21 +227,33 @@ def install(model, chunk: int) -> bool:
         head.__class__ = _head_class(type(head))
 
     def before(module, args, kwargs):
+        if _ACTIVE in module.__dict__:  # the last forward raised before `after`: give the model its soft-cap back
+            _restore(module)
         labels = kwargs.get("labels")
         if labels is None or not (module.training and torch.is_grad_enabled()) or kwargs.get("logits_to_keep", 0):
             return None
         head = module.get_output_embeddings()
+        # The soft-cap the model would apply to what its head returns (read where the model reads it), applied in
+        # the loss instead and switched off on the model until `after`.
+        cap = getattr(module.config, _SOFTCAP, None)
         head.__dict__[_PENDING] = {"labels": kwargs.pop("labels"), "shift_labels": kwargs.pop("shift_labels", None),
-                                   "num_items_in_batch": kwargs.get("num_items_in_batch"), "chunk": chunk}
-        module.__dict__[_ACTIVE] = True
+                                   "num_items_in_batch": kwargs.get("num_items_in_batch"), "chunk": chunk,
+                                   "softcap": cap}
+        if cap is not None:
+            setattr(module.config, _SOFTCAP, None)
+        module.__dict__[_ACTIVE] = cap
         return args, kwargs
 
     def after(module, args, output):
-        if not module.__dict__.pop(_ACTIVE, False):
+        if _ACTIVE not in module.__dict__:
             return None
-        module.get_output_embeddings().__dict__.pop(_PENDING, None)
+        _restore(module)
+        loss = output["logits"]
+        aux = output.get("aux_loss")
+        if aux is not None:  # transformers' MoE causal LMs: loss += router_aux_loss_coef * aux_loss, given labels
+            loss = loss + _aux_coef(module) * aux.to(loss.device)
         fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
-        return type(output)(loss=output["logits"], **fields)
+        return type(output)(loss=loss, **fields)
 
     lm.register_forward_pre_hook(before, with_kwargs=True)
     lm.register_forward_hook(after)

@@ -6,13 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.models.families.base import Family, Linear, ModelShape, Tensor
+from finetune.models.families.gemma2 import GEMMA2
+from finetune.models.families.gemma3 import GEMMA3
 from finetune.models.families.llama import LLAMA
 from finetune.models.families.mistral import MISTRAL
+from finetune.models.families.mixtral import MIXTRAL
+from finetune.models.families.phi3 import PHI3
 from finetune.models.families.qwen2 import QWEN2
 from finetune.models.families.qwen3 import QWEN3
+from finetune.models.families.qwen3_moe import QWEN3_MOE
 
 # The first family of a GGUF architecture is the one its files import as (Mistral is written as "llama").
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)
 
 # The family of a config.json without model_type (transformers needs the key; configs written by hand for
 # `finetune plan` may leave it out, and were always read as Llama).

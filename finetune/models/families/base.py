@@ -66,6 +66,16 @@ class ModelShape:
     mlp_bias: bool = False
     # A head of this many outputs in place of the LM head (a reward model's score head: 1); 0: the LM head.
     head_outputs: int = 0
+    # Mixture of experts (0: a dense model): experts per layer, routed per token, each expert's MLP width, and the
+    # layers whose MLP is dense (intermediate_size) all the same.
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # Where the decoder's tensors are (a multimodal checkpoint's language model is model.language_model.), and the
+    # config.json dict the family read (for what only it knows: a vision tower's sizes).
+    prefix: str = "model."
+    config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def q_dim(self) -> int:
@@ -85,6 +95,10 @@ class ModelShape:
     def tensors(self) -> list[Tensor]:
         """Every parameter tensor in named_parameters() order (a tied lm_head is not listed, as in torch)."""
         return self.family.tensors(self)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer LAYER's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def num_params(self) -> int:
@@ -117,6 +131,8 @@ class Family(ABC):
     # The chat formats this family's checkpoints ship with, as finetune.convert.writers.gguf names them (the
     # Ollama Modelfile's TEMPLATE); a template of any other format gets a Modelfile without one.
     chat_templates: tuple[str, ...] = ()
+    # tie_word_embeddings when config.json leaves it out (transformers' config class default).
+    tied_default: bool = False
 
     # ---- shapes, for the planner ----
 
@@ -139,9 +155,10 @@ class Family(ABC):
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             intermediate_size=int(d["intermediate_size"]),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", self.tied_default)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
+            config=d,
         )
 
     @abstractmethod
@@ -157,28 +174,91 @@ class Family(ABC):
         return []
 
     def tensors(self, sh: ModelShape) -> list[Tensor]:
-        """The standard decoder: embeddings, each layer's linears (with biases) then norms then extras, the final
-        norm, the LM head unless tied."""
+        """The standard decoder: what comes before it (front), embeddings, each layer's tensors, the final norm, the
+        LM head unless tied."""
         h = sh.hidden_size
-        out = [Tensor("model.embed_tokens.weight", (sh.vocab_size, h), "embed")]
-        linears = self.linears(sh)
+        out = self.front(sh) + [Tensor(f"{sh.prefix}embed_tokens.weight", (sh.vocab_size, h), "embed")]
         for layer in range(sh.num_layers):
-            p = f"model.layers.{layer}."
-            for lin in linears:
-                module = f"{p}{lin.block}.{lin.name}"
-                out.append(Tensor(module + ".weight", (lin.out, lin.inp), "linear"))
-                if lin.bias:
-                    out.append(Tensor(module + ".bias", (lin.out,), "bias"))
-            out += [Tensor(f"{p}{norm}.weight", (h,), "norm") for norm in self.layer_norms(sh)]
-            out += self.layer_extras(sh, p)
-        out.append(Tensor("model.norm.weight", (h,), "norm"))
+            out += self.layer_tensors(sh, layer, f"{sh.prefix}layers.{layer}.")
+        out.append(Tensor(f"{sh.prefix}norm.weight", (h,), "norm"))
         if sh.head_outputs:  # *ForSequenceClassification: its score head, never tied
             out.append(Tensor("score.weight", (sh.head_outputs, h), "head"))
         elif not sh.tie_word_embeddings:
             out.append(Tensor("lm_head.weight", (sh.vocab_size, h), "head"))
         return out
 
+    def front(self, sh: ModelShape) -> list[Tensor]:
+        """Parameters registered before the decoder's embeddings (a multimodal checkpoint's vision tower): none."""
+        return []
+
+    def layer_tensors(self, sh: ModelShape, layer: int, p: str) -> list[Tensor]:
+        """One decoder layer's parameters: its linears (with biases) then norms then extras."""
+        out = []
+        for lin in self.linears(sh):
+            module = f"{p}{lin.block}.{lin.name}"
+            out.append(Tensor(module + ".weight", (lin.out, lin.inp), "linear"))
+            if lin.bias:
+                out.append(Tensor(module + ".bias", (lin.out,), "bias"))
+        out += [Tensor(f"{p}{norm}.weight", (sh.hidden_size,), "norm") for norm in self.layer_norms(sh)]
+        return out + self.layer_extras(sh, p)
+
+    # ---- activations, for the planner ----
+
+    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+        """Bytes per token a decoder layer saves for backward beyond what the planner counts for Llama's layer (its
+        attention, two norms, a SwiGLU MLP of intermediate_size): `a` bytes per activation; `trains_weights`: a
+        full fine-tune (the layer's own weights get gradients); `adapted_experts`: LoRA on a MoE's experts. None
+        here."""
+        return 0
+
+    def layer_saved_per_batch(self, sh: ModelShape, a: int, adapted_experts: bool = False) -> int:
+        """Bytes a decoder layer saves once per forward whatever the tokens (a MoE's tokens-per-expert counts)."""
+        return 0
+
+    def adapts_experts(self, targets) -> bool:
+        """Whether LoRA on TARGETS puts adapters on the experts (all-linear, for a MoE family)."""
+        return bool(self.expert_parameters()) and list(targets) == ["all-linear"]
+
+    # ---- what a run needs ----
+
+    def attention_problem(self, attn_implementation: str) -> str | None:
+        """Why this family cannot train or generate with ATTN_IMPLEMENTATION (one line naming the fix), or None."""
+        return None
+
     # ---- LoRA ----
+
+    def expert_parameters(self) -> tuple[str, ...]:
+        """The experts' 3-d parameters (mlp.experts.gate_up_proj, ...) LoRA adapts by default through peft's
+        target_parameters (ParamWrapper); none for a dense family."""
+        return ()
+
+    def peft_target_modules(self, config, names: list[str]) -> list[str] | str:
+        """peft's target_modules for the chosen projection names: the names themselves, matched anywhere in the
+        model (a family with another tower of the same names narrows this to the language model)."""
+        return names
+
+    def lora_tensors(self, sh: ModelShape, r: int, targets: list[str] | str) -> list[Tensor]:
+        """peft's trainable tensors for rank r: lora_A (r x in) and lora_B (out x r) per targeted linear, in order
+        (and the experts' when the targets are all-linear: ParamWrapper's lora_A (r * experts x in) and lora_B
+        (out x r * experts) on each expert parameter)."""
+        chosen = self.lora_targets(targets)
+        experts = self.expert_parameters() if targets in (["all-linear"], "all-linear") else ()
+        out = []
+        for layer in range(sh.num_layers):
+            p = f"base_model.model.{sh.prefix}layers.{layer}."
+            for lin in self.linears(sh):
+                if lin.name not in chosen:
+                    continue
+                out.append(Tensor(f"{p}{lin.block}.{lin.name}.lora_A.default.weight", (r, lin.inp), "lora"))
+                out.append(Tensor(f"{p}{lin.block}.{lin.name}.lora_B.default.weight", (lin.out, r), "lora"))
+            if sh.is_sparse(layer):
+                out += self.expert_lora(sh, r, experts, p)
+        return out
+
+    def expert_lora(self, sh: ModelShape, r: int, experts: tuple[str, ...], p: str) -> list[Tensor]:
+        """ParamWrapper's tensors on a sparse layer's expert parameters (none for a dense family)."""
+        return []
+
 
     def linear_names(self) -> tuple[str, ...]:
         """The names of a layer's linear projections (the same for every size of the family)."""

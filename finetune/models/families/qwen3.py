@@ -33,6 +33,9 @@ class Qwen3Family(LlamaFamily):
             out.append(t)
         return out
 
+    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+        return qk_norms_saved(sh, a, trains_weights)
+
     def gguf_refusal(self, config) -> str | None:
         if getattr(config, "attention_bias", False):
             return "attention_bias is set; llama.cpp's qwen3 architecture has no attention biases"
@@ -46,6 +49,14 @@ class Qwen3Family(LlamaFamily):
     # No Q/K permutation: the file holds HF's layout.
     to_gguf = Family.to_gguf
     from_gguf = Family.from_gguf
+
+
+def qk_norms_saved(sh: ModelShape, a: int, trains_weights: bool) -> int:
+    """The per-head q/k RMSNorms (measured on CPU): each keeps its fp32 input and 1/rms per head, and the normalized
+    value when its weight trains."""
+    f32 = 4
+    qk = sh.q_dim + sh.kv_dim
+    return f32 * qk + f32 * (sh.num_heads + sh.num_kv_heads) + (a * qk if trains_weights else 0)
 
 
 QWEN3 = Qwen3Family(

@@ -1,0 +1,209 @@
+"""`finetune plan` for every family against the real published config.json of a checkpoint of each (the keys that
+set its shapes): the parameter total equals the sum of the real model's tensor sizes, built by transformers on the
+meta device, tensor for tensor; the LoRA tensors are peft's own (names and shapes, experts included); the plan says
+which family it read; a mixture-of-experts full fine-tune that cannot fit says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_configs import TINY, tiny_model
+
+from finetune.models import families
+from finetune.plan import planner as plan
+
+# The published config.json values (shape keys) of each checkpoint.
+REAL = {
+    "Qwen3-8B": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        tie_word_embeddings=False, attention_bias=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000),
+    "Qwen2.5-7B": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=131072, max_window_layers=28),
+    "Qwen3-30B-A3B": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
+        tie_word_embeddings=False, attention_bias=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0),
+    "Mixtral-8x7B-v0.1": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=False,
+        tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        sliding_window=None),
+    "gemma-3-12b-it": dict(
+        architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
+        eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256,
+        text_config=dict(model_type="gemma3_text", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                         num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                         query_pre_attn_scalar=256, sliding_window=1024, rope_theta=1000000.0,
+                         rope_local_base_freq=10000.0, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                         final_logit_softcapping=None, attn_logit_softcapping=None),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                           num_hidden_layers=27, num_attention_heads=16, image_size=896, patch_size=14,
+                           vision_use_head=False)),
+    "Phi-3-mini-4k-instruct": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        tie_word_embeddings=False, max_position_embeddings=4096, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047, pad_token_id=32000, bos_token_id=1,
+        eos_token_id=32000),
+    "Mistral-7B-v0.1": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=4096),
+}
+FAMILY = {"Qwen3-8B": "qwen3", "Qwen2.5-7B": "qwen2", "Qwen3-30B-A3B": "qwen3_moe", "Mixtral-8x7B-v0.1": "mixtral",
+          "gemma-3-12b-it": "gemma3", "Phi-3-mini-4k-instruct": "phi3", "Mistral-7B-v0.1": "mistral"}
+
+
+def meta_model(d: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs = {k: v for k, v in d.items() if k != "architectures"}
+    cfg = AutoConfig.for_model(**kwargs)
+    auto = AutoModelForImageTextToText if "text_config" in d else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(cfg)
+
+
+def planned(folder, *flags):
+    return plan.make_plan(["--model_name_or_path", str(folder), "--accelerator", "gpu", "--device_memory", "80GB",
+                           "--host_memory", "1TB", *flags])
+
+
+def write(tmp_path, d):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(d))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_plan_counts_equal_the_real_model(name, tmp_path):
+    d = REAL[name]
+    model = meta_model(d)
+    assert type(model).__name__ == d["architectures"][0]
+    expected = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied lm_head is listed once
+    total = sum(p.numel() for p in model.parameters())
+    family = families.family_of(d)
+    assert family.name == FAMILY[name]
+    assert [(t.name, t.shape) for t in family.shape(d).tensors()] == expected  # every tensor, in order
+    data = planned(write(tmp_path, d))
+    assert data["model"]["parameters"] == total and data["model"]["family"] == family.name
+    text = plan.render(data)
+    assert f"(family {family.name})" in text
+    print(f"{name}: plan {data['model']['parameters']:,} = meta-device model {total:,} ({family.name})")
+
+
+def test_phi3_lora_count_and_its_own_module_names(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj at r=16: the planner's LoRA total is peft's on the real shapes;
+    --lora_target_modules qkv_proj (Phi-3's real module) is planned as training accepts it."""
+    from peft import LoraConfig, get_peft_model
+
+    d = REAL["Phi-3-mini-4k-instruct"]
+    folder = write(tmp_path, d)
+    data = planned(folder, "--use_peft", "--lora_r", "16")
+    peft_model = get_peft_model(meta_model(d), LoraConfig(r=16, target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                                              "down_proj"]))
+    want = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert data["model"]["trainable_parameters"] == want == 25_165_824
+    qkv = planned(folder, "--use_peft", "--lora_r", "16", "--lora_target_modules", "qkv_proj")
+    assert qkv["model"]["trainable_parameters"] == 32 * 16 * (3072 + 3 * 3072)
+    print(f"Phi-3-mini LoRA r=16: plan {data['model']['trainable_parameters']:,} = peft {want:,}; qkv_proj only "
+          f"{qkv['model']['trainable_parameters']:,}")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("fam", TINY)
+def test_plan_lora_tensors_are_peft_s(fam):
+    """The default targets (all-linear, and the experts for MoE) as peft makes them, name for name; the multimodal
+    checkpoint's vision tower is left alone."""
+    import types
+
+    from finetune.models.load import add_lora
+
+    model = tiny_model(fam)
+    d = model.config.to_dict()
+    cfg = types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.05, lora_target_modules=["all-linear"],
+                                _hub=None)
+    peft_model = add_lora(model, cfg, seed=0)
+    want = [(n, tuple(p.shape)) for n, p in peft_model.named_parameters() if p.requires_grad]
+    got = [(t.name, t.shape) for t in plan.lora_tensors(families.family_of(d).shape(d), 4, ["all-linear"])]
+    assert got == want
+    assert not any("vision_tower" in n for n, _ in want)
+
+
+def test_moe_full_fine_tune_that_cannot_fit_says_so(tmp_path):
+    """Qwen3-30B-A3B full on 80 GB cards: 30.5B parameters' weights, gradients and Adam states (16 bytes each,
+    488 GB) cannot sit on one card, so ddp is not what the plan recommends."""
+    folder = write(tmp_path, REAL["Qwen3-30B-A3B"])
+    default = planned(folder)
+    assert default["recommendation"]["config"] != "ddp", default["recommendation"]
+    data = planned(folder, "--config", "ddp")
+    assert not data["fits"] and data["does_not_fit_because"]
+    assert data["recommendation"]["config"] != "ddp"
+    print(f"Qwen3-30B-A3B full, ddp: fits {data['fits']}: {data['does_not_fit_because']}; recommended "
+          f"{data['recommendation']['config']}: {data['recommendation']['reason']}")
+
+
+def test_the_docs_table_is_the_registry_and_its_tests_exist():
+    """docs/families.md: one row per registered family (its model_types), and every test it cites exists."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    text = (repo / "docs" / "families.md").read_text()
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [(name.strip(), types.strip()) for name, types in rows] == [
+        (f.name, ", ".join(f.model_types)) for f in families.FAMILIES]
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text)
+    assert cited
+    for path, test in cited:
+        assert re.search(rf"^def {test}\(", (repo / path).read_text(), re.M), f"{path}::{test}"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", ["full", "lora", "lora-default"])
+@pytest.mark.parametrize("fam", ["qwen3", "qwen3_moe", "mixtral"])
+def test_activation_bytes_equal_saved_tensors(fam, method):
+    """The planner's saved activations are the bytes autograd saves in one forward, exactly, for the families whose
+    layers it models beyond Llama's: Qwen3's q/k norms, and the MoE router and experts (the experts' adapters of
+    the default LoRA targets too, which keep each adapted expert weight)."""
+    import types
+
+    from peft import LoraConfig, get_peft_model
+    from test_plan import _saved_bytes
+
+    from finetune.models.load import add_lora
+
+    model = tiny_model(fam)
+    model.config.use_cache = False
+    if hasattr(model.config, "output_router_logits"):
+        model.config.output_router_logits = False
+    d = model.config.to_dict()
+    targets, dropout = ("q_proj", "k_proj", "v_proj", "o_proj"), 0.05
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets)))
+    elif method == "lora-default":  # all-linear (and the experts), the default dropout where it applies
+        targets = ("all-linear",)
+        model = add_lora(model, types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=dropout,
+                                                      lora_target_modules=list(targets), _hub=None), seed=0)
+    model.train()
+    b, s = 2, 48
+    ids = torch.randint(3, 90, (b, s), generator=torch.Generator().manual_seed(0))
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=False,
+                        use_peft=method != "full", lora_r=4, lora_dropout=dropout, padding_mask=False,
+                        lora_targets=targets)
+    want, got = plan.activations(job).saved, _saved_bytes(model, ids)
+    print(f"{fam} {method}: planner {want:,} bytes saved, measured {got:,}")
+    assert want == got
