@@ -28,7 +28,8 @@ def exit_with(message: str) -> NoReturn:
     # line per node (its local rank 0): each node's launcher output says why its ranks stopped. The others give it
     # time to print before their exit makes the launcher stop it.
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"finetune: {message}", file=sys.stderr, flush=True)
+        # A message passed on from another finetune process (a rank, the quickstart's worker) has its prefix already.
+        print(f"finetune: {message.removeprefix('finetune: ')}", file=sys.stderr, flush=True)
     else:
         give_the_reporting_rank_time()
     raise SystemExit(2)
