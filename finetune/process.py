@@ -35,28 +35,29 @@ def exit_with(message: str) -> NoReturn:
 
 
 # ----------------------------------------------------------------------------------------------
-# torch 2.13.0 (gloo, CPU) with CPython 3.11 (3.12-3.13 exit the same way): a launched rank whose run has finished can
-# abort in the interpreter's shutdown, "terminate called without an active exception" (SIGABRT, exit code 134; the
+# torch 2.13.0 (gloo, CPU) with CPython 3.11 (3.12-3.13 exit such a thread the same way): a launched rank whose run
+# has finished can abort in the interpreter's shutdown, "terminate called without an active exception" (SIGABRT; the
 # launcher then exits non-zero). The cause, from the cores of three aborts of a bare gloo script (init, all_reduce,
 # barrier, broadcast_object_list, a normal exit): not a std::thread destroyed while joinable, but a gloo worker thread
 # (c10d::ProcessGroupGloo::runLoop) that drops the last collective's work after the main thread's wait() returned.
 # That work's destructor (~AsyncBroadcastWork -> ~AsyncWork) releases its tensors, whose Python objects need the GIL
 # (TensorImpl::decref_pyobject -> pybind11::gil_scoped_acquire); when the worker gets there after Py_FinalizeEx has
-# begun (the main thread is in its final gc), CPython ends the thread with pthread_exit (take_gil ->
+# begun (the main thread was in its final gc), CPython ends the thread with pthread_exit (take_gil ->
 # PyThread_exit_thread), whose forced unwind meets the noexcept destructor: std::terminate. A race the worker loses
-# when it is descheduled past the main thread's exit: 4 runs of 38 of that script under this machine's load (2
-# cores, load 12-20), 1 in 4 of tests/test_resume.py's mid-epoch engine case under pytest. Known upstream, open:
-# pytorch/pytorch#190489 (a missing destroy_process_group); pytorch/pytorch#179291 (an atexit destroy_process_group)
-# was abandoned. destroy_process_group() prevents it only where it drops the last reference to the group: then
-# ~ProcessGroupGloo joins its workers (5 threads -> 1); with a reference left (DeepSpeed's engine and ZeRO optimizer,
-# accelerate's state hold theirs) the workers outlive it (5 -> 5) and the race stays. So a training process whose
-# work is done ends without the shutdown, however its main ends (run_rank): a launched rank, also one that raised
-# SystemExit(0) with nothing to do (a finished run resumed with `latest`, CI 2026-11-26), and the process of a
-# training entry point (own_process): a one-process run, not launched (`python finetune/loop.py --config
-# zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in 29 runs of its command
-# here; that hang's cause was not found). tests/test_process.py runs tests/exit_abort_worker.py (the race widened)
-# 50 times this way without an abort. CPython 3.14 parks such a thread instead of exiting it (PyThread_hang_thread),
-# which would end the abort, not the hang.
+# when it is descheduled past the main thread's exit, so it shows under load: 3 runs of 52 of that script (two ranks
+# started with a launcher's env:// variables; 2 cores, load 12-20), 1 in 4 of tests/test_resume.py's mid-epoch engine
+# case under pytest. Known upstream and open: pytorch/pytorch#190489; pytorch/pytorch#179291 (destroy_process_group
+# in an atexit handler) was abandoned. destroy_process_group() prevents it only where it drops the last reference to
+# the group: ~ProcessGroupGloo then joins its workers (5 threads -> 1); with a reference kept (as a library's engine
+# or state object keeps its group) the workers outlive it (5 -> 5) and the race stays. tests/exit_abort_worker.py
+# (the race widened), 2 ranks a run, counted rank aborts: through the shutdown 18 of 200 (100 runs); after
+# destroy_process_group 0 of 60 (30 runs), with a reference kept 2 of 60 (30 runs); by end_finished_process 0 of 300
+# (150 runs). So a training process whose work is done ends without the shutdown, however its main ends (run_rank):
+# a launched rank, also one that raised SystemExit(0) with nothing to do (a finished run resumed with `latest`, CI
+# 2026-11-26), and the process of a training entry point (own_process): a one-process run, not launched (`python
+# finetune/loop.py --config zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in
+# 29 runs of its command here; that hang's cause is not known). CPython 3.14 parks such a thread instead of exiting
+# it (PyThread_hang_thread), which would end the abort; recheck this with a newer torch or Python.
 
 
 def end_finished_process(code: int = 0, own_process: bool = False) -> None:
