@@ -12,6 +12,12 @@ Also relied on, outside this module: finetune.training.hf_trainer overrides tran
 `_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
 finetune.training.loss relies on a causal LM's forward calling its output embeddings once on the final hidden
 states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss).
+
+Worked around outside this module, which every entry point's end needs below the compat layer: torch 2.13.0's gloo
+worker threads abort a finished rank in CPython 3.11's shutdown (a worker drops the last collective's work, whose
+tensors need the GIL, after Py_FinalizeEx began: pthread_exit through a noexcept destructor, std::terminate;
+pytorch/pytorch#190489). finetune.process.end_finished_process ends a finished rank without that shutdown; the cause
+and the counts are at its comment.
 """
 
 from __future__ import annotations

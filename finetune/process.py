@@ -28,22 +28,37 @@ def exit_with(message: str) -> NoReturn:
     # line per node (its local rank 0): each node's launcher output says why its ranks stopped. The others give it
     # time to print before their exit makes the launcher stop it.
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"finetune: {message}", file=sys.stderr, flush=True)
+        # A message passed on from another finetune process (a rank, the quickstart's worker) has its prefix already.
+        print(f"finetune: {message.removeprefix('finetune: ')}", file=sys.stderr, flush=True)
     else:
         give_the_reporting_rank_time()
     raise SystemExit(2)
 
 
 # ----------------------------------------------------------------------------------------------
-# torch 2.13 / DeepSpeed 0.19.8 on CPU (gloo): a launched rank whose run has finished, saved and torn its process
-# group down can still abort in the interpreter's shutdown, a C++ thread destroyed while joinable ("terminate called
-# without an active exception", SIGABRT, the launcher then exits non-zero). Seen on the engine and Trainer paths,
-# about 1 run in 4 of tests/test_resume.py's mid-epoch engine case, never in 14 runs of its command outside pytest;
-# which library's thread it is was not found; also a rank that raised SystemExit(0) with nothing to do (a finished
-# run resumed with `latest`, CI 2026-11-26). And a one-process run, not launched (`python finetune/loop.py --config
-# zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in 29 runs of its command
-# here). A training process whose work is done therefore ends without the shutdown, however its main ends
-# (run_rank): a launched rank, and the process of a training entry point (own_process).
+# torch 2.13.0 (gloo, CPU) with CPython 3.11 (3.12-3.13 exit such a thread the same way): a launched rank whose run
+# has finished can abort in the interpreter's shutdown, "terminate called without an active exception" (SIGABRT; the
+# launcher then exits non-zero). The cause, from the cores of three aborts of a bare gloo script (init, all_reduce,
+# barrier, broadcast_object_list, a normal exit): not a std::thread destroyed while joinable, but a gloo worker thread
+# (c10d::ProcessGroupGloo::runLoop) that drops the last collective's work after the main thread's wait() returned.
+# That work's destructor (~AsyncBroadcastWork -> ~AsyncWork) releases its tensors, whose Python objects need the GIL
+# (TensorImpl::decref_pyobject -> pybind11::gil_scoped_acquire); when the worker gets there after Py_FinalizeEx has
+# begun (the main thread was in its final gc), CPython ends the thread with pthread_exit (take_gil ->
+# PyThread_exit_thread), whose forced unwind meets the noexcept destructor: std::terminate. A race the worker loses
+# when it is descheduled past the main thread's exit, so it shows under load: 3 runs of 52 of that script (two ranks
+# started with a launcher's env:// variables; 2 cores, load 12-20), 1 in 4 of tests/test_resume.py's mid-epoch engine
+# case under pytest. Known upstream and open: pytorch/pytorch#190489; pytorch/pytorch#179291 (destroy_process_group
+# in an atexit handler) was abandoned. destroy_process_group() prevents it only where it drops the last reference to
+# the group: ~ProcessGroupGloo then joins its workers (5 threads -> 1); with a reference kept (as a library's engine
+# or state object keeps its group) the workers outlive it (5 -> 5) and the race stays. tests/exit_abort_worker.py
+# (the race widened), 2 ranks a run, counted rank aborts: through the shutdown 18 of 200 (100 runs); after
+# destroy_process_group 0 of 60 (30 runs), with a reference kept 2 of 60 (30 runs); by end_finished_process 0 of 300
+# (150 runs). So a training process whose work is done ends without the shutdown, however its main ends (run_rank):
+# a launched rank, also one that raised SystemExit(0) with nothing to do (a finished run resumed with `latest`, CI
+# 2026-11-26), and the process of a training entry point (own_process): a one-process run, not launched (`python
+# finetune/loop.py --config zero3_nvme`), printed "saved to" and had not ended 600 s later (CI 2026-11-27; not seen in
+# 29 runs of its command here; that hang's cause is not known). CPython 3.14 parks such a thread instead of exiting
+# it (PyThread_hang_thread), which would end the abort; recheck this with a newer torch or Python.
 
 
 _AT_END: list = []

@@ -254,3 +254,13 @@ def test_ctrl_c_while_tokenizing(num_proc, tiny_chatml, tmp_path):
         "saved so far are kept)"]
     assert took < 20, f"took {took:.1f} s to end"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_passed_on_message_is_prefixed_once(capfd, monkeypatch):
+    from finetune import process
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        process.exit_with("finetune: data error: d.jsonl:3: bad")
+    assert e.value.code == 2
+    assert capfd.readouterr().err == "finetune: data error: d.jsonl:3: bad\n"

@@ -327,8 +327,9 @@ def load_rng(folder: str | Path, rank: int) -> None:
 
 
 def end_process_group() -> None:
-    """Tear the process group down before exit: left to interpreter shutdown, a rank's gloo threads can
-    abort it ("terminate called without an active exception") after the work is done."""
+    """Tear the process group down before exit. Where that drops the last reference to the group its gloo workers are
+    joined; a reference left (DeepSpeed's, accelerate's) keeps them, and the exit abort they cause in the interpreter
+    shutdown is avoided by skipping that shutdown (finetune.process.end_finished_process)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
