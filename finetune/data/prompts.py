@@ -43,8 +43,8 @@ def prompt_of(tokenizer, record: dict, fmt: str, where: str, renderer=None) -> t
     """(the prompt as the model gets it, the record's own answer or None)."""
     f = formats.get(fmt)
     f.validate(record, where)
-    if fmt == "text":
-        raise DataError(f"{where}: a 'text' record has no prompt to generate from; give messages, sharegpt or alpaca "
+    if not f.prompted:
+        raise DataError(f"{where}: a '{fmt}' record has no prompt to generate from; give messages, sharegpt or alpaca "
                         "records (the prompt is the conversation before its last assistant turn)")
     if not f.uses_template(tokenizer):  # alpaca without a chat template: the Alpaca prompt, as SFT trains it
         template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT

@@ -59,6 +59,7 @@ class Format:
     name: str = ""
     keys: str = ""  # the keys that identify it, as the "cannot tell the format" message lists them
     chat: bool = False  # always rendered with the tokenizer's chat template
+    prompted: bool = True  # a record splits into a prompt and its answer (what GRPO generates from)
 
     def detects(self, record: dict) -> bool:
         raise NotImplementedError

@@ -9,6 +9,7 @@ from finetune.data.formats.base import Format, need_str
 class Text(Format):
     name = "text"
     keys = "'text'"
+    prompted = False  # one text, no prompt/answer split
 
     def detects(self, record: dict) -> bool:
         return "text" in record
