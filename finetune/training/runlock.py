@@ -39,9 +39,12 @@ def _start_ticks(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22): tells a reused pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    # A process that has exited but is not yet reaped (a zombie: its launcher or test harness has not waited) holds
+    # nothing: its exit is final, whether or not its atexit ran.
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def _stale(holder: dict, age: float) -> str | None:
