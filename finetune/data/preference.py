@@ -371,6 +371,22 @@ def combine_pairs(stats: list[PreferenceStats], picked: list) -> PreferenceStats
 # ----------------------------------------------------------------------------------------------
 
 
+def padded_rows(rows, pad_token_id: int) -> dict:
+    """Right-padded input_ids / labels / attention_mask of (prompt ids, completion ids, completion labels) rows."""
+    import torch
+
+    length = max(len(p) + len(c) for p, c, _ in rows)
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, (p, c, lab) in enumerate(rows):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.as_tensor(list(p) + list(c))
+        labels[i, len(p):n] = torch.as_tensor(list(lab))
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
 class PairCollator:
     """Two right-padded rows per pair: the chosen rows of the batch, then the rejected rows (one forward scores
     both sides of every pair). Labels are -100 over the prompt and wherever the completion is not trained."""
@@ -384,16 +400,7 @@ class PairCollator:
         features = list(features)
         rows = [(f["prompt_ids"], f[f"{side}_ids"], f[f"{side}_labels"]) for side in ("chosen", "rejected")
                 for f in features]
-        length = max(len(p) + len(c) for p, c, _ in rows)
-        ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, (p, c, lab) in enumerate(rows):
-            n = len(p) + len(c)
-            ids[i, :n] = torch.as_tensor(list(p) + list(c))
-            labels[i, len(p):n] = torch.as_tensor(list(lab))
-            mask[i, :n] = 1
-        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        batch = padded_rows(rows, self.pad_token_id)
         if "pair_index" in features[0]:  # where the pair's precomputed reference log-probs are (finetune.methods.dpo)
             batch["pair_index"] = torch.tensor([f["pair_index"] for f in features], dtype=torch.long)
         if "margin" in features[0]:  # a reward model's per-pair margin (finetune.methods.reward)

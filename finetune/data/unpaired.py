@@ -19,6 +19,7 @@ from pathlib import Path
 
 from finetune.data import prepare as P
 from finetune.data import preference as PR
+from finetune.data.preference import padded_rows
 from finetune.data.formats.base import record_tools
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
@@ -223,20 +224,6 @@ def combine_unpaired(stats: list[UnpairedStats], picked: list) -> UnpairedStats:
 # ----------------------------------------------------------------------------------------------
 
 
-def padded_rows(rows, pad_token_id: int) -> dict:
-    """Right-padded input_ids / labels / attention_mask of (prompt ids, completion ids, completion labels) rows."""
-    import torch
-
-    length = max(len(p) + len(c) for p, c, _ in rows)
-    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, (p, c, lab) in enumerate(rows):
-        n = len(p) + len(c)
-        ids[i, :n] = torch.as_tensor(list(p) + list(c))
-        labels[i, len(p):n] = torch.as_tensor(list(lab))
-        mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 class UnpairedCollator:
