@@ -145,17 +145,25 @@ class PairSession(Session):
                                            window.sums.cpu()])
         finally:
             model.train()
-        sums = context.all_sum(sums.to(context.device)).cpu()
-        if float(sums[-1]) != n or float(sums[1]) != n * (n - 1) / 2:
-            raise RuntimeError(f"evaluation covered {float(sums[-1]):.0f} of {n} pairs: a pair was counted twice or "
-                               "lost")
-        out = {"loss": float(sums[0]) / n}
-        out.update({k: float(v) / n for k, v in zip(names, sums[2:-1].tolist())})
-        out.update(samples=n, runtime=round(time.time() - start, 4))
-        return {f"{prefix}_{k}": v for k, v in out.items()}
+        return pair_eval_result(context, sums, n, names, prefix, start)
 
     def describe(self) -> str:
         return self.method.describe(self.options)
+
+
+def pair_eval_result(context: Context, sums, n: int, names, prefix: str, start: float) -> dict[str, float]:
+    """An evaluation's metrics from each rank's sums [loss, sum of pair indices, metrics..., pairs]: summed over
+    the ranks, checked to cover every pair once, averaged per pair."""
+    import time
+
+    sums = context.all_sum(sums.to(context.device)).cpu()
+    if float(sums[-1]) != n or float(sums[1]) != n * (n - 1) / 2:
+        raise RuntimeError(f"evaluation covered {float(sums[-1]):.0f} of {n} pairs: a pair was counted twice or "
+                           "lost")
+    out = {"loss": float(sums[0]) / n}
+    out.update({k: float(v) / n for k, v in zip(names, sums[2:-1].tolist())})
+    out.update(samples=n, runtime=round(time.time() - start, 4))
+    return {f"{prefix}_{k}": v for k, v in out.items()}
 
 
 def reward_values(beta: float, chosen, rejected):

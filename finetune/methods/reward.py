@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from finetune.methods import dpo
 from finetune.methods.base import Context, Examples, Method, MethodConfig, PlannerTerms, Session, Window
+from finetune.methods.reference_free import pair_eval_result
 
 METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
 
@@ -157,14 +158,7 @@ class RewardSession(Session):
                                            window.sums.cpu()])
         finally:
             model.train()
-        sums = context.all_sum(sums.to(context.device)).cpu()
-        if float(sums[-1]) != n or float(sums[1]) != n * (n - 1) / 2:
-            raise RuntimeError(f"evaluation covered {float(sums[-1]):.0f} of {n} pairs: a pair was counted twice or "
-                               "lost")
-        out = {"loss": float(sums[0]) / n}
-        out.update({k: float(v) / n for k, v in zip(METRICS, sums[2:-1].tolist())})
-        out.update(samples=n, runtime=round(time.time() - start, 4))
-        return {f"{prefix}_{k}": v for k, v in out.items()}
+        return pair_eval_result(context, sums, n, METRICS, prefix, start)
 
     def describe(self) -> str:
         return (f"reward: Bradley-Terry loss, margin column where the data has one, center_rewards_coefficient "
