@@ -251,12 +251,15 @@ def test_hub_dataset_gives_the_records_of_the_local_file(hub, local_losses, tmp_
 def test_hub_dataset_errors(hub, tmp_path):
     root, model, data, hf_home = hub
     cache_dataset(hf_home, DATA_ID, data, DATA_COMMIT)
-    base = ["train", "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), *TRAIN_FLAGS]
+    # One output folder each: the three run at once, and a folder takes one run at a time (its run lock).
+    base = ["train", "--model_name_or_path", str(model), *TRAIN_FLAGS]
     other = "d" * 40
     missing, wrong_rev, split = finish(
-        cli_start(hf_home, *base, "--dataset", "tinyorg/no-data"),
-        cli_start(hf_home, *base, "--dataset", DATA_ID, "--dataset_revision", other),
-        cli_start(hf_home, *base, "--dataset", DATA_ID, "--dataset_split", "test"))
+        cli_start(hf_home, *base, "--output_dir", str(tmp_path / "out1"), "--dataset", "tinyorg/no-data"),
+        cli_start(hf_home, *base, "--output_dir", str(tmp_path / "out2"), "--dataset", DATA_ID,
+                  "--dataset_revision", other),
+        cli_start(hf_home, *base, "--output_dir", str(tmp_path / "out3"), "--dataset", DATA_ID,
+                  "--dataset_split", "test"))
     assert missing.returncode == 2, missing.stderr
     assert (f"--dataset tinyorg/no-data: not in the datasets cache ({hf_home / 'datasets'}) and HF_HUB_OFFLINE=1 "
             "forbids downloading") in missing.stderr
@@ -355,9 +358,11 @@ def test_server_errors_are_one_line_fixes(hub, fake_hub, tmp_path):
 
 
 def test_server_errors_for_data_sets(hub, fake_hub, tmp_path):
-    base = ["train", "--model_name_or_path", str(hub[1]), "--output_dir", str(tmp_path / "out"), *TRAIN_FLAGS]
-    gated, missing = finish(online_start(fake_hub, tmp_path, *base, "--dataset", "tinyorg/gated"),
-                            online_start(fake_hub, tmp_path, *base, "--dataset", "tinyorg/nothing"), timeout=180)
+    base = ["train", "--model_name_or_path", str(hub[1]), *TRAIN_FLAGS]  # an output folder each: they run at once
+    gated, missing = finish(
+        online_start(fake_hub, tmp_path, *base, "--output_dir", str(tmp_path / "out1"), "--dataset", "tinyorg/gated"),
+        online_start(fake_hub, tmp_path, *base, "--output_dir", str(tmp_path / "out2"), "--dataset", "tinyorg/nothing"),
+        timeout=180)
     assert gated.returncode == 2, gated.stderr
     assert "--dataset tinyorg/gated: Dataset 'tinyorg/gated' is a gated dataset on the Hub" in gated.stderr
     assert "set HF_TOKEN" in gated.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.models import tiny
+from finetune.testing import _in_child
 from launch import env
 from test_bad_inputs import assert_clear, assert_no_debris, cli, model_copy, mounts, train_args  # noqa: F401
 
@@ -232,13 +234,15 @@ def test_ctrl_c_while_tokenizing(num_proc, tiny_chatml, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--model_name_or_path", str(tiny_chatml),
                                  "--dataset", str(big), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
                                  "--dataset_num_proc", str(num_proc)], stdout=out, stderr=subprocess.STDOUT,
-                                env=e, cwd=tmp_path, start_new_session=True)
+                                env=e, cwd=tmp_path, start_new_session=True, preexec_fn=_in_child)
     try:
+        # The bar's first count above 0: the forked tokenizing processes are at work too.
         deadline = time.monotonic() + 120
-        while "tokenizing" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, f"no tokenizing line:\n{log.read_text()}"
+        while not re.search(r"tokenizing .*\| *[1-9][0-9]*/100000", log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no tokenizing progress:\n{log.read_text()}"
             time.sleep(0.2)
-        time.sleep(1.0)
+        time.sleep(0.5)
+        masks = _signal_masks(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
         code = proc.wait(timeout=60)
@@ -247,13 +251,28 @@ def test_ctrl_c_while_tokenizing(num_proc, tiny_chatml, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
-    assert code == 130, text[-3000:]
+    assert code == 130, f"signal dispositions when SIGINT was sent: {masks}\n{text[-3000:]}"
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("finetune:")] == [
         "finetune: interrupted; resume with the same command and --resume_from_checkpoint latest (the checkpoints "
         "saved so far are kept)"]
     assert took < 20, f"took {took:.1f} s to end"
     assert not (tmp_path / "out").exists()
+
+
+def _signal_masks(pid: int) -> dict[int, str]:
+    """Per process of the group: SIGINT blocked, ignored or caught (from /proc), for the failure message."""
+    import psutil
+
+    out = {}
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            fields = dict(line.split(":\t") for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                          if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+        except (OSError, ValueError):
+            continue
+        out[p.pid] = " ".join(f"{k}={'y' if int(v, 16) & (1 << (signal.SIGINT - 1)) else 'n'}" for k, v in fields.items())
+    return out
 
 
 def test_a_passed_on_message_is_prefixed_once(capfd, monkeypatch):
