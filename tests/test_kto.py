@@ -15,6 +15,7 @@ import torch
 from finetune.data import unpaired as U
 from finetune.methods import kto
 from finetune.methods.base import Context
+from tests.launch import matrix
 
 PLAIN = [
     {"prompt": "copy: red cat", "completion": "red cat", "label": True},
@@ -445,10 +446,12 @@ def test_plan_counts_the_reference(tmp_path):
 # 2 processes against 1 (each a real job on loopback).
 
 PARITY = [("trainer", "zero2"), ("trainer", "zero3"), ("loop", "ddp"), ("loop", "zero3")]
+# CI's cover: each path once, and the partitioned frozen reference (ZeRO-3); all four with FINETUNE_FULL_MATRIX=1.
+PARITY_CASES = matrix(PARITY, [("trainer", "zero3"), ("loop", "ddp")])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, preset", PARITY, ids=[f"{p}-{c}" for p, c in PARITY])
+@pytest.mark.parametrize("path, preset", PARITY_CASES, ids=[f"{p}-{c}" for p, c in PARITY_CASES])
 def test_two_processes_equal_one(job, path, preset):
     """The same global batch of 4 (1 process: 2 per micro-batch x 2 accumulation; 2 processes: 1 x 2 each): the
     same KL point (made over the global batch, whatever its split), so the same loss, gradient norm and metrics

@@ -2,7 +2,8 @@
 the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; DPO on the Trainer path, ORPO
 on the loop), ZeRO-2 and ZeRO-3 alternating.
 
-CI runs one trial on the loop, one on DPO and one on ORPO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
+CI runs one trial on DPO (the Trainer) and one on ORPO (the loop); FINETUNE_FULL_MATRIX=1 adds one on SFT's loop and
+one on KTO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
 `FINETUNE_RESUME_TRIALS_ROWS=FILE` appends each trial's row there, and `python bench/resume_trials.py --rows FILE
 --write` puts them in bench/RESULTS.md."""
 
@@ -18,14 +19,18 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import resume_trials as T  # noqa: E402
+from launch import matrix  # noqa: E402
 
 TRIALS = int(os.environ.get("FINETUNE_RESUME_TRIALS", "1"))
 ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
-# CI's trials: the loop (ZeRO-2: even indices) and DPO (ZeRO-3 with CPU Adam offload, its reference partitioned: odd
-# indices). The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's (every path, both presets);
-# FINETUNE_RESUME_TRIALS=N runs N random trials on every path. ORPO, a method without a reference model: ZeRO-3 on
-# the loop (odd index).
-ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1, "kto": 0}  # KTO: ZeRO-2 on the loop (even index)
+# One trial per path: the loop (ZeRO-2: even indices), DPO (ZeRO-3 with CPU Adam offload, its reference partitioned:
+# odd indices), ORPO, a method without a reference model (ZeRO-3 on the loop: odd index), KTO (ZeRO-2 on the loop).
+# The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's; FINETUNE_RESUME_TRIALS=N runs N
+# random trials on every path.
+ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1, "kto": 0}
+# CI's cover: the Trainer (DPO) and the loop (ORPO); the loop's SFT resume is also tests/test_resume.py's mid-epoch
+# case.
+ONE_TRIAL_CASES = matrix(list(ONE_TRIAL), ["dpo", "orpo"])
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,7 @@ def work(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", list(T.PATHS) if TRIALS > 1 else list(ONE_TRIAL))
+@pytest.mark.parametrize("path", list(T.PATHS) if TRIALS > 1 else ONE_TRIAL_CASES)
 def test_random_kill_trials_resume_exactly(path, work):
     indices = range(TRIALS) if TRIALS > 1 else [ONE_TRIAL[path]]
     rows = []

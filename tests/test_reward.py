@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from finetune.data import preference as PR
 from finetune.methods import reward
 from finetune.models import tiny
+from tests.launch import matrix
 from tests.test_dpo import RECORDS, pair_features
 
 MARGINS = [0.5, 0.0, 1.25]
@@ -413,6 +414,8 @@ MORE_PAIRS = PAIRS + [
 # the loop under ZeRO-3. (LoRA without dropout: one process and two draw different dropout masks.)
 PARITY = [("trainer", "zero2", ()), ("trainer", "zero3", ()), ("loop", "zero3", ()),
           ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.005"))]
+# CI's cover: each path once, full and LoRA; all four with FINETUNE_FULL_MATRIX=1.
+PARITY_CASES = matrix(PARITY, [PARITY[2], PARITY[3]])
 
 
 @pytest.fixture(scope="module")
@@ -427,8 +430,8 @@ def multi(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, preset, flags", PARITY, ids=[f"{p}-{c}-{len(f) and 'lora' or 'full'}"
-                                                            for p, c, f in PARITY])
+@pytest.mark.parametrize("path, preset, flags", PARITY_CASES, ids=[f"{p}-{c}-{len(f) and 'lora' or 'full'}"
+                                                                  for p, c, f in PARITY_CASES])
 def test_two_processes_equal_one(multi, path, preset, flags):
     from concurrent.futures import ThreadPoolExecutor
 
