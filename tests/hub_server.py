@@ -8,8 +8,11 @@ for binary content (a NUL byte in the 512-byte sample), else "regular". The LFS 
 batch API: POST /{repo}.git/info/lfs/objects/batch {"operation": "upload", "objects": [{"oid", "size"}]} with the
 token, answered with an upload href per object not stored yet (a presigned URL, as the Hub's storage hrefs: the
 client PUTs the bytes there without its token, and the signature in the URL is what lets it in) and a verify href;
-PUT the bytes (single part); POST the verify href {"oid", "size"} with the token, answered 200 only when the stored
-object has that size and sha256. Then POST /api/models/{repo}/commit/{revision}, NDJSON: a "header" line
+PUT the bytes in one request, or, with `lfs_multipart` set, an object larger than it in parts of that many bytes:
+the upload action's header then holds "chunk_size" and one presigned URL per part ("00001", ...), the client PUTs
+each part there and POSTs {"oid", "parts": [{"partNumber", "etag"}]} to the href, which joins the parts whose
+ETags match; then POST the verify href {"oid", "size"} with the token, answered 200 only when the stored object
+has that size and sha256. Then POST /api/models/{repo}/commit/{revision}, NDJSON: a "header" line
 {"summary", "description"}, one "file" line per regular file {"path", "content", "encoding": "base64"} and one
 "lfsFile" line per LFS file {"path", "algo": "sha256", "oid", "size"}: the committed file is assembled from the
 stored object, and a commit naming an object the store does not hold (or holds with another size or hash) is
@@ -19,9 +22,9 @@ tests/test_hub.py's server does: huggingface_hub then uses its cache.
 The client takes this LFS path where hf_xet is not installed or HF_HUB_DISABLE_XET=1; with hf_xet it uploads the
 LFS files to the Hub's Xet storage instead, which this server does not answer (the tests set HF_HUB_DISABLE_XET=1).
 
-Faults: `fail` answers 500 to every POST; `lfs_fault="500"` answers the storage PUTs 500 (with Retry-After: 0, so
-that the client's retries do not wait seconds each); `lfs_fault="short"` keeps only the first half of each upload
-(a cut transfer) and answers 200, which the verify call then finds."""
+Faults: `fail` answers 500 to every POST; `lfs_fault="500"` answers the storage PUTs (whole or part) 500 (with
+Retry-After: 0, so that the client's retries do not wait seconds each); `lfs_fault="short"` keeps only the first
+half of each upload (or of each part: a cut transfer) and answers 200, which the verify call then finds."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -65,20 +69,28 @@ class FakeHub:
     fail: bool = False
     lfs_fault: str | None = None  # None, "500" or "short" (see the module's docstring)
     lfs_threshold: int = LFS_THRESHOLD
+    lfs_multipart: int | None = None  # part size: larger objects are uploaded in parts of this many bytes
     created: list[dict] = field(default_factory=list)  # (create bodies, with the Authorization header added)
     commits: list[Commit] = field(default_factory=list)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Authorization)
     batches: list[dict] = field(default_factory=list)  # the LFS batch bodies, with "authorization" and "accept" added
     objects: dict[str, bytes] = field(default_factory=dict)  # the LFS store: what each PUT left, by the oid in its URL
+    parts: dict[tuple[str, int], bytes] = field(default_factory=dict)  # (oid, part number) -> a multipart upload's part
     secret: bytes = field(default_factory=lambda: os.urandom(16))  # signs the storage hrefs
 
-    def reset(self, fail: bool = False, lfs_fault: str | None = None, lfs_threshold: int = LFS_THRESHOLD) -> None:
-        self.fail, self.lfs_fault, self.lfs_threshold = fail, lfs_fault, lfs_threshold
-        for records in (self.created, self.commits, self.requests, self.batches, self.objects):
+    def reset(self, fail: bool = False, lfs_fault: str | None = None, lfs_threshold: int = LFS_THRESHOLD,
+              lfs_multipart: int | None = None) -> None:
+        self.fail, self.lfs_fault = fail, lfs_fault
+        self.lfs_threshold, self.lfs_multipart = lfs_threshold, lfs_multipart
+        for records in (self.created, self.commits, self.requests, self.batches, self.objects, self.parts):
             records.clear()
 
-    def signature(self, oid: str) -> str:
-        return hmac.new(self.secret, oid.encode(), hashlib.sha256).hexdigest()
+    def signed(self, path: str) -> str:
+        """A presigned storage URL for `path` (/lfs-store/...)."""
+        return f"{self.url}{path}?X-Amz-Signature={self.signature(path)}"
+
+    def signature(self, path: str) -> str:
+        return hmac.new(self.secret, path.encode(), hashlib.sha256).hexdigest()
 
     def stored(self, oid: str, size: int) -> bool:
         data = self.objects.get(oid)
@@ -128,20 +140,43 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
 
         do_HEAD = do_GET
 
+        def presigned(self, path: str) -> bool:
+            query = dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
+            return path.startswith(STORE) and hmac.compare_digest(query.get("X-Amz-Signature", ""), hub.signature(path))
+
         def do_PUT(self):
-            """The storage's presigned href: the signature in the URL, not a token, lets the bytes in."""
+            """The storage's presigned href (/lfs-store/OID, or /lfs-store/OID/part/N of a multipart upload): the
+            signature in the URL, not a token, lets the bytes in."""
             data = self.body()
             path, _ = self.record()
-            oid = path[len(STORE):] if path.startswith(STORE) else ""
-            query = dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
-            if not oid or not hmac.compare_digest(query.get("X-Amz-Signature", ""), hub.signature(oid)):
+            oid, _, part = path[len(STORE):].partition("/part/")
+            if not self.presigned(path):
                 self.send(403, {"error": "SignatureDoesNotMatch"})
             elif hub.lfs_fault == "500":
                 self.send(500, {"error": "InternalError"}, headers={"Retry-After": "0"})
             else:
+                kept = data[: len(data) // 2] if hub.lfs_fault == "short" else data
                 with lock:
-                    hub.objects[oid] = data[: len(data) // 2] if hub.lfs_fault == "short" else data
-                self.send(200, {}, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+                    if part:
+                        hub.parts[oid, int(part)] = kept
+                    else:
+                        hub.objects[oid] = kept
+                self.send(200, {}, headers={"ETag": f'"{hashlib.md5(kept).hexdigest()}"'})
+
+        def complete(self, path: str, req: dict) -> None:
+            """A multipart upload's completion (its upload href): the parts joined in order, each ETag checked."""
+            oid = path[len(STORE):]
+            stored = [hub.parts.get((oid, p["partNumber"])) for p in req["parts"]]
+            if not self.presigned(path) or req["oid"] != oid:
+                self.send(403, {"error": "SignatureDoesNotMatch"})
+            elif [p["partNumber"] for p in req["parts"]] != list(range(1, len(stored) + 1)) or any(
+                    b is None or p["etag"].strip('"') != hashlib.md5(b).hexdigest()
+                    for p, b in zip(req["parts"], stored)):
+                self.send(400, {"error": "InvalidPart"})
+            else:
+                with lock:
+                    hub.objects[oid] = b"".join(stored)
+                self.send(200, {})
 
         def do_POST(self):
             data = self.body()
@@ -149,7 +184,9 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
             if hub.fail:
                 self.send(500, {"error": "Internal Error"})
                 return
-            if path.endswith((BATCH, VERIFY)) and auth is None:
+            if path.startswith(STORE):
+                self.complete(path, json.loads(data))
+            elif path.endswith((BATCH, VERIFY)) and auth is None:
                 self.send(401, {"error": "Invalid credentials in Authorization header"})
             elif path == "/api/repos/create":
                 req = json.loads(data)
@@ -185,9 +222,13 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
                 if hub.stored(oid, size):  # already in storage: nothing to upload
                     objects.append({"oid": oid, "size": size})
                     continue
+                upload = {"href": hub.signed(f"{STORE}{oid}"), "header": {}}
+                if hub.lfs_multipart and size > hub.lfs_multipart:  # the completion href, and one URL per part
+                    upload["header"] = {"chunk_size": str(hub.lfs_multipart), **{
+                        f"{n:05d}": hub.signed(f"{STORE}{oid}/part/{n}")
+                        for n in range(1, math.ceil(size / hub.lfs_multipart) + 1)}}
                 objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
-                    "upload": {"href": f"{hub.url}{STORE}{oid}?X-Amz-Signature={hub.signature(oid)}", "header": {}},
-                    "verify": {"href": f"{hub.url}/{repo}{VERIFY}", "header": {}}}})
+                    "upload": upload, "verify": {"href": f"{hub.url}/{repo}{VERIFY}", "header": {}}}})
             body = json.dumps({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/vnd.git-lfs+json")

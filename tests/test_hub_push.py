@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def check_commit(fake, local: dict[str, Path], lfs: set[str]) -> tuple[dict, str
     for name, path in local.items():
         assert commit.files[name] == path.read_bytes(), name
     # LFS: the commit names each file by its sha256 and size, and the server assembled it from the stored object;
-    # one batch call for all of them, one upload and one verify per object.
+    # one batch call for all of them, one upload (one PUT, or one per part and the completion call) and one verify
+    # per object.
     assert set(commit.lfs) == lfs, set(commit.lfs) ^ lfs
     for name in lfs:
         data = local[name].read_bytes()
@@ -112,13 +114,21 @@ def check_commit(fake, local: dict[str, Path], lfs: set[str]) -> tuple[dict, str
         batch = fake.batches[0]
         assert batch["operation"] == "upload" and batch["hash_algo"] == "sha256" and batch["repo"] == commit.repo_id
         assert {o["oid"] for o in batch["objects"]} == oids and batch["accept"] == "application/vnd.git-lfs+json"
-    puts = [r for r in fake.requests if r[0] == "PUT"]
-    assert sorted(path for _, path, _ in puts) == sorted(f"/lfs-store/{oid}" for oid in oids), puts
-    assert all(auth is None for _, _, auth in puts), puts  # the storage URL is signed; the token stays with the Hub
+    storage = [r for r in fake.requests if r[1].startswith("/lfs-store/")]
+    expected = []
+    for oid, size in set(commit.lfs.values()):
+        if fake.lfs_multipart and size > fake.lfs_multipart:
+            parts = math.ceil(size / fake.lfs_multipart)
+            expected += [("PUT", f"/lfs-store/{oid}/part/{n}") for n in range(1, parts + 1)]
+            expected.append(("POST", f"/lfs-store/{oid}"))
+        else:
+            expected.append(("PUT", f"/lfs-store/{oid}"))
+    assert sorted((method, path) for method, path, _ in storage) == sorted(expected), storage
+    assert all(auth is None for _, _, auth in storage), storage  # the URL is signed; the token stays with the Hub
     verified = [r for r in fake.requests if r[1].endswith("/info/lfs/objects/verify")]
     assert len(verified) == len(oids), verified
     # create, validate-yaml, preupload, the LFS batch and verify calls, commit
-    posts = [r for r in fake.requests if r[0] == "POST"]
+    posts = [r for r in fake.requests if r[0] == "POST" and r not in storage]
     assert posts and all(auth == f"Bearer {TOKEN}" for _, _, auth in posts), posts
     assert commit.authorization == f"Bearer {TOKEN}" and commit.revision == "main"
     return front_matter(commit.files["README.md"].decode())
@@ -197,8 +207,9 @@ def adapter(job, tmp_path_factory):
 
 def test_export_merged_model_pushes_with_the_report(job, fake, adapter, tmp_path):
     """export --adapter: the merged, verified folder in one commit, plus the run's report; the card shows the
-    report's loss curve and the adapter's run (base repo and commit, losses)."""
-    fake.reset()
+    report's loss curve and the adapter's run (base repo and commit, losses). The storage takes objects over
+    200,000 bytes in parts (a multipart upload, as the Hub asks for large files): the merged weights go in 3."""
+    fake.reset(lfs_multipart=200_000)
     merged = tmp_path / "merged"
     run([sys.executable, "-m", "finetune.cli", "export", "--adapter", str(adapter), "--output_dir", str(merged),
          "--push_to_hub", "--hub_model_id", "tinyorg/merged", "--hub_private_repo", "false"], timeout=300,
@@ -206,6 +217,7 @@ def test_export_merged_model_pushes_with_the_report(job, fake, adapter, tmp_path
     local = with_report(final_files(merged), adapter)
     assert {"model.safetensors", "report/loss.png"} <= lfs_expected(local)
     meta, body = check_commit(fake, local, lfs_expected(local))
+    assert math.ceil(local["model.safetensors"].stat().st_size / 200_000) == 3
     assert fake.created[0]["visibility"] == "public"
     assert meta["base_model"] == REPO_ID and meta["base_model_revision"] == COMMIT and meta["library_name"] == "transformers"
     assert meta["tags"] == ["finetune", "sft", "lora"]
