@@ -1,4 +1,5 @@
-"""Evaluation while training (finetune/training/evaluate.py), the report (finetune/apps/report.py), and the flags.
+"""Evaluation while training (finetune/training/evaluate.py), the report (finetune/ship/report.py; its command,
+finetune/apps/report.py), and the flags.
 
 Fast: the eval shards cover every sample once on any world size, and the summed eval loss of W simulated ranks
 is the whole set's token-normalized loss (not a mean of batch means); a sample counted twice is refused; the

@@ -8,16 +8,19 @@ the training commands take them from TrainingArguments, `finetune export` from H
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.ship import report
 from finetune.ship.card import model_card
 
 # The one sub-folder of a run pushed (whole): `finetune report`'s, whose loss curve the card shows. Checkpoints,
 # TensorBoard's and the trackers' logs and the staging folder stay local.
 _PUSHED_DIRS = ("report",)
 CARD = "README.md"
+_URL_QUERY = re.compile(r"(https?://[^\s'\"?]+)\?[^\s'\"]*")
 
 
 @dataclass
@@ -34,10 +37,16 @@ class HubFlags:
                                                                   "the saved login)."})
 
 
-def run_files(folder: Path) -> dict[str, Path]:
+def run_files(folder: Path, *, write_report: bool = False) -> dict[str, Path]:
     """A final save's files as repo paths: the folder's own files (not hidden ones, not checkpoints or logs) and
-    `finetune report`'s folder when there is one."""
+    `finetune report`'s folder when there is one. write_report: write that folder first, from the final save's
+    log history (a training push: the card shows the run's loss curve); a run with no log history has none."""
     folder = Path(folder)
+    if write_report:
+        try:
+            report.write_report(folder)
+        except report.ReportError:
+            pass  # nothing logged: the card has no curve and no loss table either
     files = {p.name: p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")}
     files.update(report_files(folder))
     files.pop(CARD, None)  # the card is made for the push
@@ -73,11 +82,18 @@ def push(repo_id: str, files: dict[str, Path], card: str, *, private: bool | Non
     return info.commit_url, len(operations)
 
 
-def _reason(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    status = getattr(response, "status_code", None)
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"HTTP {status}: {text}" if status is not None and str(status) not in text else text
+def _reason(e: BaseException | None) -> str:
+    """The failure in one line: the first line of each message down the chain of causes (an LFS upload's error
+    wraps the HTTP error that says why), URLs without their query (a storage URL's is a signature)."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        response = getattr(e, "response", None)
+        status = getattr(response, "status_code", None)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = f"HTTP {status}: {text}" if status is not None and str(status) not in text else text
+        parts.append(_URL_QUERY.sub(r"\1", text).rstrip("."))
+        e = e.__cause__
+    return ": ".join(parts)
 
 
 def push_or_exit(local: Path, files: dict[str, Path], *, run_folder: Path | None, what: str, repo_id: str | None,

@@ -433,6 +433,6 @@ def finish_run(cfg) -> None:
 
         out = Path(args.output_dir)
         what = "LoRA adapter" if (out / "adapter_config.json").is_file() else "model"
-        hub.push_or_exit(out, hub.run_files(out), run_folder=out, what=what, repo_id=args.hub_model_id,
-                         private=args.hub_private_repo, token=args.hub_token)
+        hub.push_or_exit(out, hub.run_files(out, write_report=True), run_folder=out, what=what,
+                         repo_id=args.hub_model_id, private=args.hub_private_repo, token=args.hub_token)
 
