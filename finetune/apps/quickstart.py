@@ -717,25 +717,30 @@ global batch {tr['global_batch']}, learning rate {tr['learning_rate']:g}: {tr['s
 |---|---|
 """ + "".join(f"| {k} | {v:.0f} |\n" for k, v in tm.items()) + f"""
 Machine: {m['cpu_count']} CPU cores ({m.get('eval_threads')} used for evaluation), {m['gpus']} GPU(s); load average {m['load_average_start']} at start,
-{m['load_average_end']} at end. Files: `metrics.json` (every number here, and every completion), `loss_curve.png`,{' `reward_curve.png`,' if tr.get('curve') == 'reward' else ''}
+{m['load_average_end']} at end. Files: `metrics.json` (every number here, and every completion), `loss_curve.png`,{f" `{tr['curve']}_curve.png`," if own_curve(tr) else ''}
 `examples.md`; the training run's own report (`finetune report`: curves of loss, learning rate and tokens/s, final
 metrics) is `{metrics.get('output', {}).get('run_report', 'model/report')}/README.md`.
 """
 
 
+def own_curve(tr: dict) -> str | None:
+    """The number a stage follows instead of the training loss (Stage.curve: GRPO's reward), or None."""
+    return tr["curve"] if tr.get("curve", "loss") != "loss" else None
+
+
 def progress(tr: dict) -> str:
     """The report's line on training and its curve: the loss, or the stage's own number (GRPO's reward)."""
-    steps = tr["steps_logged"]
-    if tr.get("curve") != "reward":
+    steps, name = tr["steps_logged"], own_curve(tr)
+    if name is None:
         return (f"Training loss {tr['first_loss']:.4f} at step {steps[0]} ->\n{tr['last_loss']:.4f} at step "
                 f"{steps[-1]}.\n\n![training loss](loss_curve.png)\n")
-    rewards = tr["rewards"]
-    best = max(range(len(rewards)), key=rewards.__getitem__)
+    values = tr[name + "s"]
+    best = max(range(len(values)), key=values.__getitem__)
     timing = (f" Sampling and scoring took {tr['generation_s']:.0f} s of the training, the loss' forwards "
               f"{tr['loss_forward_s']:.0f} s (the backward and the optimizer the rest)." if "generation_s" in tr else "")
-    return (f"Reward (the mean over the step's sampled completions) {rewards[0]:.3f} at step {steps[0]} -> "
-            f"{rewards[-1]:.3f} at step {steps[-1]}\n(highest {rewards[best]:.3f}, step {steps[best]}).{timing}\n\n"
-            "![reward](reward_curve.png)\n")
+    return (f"{name.capitalize()} (the mean over the step's sampled completions) {values[0]:.3f} at step {steps[0]} "
+            f"-> {values[-1]:.3f} at step {steps[-1]}\n(highest {values[best]:.3f}, step {steps[best]}).{timing}\n\n"
+            f"![{name}]({name}_curve.png)\n")
 
 
 def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
@@ -748,9 +753,9 @@ def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     tr = metrics["training"]
     loss_curve(staging / "loss_curve.png", tr["steps_logged"], tr["losses"])
-    if tr.get("curve") == "reward":
-        loss_curve(staging / "reward_curve.png", tr["steps_logged"], tr["rewards"], "reward (mean of the step's "
-                   "completions)", "quickstart: training reward")
+    if name := own_curve(tr):
+        loss_curve(staging / f"{name}_curve.png", tr["steps_logged"], tr[name + "s"], f"{name} (mean of the step's "
+                   "completions)", f"quickstart: training {name}")
     (staging / "examples.md").write_text("# Before / after on held-out records\n\n" + table)
     (staging / "report.md").write_text(report_markdown(metrics, table))
     old = report_dir.parent / f".{report_dir.name}.old-{os.getpid()}"
@@ -882,9 +887,9 @@ def headline(metrics: dict) -> str:
     b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
     preference = (f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on "
                   f"{b['preference_pairs']} held-out pairs; " if "preference_accuracy" in b else "")
-    if tr.get("curve") == "reward":  # GRPO: what its reward measures first, and the reward instead of the loss
+    if name := own_curve(tr):  # GRPO: what its reward measures first, and the reward instead of the loss
         preference = f"field accuracy {b['field_accuracy']:.1%} -> {t['field_accuracy']:.1%}; "
-        curve = f"training reward {tr['first_reward']:.3f} -> {tr['last_reward']:.3f}"
+        curve = f"training {name} {tr[f'first_{name}']:.3f} -> {tr[f'last_{name}']:.3f}"
     else:
         curve = f"training loss {tr['first_loss']:.4f} -> {tr['last_loss']:.4f}"
     return (
