@@ -358,7 +358,7 @@ def test_quickstart_grpo_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
          "--train_file", str(tmp_path / "train.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"),
          "--max_steps", "3", "--processes", "1", "--eval_threads", "1", "--max_new_tokens", "6",
          "--learning_rate", "0.05", "--output_dir", str(out), "--",
-         "--num_generations", "4", "--reward_funcs", "json_fields", "regex:[0-9]", "--gradient_checkpointing", "false"],
+         "--num_generations", "4", "--reward_funcs", "json_fields", "regex:[0-9]"],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
     )
