@@ -89,9 +89,9 @@ def fake_trainer(cls, loss_type: str, beta: float, eps_low: float, eps_high: flo
         _metrics=defaultdict(lambda: defaultdict(list)))
 
 
-def trl_inputs(old, ref, mask, advantages):
-    return {"prompt_ids": torch.zeros(N, 2, dtype=torch.long), "prompt_mask": torch.ones(N, 2, dtype=torch.long),
-            "completion_ids": torch.zeros(N, T, dtype=torch.long), "completion_mask": mask.long(),
+def trl_inputs(old, ref, mask, advantages, n: int = N):
+    return {"prompt_ids": torch.zeros(n, 2, dtype=torch.long), "prompt_mask": torch.ones(n, 2, dtype=torch.long),
+            "completion_ids": torch.zeros(n, T, dtype=torch.long), "completion_mask": mask.long(),
             "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
             "old_logps": (old * mask).sum(1), "num_items_in_batch": mask.sum()}
 
@@ -130,6 +130,100 @@ def test_loss_equals_trl(loss_type, beta):
     print(f"grpo loss_type={loss_type} beta={beta}: ours {ours.item():.8f} TRL {theirs.item():.8f} |diff| {diff:.2e}, "
           f"grad max |diff| {grad_diff:.2e} ({clipped:.0f} clipped tokens)")
     assert clipped > 0 and diff < 1e-5 and grad_diff < 1e-5
+
+
+def ranks(parts: list, fn) -> list:
+    """fn(part, all_sum) on each part in a thread of its own, `all_sum` summing a tensor over the threads as an
+    all-reduce over processes does: a batch split over ranks, in one process."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier, slots = threading.Barrier(len(parts)), [None] * len(parts)
+
+    def run(i):
+        def all_sum(t):
+            slots[i] = t.clone()
+            barrier.wait()
+            total = sum(slots)
+            barrier.wait()
+            return total
+
+        return fn(parts[i], all_sum)
+
+    with ThreadPoolExecutor(len(parts)) as pool:
+        return list(pool.map(run, range(len(parts))))
+
+
+@pytest.mark.parametrize("split", [[N], [2 * G, G], [G, G, G]])
+def test_batch_scaled_advantages_are_the_whole_batch_as_trl(split):
+    """--scale_rewards batch over a step's batch split over 1, 2 or 3 ranks (each its own prompts' groups): each
+    rank's advantages are its slice of TRL's, whose std is the gathered generation batch's; the micro-batch's own
+    std (what it was) would differ."""
+    *_, per_func = fixed()
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    rewards = weighted_rewards(per_func, weights)
+    parts = list(torch.split(rewards, split))
+    ours = torch.cat([a for a, _ in ranks(parts, lambda r, all_sum: group_advantages(r, G, "batch", all_sum))])
+    theirs = trl_grpo_advantages(per_func, weights, "batch")
+    diff = (ours - theirs).abs().max().item()
+    local = torch.cat([group_advantages(r, G, "batch")[0] for r in parts])
+    print(f"grpo batch-scaled advantages over {len(split)} ranks: max |ours - TRL| = {diff:.2e} "
+          f"(each rank's own std: {(local - theirs).abs().max().item():.2e})")
+    assert diff < 1e-5 and ours.abs().sum() > 1
+    if len(split) > 1:
+        assert (local - theirs).abs().max() > 1e-3
+
+
+def test_rloo_normalized_over_the_whole_batch_as_trl():
+    """RLOO's --normalize_advantages over a batch split over 2 ranks: TRL's normalization of the gathered batch."""
+    logps, old, ref, mask, per_func = fixed(2)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    options = RLOOConfig(method="rloo", beta=0.0, normalize_advantages=True, num_generations=G)
+    method = RLOO()
+    parts = list(torch.split(method.weighted(options, per_func, weights), [G, 2 * G]))
+    ours = torch.cat([a for a, _ in ranks(parts, lambda r, all_sum: method.advantages(options, r, all_sum))])
+    theirs = trl_rloo_advantages(per_func, weights, old, ref, mask, 0.0, True)
+    diff = (ours - theirs).abs().max().item()
+    print(f"rloo normalized advantages over 2 ranks: max |ours - TRL| = {diff:.2e}")
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_num_iterations_equals_trl(loss_type):
+    """--num_iterations 2 over a batch of generations in 2 micro-batches (TRL: steps_per_generation = gradient
+    accumulation = 2, so TRL scores old_per_token_logps at generation). Step 1 trains with the generating model
+    (log-probs = p_old, ratio 1), step 2 on the same completions, advantages and p_old with the model moved (ratios
+    clipped): each step's loss (the sum over its micro-batches, each over the step's count) and gradient equal TRL's
+    _compute_loss summed over the same micro-batches with its accumulation normalizers. (bnpo is left out: TRL's
+    divides by each micro-batch's own tokens, ours by the step's; docs/grpo.md.)"""
+    moved, old, ref, mask, per_func = fixed(3)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    advantages, _ = group_advantages(weighted_rewards(per_func, weights), G, "group")
+    options = GRPOConfig(method="grpo", loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28,
+                         max_completion_length=T, num_iterations=2)
+    assert GRPO().needs_old_logps(options) and GRPO().repeats(options) == 2
+    halves = [slice(0, N // 2), slice(N // 2, N)]
+    count = mask.sum() if GRPO().loss_normalizer(options) == "tokens" else N
+    for step, logps in ((1, old), (2, moved)):
+        ours_in = logps.clone().requires_grad_(True)
+        ours = sum(GRPO().completion_loss(options, ours_in[h], old[h], ref[h], advantages[h], mask[h])[0] / count
+                   for h in halves)
+        ours.backward()
+        theirs_in = logps.clone().requires_grad_(True)
+        theirs = 0.0
+        for h in halves:
+            trainer = fake_trainer(trl_grpo.GRPOTrainer, loss_type, 0.04, 0.2, 0.28, theirs_in[h])
+            trainer.args.steps_per_generation = trainer.current_gradient_accumulation_steps = 2
+            inputs = trl_inputs(old[h], ref[h], mask[h], advantages[h], n=N // 2)
+            inputs["num_items_in_batch"] = mask.sum()  # TRL's count is the whole generation batch's
+            theirs = theirs + trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+        theirs.backward()
+        ratio = torch.exp(logps - old)
+        clipped = (((ratio < 0.8) | (ratio > 1.28)).double() * mask).sum().item()
+        diff, grad_diff = abs(ours.item() - theirs.item()), (ours_in.grad - theirs_in.grad).abs().max().item()
+        print(f"num_iterations 2, loss_type={loss_type}, step {step}: ours {ours.item():.8f} TRL {theirs.item():.8f} "
+              f"|diff| {diff:.2e}, grad max |diff| {grad_diff:.2e} ({clipped:.0f} clipped tokens)")
+        assert diff < 1e-5 and grad_diff < 1e-5 and (clipped > 0) == (step == 2)
 
 
 @pytest.mark.parametrize("beta,normalize", [(0.0, False), (0.05, True)])

@@ -60,7 +60,7 @@ def same(got: list[dict], want: list[dict], keys=KEYS, bound: float = 1e-6) -> t
 
 
 @pytest.mark.parametrize("method, flags", [("grpo", ("--loss_type", "grpo")), ("grpo", ("--loss_type", "dapo")),
-                                           ("rloo", ())])
+                                           ("rloo", ()), ("grpo", ("--loss_type", "grpo", "--num_iterations", "2"))])
 def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, method, flags):
     name = f"{method}-{'-'.join(flags)}"
     want = train(job, f"trainer-{name}", *flags, method=method)
@@ -73,16 +73,29 @@ def test_loop_logs_what_the_trainer_logs(job, isolated, one_thread, method, flag
         assert e["reward"] == pytest.approx(e["rewards/json_valid/mean"] + 0.5 * e["rewards/length_penalty/mean"]
                                             + 2 * e["rewards/regex/mean"], abs=1e-9)
     print(f"\n{method} {flags}: trainer vs loop max diff {same(got, want)}")
+    if "--num_iterations" in flags:
+        # Step 2 trains on step 1's completions (the same prompts: the same rewards) against p_old, the model that
+        # generated them: the ratios moved from 1, so grpo's loss is no longer 0 (at step 1 it is: ratio 1, and a
+        # group's advantages sum to 0). Step 3 generates again.
+        a, b, c = want
+        assert all(a[k] == b[k] for k in KEYS if k not in ("loss", "grad_norm", "step"))
+        assert abs(a["loss"]) < 1e-6 and abs(b["loss"]) > 1e-4 and b["clip_ratio/region_mean"] > 0
+        assert a["clip_ratio/region_mean"] == 0 and c["reward"] != a["reward"]
+        print(f"num_iterations 2: losses {[round(e['loss'], 6) for e in want]}, clip ratios "
+              f"{[round(e['clip_ratio/region_mean'], 4) for e in want]}, rewards {[round(e['reward'], 4) for e in want]}")
 
 
-def test_resume_repeats_the_run(job, isolated, one_thread):
+@pytest.mark.parametrize("more", [(), ("--num_iterations", "2")])
+def test_resume_repeats_the_run(job, isolated, one_thread, more):
     """The step-2 checkpoint resumed in a new folder: steps 3 and 4 sample the same completions (the seeds are the
-    step's, not a generator's state) and log the same numbers."""
+    step's, not a generator's state) and log the same numbers; with --num_iterations 2, step 3 generates and step 4
+    reuses its completions, as in the uninterrupted run."""
     root = job[0]
-    flags = ("--max_steps", "4", "--save_steps", "2", "--use_peft", "--lora_r", "4", "--beta", "0.1")
-    whole = train(job, "resume", *flags)
-    shutil.copytree(root / "resume" / "checkpoint-2", root / "resume-again" / "checkpoint-2")
-    again = train(job, "resume-again", *flags, "--resume_from_checkpoint", "latest")
+    flags = ("--max_steps", "4", "--save_steps", "2", "--use_peft", "--lora_r", "4", "--beta", "0.1", *more)
+    name = "resume" + "-".join(more)
+    whole = train(job, name, *flags)
+    shutil.copytree(root / name / "checkpoint-2", root / f"{name}-again" / "checkpoint-2")
+    again = train(job, f"{name}-again", *flags, "--resume_from_checkpoint", "latest")
     print(f"\nresume: max diff {same(again, whole, KEYS + ('kl',))}")
     assert any(e["kl"] > 0 for e in whole[1:])  # the reference (adapters off) and the policy part
 
@@ -105,7 +118,9 @@ def test_evaluation_writes_completions(job, isolated, one_thread):
     (["--method", "grpo", "--reward_funcs", "json_valid", "--reward_weights", "1", "2"], "reward_weights: 2 weights"),
     (["--method", "grpo", "--reward_funcs", "json_valid", "--loss_type", "ppo"], "loss_type: one of grpo, dr_grpo"),
     (["--method", "grpo", "--reward_funcs", "json_valid", "--num_generations", "1"], "num_generations: at least 2"),
-    (["--method", "grpo", "--reward_funcs", "json_valid", "--num_iterations", "2"], "num_iterations: only 1"),
+    (["--method", "grpo", "--reward_funcs", "json_valid", "--num_iterations", "0"], "num_iterations: at least 1"),
+    (["--method", "grpo", "--reward_funcs", "json_valid", "--num_iterations", "2", "--save_steps", "3"],
+     "save_steps: a multiple of --num_iterations (2) with it, got 3"),
     (["--method", "rloo", "--reward_funcs", "json_valid", "--loss_type", "grpo"], "loss_type: a GRPO option"),
     (["--num_generations", "4"], "num_generations: an option of GRPO, RLOO"),
 ])
@@ -139,8 +154,10 @@ def test_a_failing_reward_stops_the_run_with_one_line(job, isolated, one_thread,
 
 EVERY = [("trainer", "zero2", ()), ("trainer", "zero3", ()),
          ("trainer", "zero3", ("--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--beta", "0.1")),
-         ("loop", "zero3", ()), ("loop", "ddp", ("--method", "rloo"))]
-CASES = matrix(EVERY, EVERY[:2] + EVERY[3:4])
+         ("loop", "zero3", ()), ("loop", "ddp", ("--method", "rloo")),
+         # the std of the whole step, both ranks' (an all-reduce); 2 steps on one batch of generations
+         ("loop", "ddp", ("--scale_rewards", "batch", "--num_iterations", "2"))]
+CASES = matrix(EVERY, EVERY[:2] + EVERY[3:4] + EVERY[5:])
 
 
 @pytest.mark.slow

@@ -141,9 +141,9 @@ def test_preference_accuracy_equals_direct_log_probs(tiny_chatml, one_thread):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--method", "qlora"], "--method: 'qlora' is not one of sft, dpo, orpo, kto; did you mean 'lora'?"),
+    (["--method", "qlora"], "--method: 'qlora' is not one of sft, dpo, orpo, kto, grpo; did you mean 'lora'?"),
     (["--tuning", "qlora"], "--tuning: 'qlora' is not one of lora, full"),
-    (["--method", "simpo"], "--method: 'simpo' is not one of sft, dpo, orpo, kto (the quickstart does not run simpo yet)"),
+    (["--method", "simpo"], "--method: 'simpo' is not one of sft, dpo, orpo, kto, grpo (the quickstart does not run simpo yet)"),
     (["--method", "dpo"], "--method dpo: give --model_name_or_path, the SFT result to start from"),
     (["--method", "orpo", "--beta", "0"], "--beta: must be more than 0"),
     (["--beta", "0.3"], "--beta: an option of a preference --method (dpo, orpo, kto)"),
@@ -341,6 +341,53 @@ def test_quickstart_orpo_from_the_base_model(tiny_chatml, tmp_path, one_thread):
     text = (out / "report" / "report.md").read_text()
     assert "| base | after ORPO |" in text and "ORPO (beta 0.1) on the base model" in text
     assert f"quickstart orpo: preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_grpo_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
+    """`quickstart --method grpo` on a tiny base model: GRPO with the stage's json_fields reward (plus a regex reward
+    a random model earns now and then, for a curve that moves) trains a LoRA adapter; the report has the held-out
+    field accuracy and exact match before and after (each the mean over the completions it holds), and the reward
+    curve: the run's logged rewards, step 2 reusing step 1's completions (--num_iterations 2)."""
+    lines = lambda name, n: "".join((DATA / name).read_text().splitlines(keepends=True)[:n])  # noqa: E731
+    (tmp_path / "train.jsonl").write_text(lines("train.jsonl", 8))
+    (tmp_path / "heldout.jsonl").write_text(lines("heldout.jsonl", 5))
+    out = tmp_path / "grpo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "quickstart", "--method", "grpo", "--model_name_or_path", str(tiny_chatml),
+         "--train_file", str(tmp_path / "train.jsonl"), "--eval_file", str(tmp_path / "heldout.jsonl"),
+         "--max_steps", "3", "--processes", "1", "--eval_threads", "1", "--max_new_tokens", "6",
+         "--learning_rate", "0.05", "--output_dir", str(out), "--",
+         "--num_generations", "4", "--reward_funcs", "json_fields", "regex:[0-9]"],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
+    assert metrics["stage"] == "grpo" and metrics["labels"] == ["base", "after GRPO"]
+    assert (tr["objective"], tr["steps"], tr["curve"], tr["global_batch"]) == ("grpo", 3, "reward", 1)
+    refs = [json.loads(line)["messages"][-1]["content"] for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    for m in (b, t):
+        assert m["examples"] == 5 and len(m["completions"]) == 5 and m["max_new_tokens"] == 6
+        assert m["field_accuracy"] == pytest.approx(sum(map(Q.field_accuracy, m["completions"], refs)) / 5)
+        assert m["exact_match"] == sum(map(Q.exact_match, m["completions"], refs)) / 5
+    assert metrics["field_accuracy_gain_points"] == pytest.approx(100 * (t["field_accuracy"] - b["field_accuracy"]))
+    # The reward curve is the run's own log: one reward per step, step 2 on step 1's completions (the same rewards).
+    logged = [e for e in json.loads((out / "model" / "trainer_state.json").read_text())["log_history"] if "reward" in e]
+    assert tr["rewards"] == [e["reward"] for e in logged] and tr["steps_logged"] == [1, 2, 3]
+    assert tr["rewards"][0] == tr["rewards"][1] and len(set(tr["rewards"])) > 1 and 0 < max(tr["rewards"]) <= 2
+    assert all(0 < e["completions/mean_length"] <= 6 for e in logged)  # --max_completion_length: the eval's budget
+    assert tr["generation_s"] > 0 and tr["loss_forward_s"] > 0
+    assert (out / "report" / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (out / "report" / "report.md").read_text()
+    assert f"| exact match | {b['exact_match']:.1%} | {t['exact_match']:.1%} |" in text
+    assert f"| field accuracy (JSON fields right) | {b['field_accuracy']:.1%} | {t['field_accuracy']:.1%} |" in text
+    assert "| base | after GRPO |" in text and "GRPO on the base model" in text and "![reward](reward_curve.png)" in text
+    assert f"{tr['rewards'][0]:.3f} at step 1 -> {tr['rewards'][-1]:.3f} at step 3" in text
+    assert (f"quickstart grpo: field accuracy {b['field_accuracy']:.1%} -> {t['field_accuracy']:.1%}; exact match "
+            f"{b['exact_match']:.1%} -> {t['exact_match']:.1%}") in proc.stdout
+    assert f"training reward {tr['rewards'][0]:.3f} -> {tr['rewards'][-1]:.3f} in 3 steps" in proc.stdout
 
 
 def test_model_dir_is_the_old_spelling_of_model_name_or_path():

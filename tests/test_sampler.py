@@ -57,3 +57,21 @@ def test_batch_order_deals_each_rank_its_stream():
             for r in range(world):
                 dealt = [i for b in batches[r::world] for i in b]
                 assert dealt == rank_indices(n, world, r, True, 5, drop_last, 2)
+
+
+def test_repeat_deals_each_step_again():
+    """repeat (GRPO's --num_iterations): each rank gets each optimizer step's micro-batches (`accum` of its stream)
+    `repeat` times in a row; the epoch's last step, short of `accum` micro-batches, is dropped."""
+    for n, world, micro, accum, repeat in [(20, 2, 2, 2, 2), (23, 3, 1, 3, 3), (9, 1, 2, 2, 2)]:
+        order = DistributedBatchOrder(n, world, micro, shuffle=True, seed=5, repeat=repeat, accum=accum)
+        order.set_epoch(1)
+        batches = list(order)
+        assert len(batches) == len(order)
+        for r in range(world):
+            stream = rank_indices(n, world, r, True, 5, False, 1)
+            steps = [stream[i:i + micro * accum] for i in range(0, len(stream), micro * accum)]
+            steps = [s for s in steps if len(s) > micro * (accum - 1)]  # whole steps only
+            want = [i for s in steps for _ in range(repeat) for i in s]
+            assert [i for b in batches[r::world] for i in b] == want
+    with pytest.raises(ValueError, match="fewer than one optimizer step's 4"):
+        DistributedBatchOrder(5, 2, 1, repeat=2, accum=4)

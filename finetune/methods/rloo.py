@@ -4,7 +4,7 @@ GRPO's rollouts (finetune.methods.grpo), with another advantage and loss:
     reward_i    = Σ_f w_f r_f(i) - β Σ_t (log p_old(t) - log ref(t))      (the KL as a reward penalty, per sequence)
     advantage_i = reward_i - mean of the other completions of its prompt  (the leave-one-out baseline)
 
-optionally normalized over the micro-batch (--normalize_advantages), and the clipped surrogate of the sequence's
+optionally normalized over the step's whole batch of generations, every rank's (--normalize_advantages), and the clipped surrogate of the sequence's
 log-probability ratio, averaged over the completions of the global batch:
 
     loss_i = -min(ρ_i A_i, clip(ρ_i, 1 - ε_low, 1 + ε_high) A_i),   ρ_i = exp(Σ_t log p(t) - Σ_t log p_old(t))
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.methods.generation import weighted_rewards
-from finetune.methods.grpo import GRPO, GRPOConfig, generation_problems, nanstd
+from finetune.methods.grpo import GRPO, GRPOConfig, batch_stats, generation_problems, nanstd
 
 
 @dataclass
@@ -25,12 +25,13 @@ class RLOOConfig(GRPOConfig):
     beta: float = field(default=0.05, metadata={
         "help": "RLOO: the KL penalty's coefficient in the reward (TRL's RLOO default 0.05; 0: no reference)."})
     normalize_advantages: bool = field(default=False, metadata={
-        "help": "RLOO: normalize the advantages over the micro-batch (mean 0, std 1)."})
+        "help": "RLOO: normalize the advantages over the step's batch, every process's (mean 0, std 1)."})
 
 
-def leave_one_out_advantages(rewards, num_generations: int, normalize: bool = False):
+def leave_one_out_advantages(rewards, num_generations: int, normalize: bool = False, all_sum=None):
     """TRL's RLOO advantages: each reward less the mean of its group's other (scored) rewards; NaN rewards left out
-    and given advantage 0. Returns (advantages, each group's std) for the logs."""
+    and given advantage 0; normalized over every rank's batch (`all_sum`). Returns (advantages, each group's std)
+    for the logs."""
     import torch
 
     grouped = rewards.view(-1, num_generations)
@@ -39,7 +40,8 @@ def leave_one_out_advantages(rewards, num_generations: int, normalize: bool = Fa
     baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)
     advantages = rewards - baselines.view(-1)
     if normalize:
-        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+        mean, std_all = batch_stats(advantages, all_sum)
+        advantages = (advantages - mean) / (std_all + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0), std
 
 
@@ -72,11 +74,11 @@ class RLOO(GRPO):
         rewards = weighted_rewards(per_func, weights)
         return rewards - options.beta * kl if kl is not None and options.beta != 0 else rewards
 
-    def advantages(self, options, rewards):
-        return leave_one_out_advantages(rewards, options.num_generations, options.normalize_advantages)
+    def advantages(self, options, rewards, all_sum=None):
+        return leave_one_out_advantages(rewards, options.num_generations, options.normalize_advantages, all_sum)
 
     def needs_old_logps(self, options) -> bool:
-        return options.beta > 0
+        return options.beta > 0 or options.num_iterations > 1
 
     def reference_in_loss(self, options) -> bool:
         return False

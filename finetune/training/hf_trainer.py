@@ -20,6 +20,8 @@ from finetune.training.lifecycle import saving
 
 
 class Trainer(transformers.Trainer):
+    repeat = 1  # optimizer steps per step's micro-batches (Method.repeats)
+
     def get_train_dataloader(self):
         args = self.args
         loader = distributed_dataloader(
@@ -27,6 +29,7 @@ class Trainer(transformers.Trainer):
             batch_size=self._train_batch_size, shuffle=True,
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+            repeat=self.repeat, accum=args.gradient_accumulation_steps,
         )
         self._batch_order = loader.batch_sampler
         return self.accelerator.prepare(loader)
@@ -109,9 +112,9 @@ class MethodTrainer(Trainer):
 
     loss_is_scaled_for_ga = True  # each micro-batch's loss is already over the global batch's count
 
-    def __init__(self, *args, method, session, held_out=None, **kwargs):
+    def __init__(self, *args, method, session, held_out=None, repeat: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.method, self.session, self.held_out = method, session, held_out
+        self.method, self.session, self.held_out, self.repeat = method, session, held_out, repeat
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     dataloader = distributed_dataloader(
         train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
+        repeat=method.repeats(cfg.objective), accum=args.gradient_accumulation_steps,
     )
     micro_per_epoch = len(dataloader) // world  # this rank's micro-batches per epoch
     max_steps = core.max_steps_of(args, micro_per_epoch)

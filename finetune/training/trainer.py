@@ -94,7 +94,8 @@ def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resum
     session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, cfg.training.device, lambda: trainer.accelerator.unwrap_model(trainer.model),
         lambda: trainer.accelerator.autocast(), resumed=resume is not None, step=lambda: trainer.state.global_step))
-    trainer = MethodTrainer(method=method, session=session, held_out=held_out, **common)
+    trainer = MethodTrainer(method=method, session=session, held_out=held_out, repeat=method.repeats(cfg.objective),
+                            **common)
     if described := session.describe():
         rank0_print(described)
     return trainer
