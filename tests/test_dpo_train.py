@@ -170,7 +170,8 @@ def test_lora_live_reference_equals_precomputed(job, isolated, one_thread):
                                                  "robust; did you mean 'ipo'?"),
     (["--method", "dpo", "--loss_type", "hinge", "--label_smoothing", "0.1"], "label_smoothing: --loss_type hinge does "
                                                                                "not use it"),
-    (["--method", "simpo", "--loss_type", "ipo"], "loss_type: an option of DPO, GRPO, RLOO; add --method dpo or grpo or rloo"),
+    (["--method", "simpo", "--loss_type", "ipo"], ("loss_type: an option of DPO, CPO, GRPO, RLOO; add --method dpo or "
+                                                  "cpo or grpo or rloo")),
     (["--method", "dpo", "--label_smoothing_factor", "0.1"], "label_smoothing_factor: not supported with --method dpo "
                                                              "yet (DPO's own is --label_smoothing)"),
     (["--method", "dpo", "--eval_split_size", "2", "--eval_generate", "2"], "eval_generate: not supported with --method"),
