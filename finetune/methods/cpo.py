@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.methods import dpo
-from finetune.methods.dpo import METRICS
 from finetune.methods.reference_free import ReferenceFree, ReferenceFreeConfig, reward_values
 from finetune.methods.simpo import simpo_loss
 
@@ -80,7 +79,7 @@ class CPO(ReferenceFree):
     summary = ("CPO: a preference loss without a reference model (--loss_type sigmoid, hinge, ipo, simpo) plus the "
                "chosen answer's NLL (--cpo_alpha) (docs/preference.md)")
     config = CPOConfig
-    metrics = METRICS + ("nll_loss",)
+    metrics = dpo.METRICS + ("nll_loss",)
 
     def validate(self, options: CPOConfig, data, training: dict, evaluation) -> list[str]:
         problems = super().validate(options, data, training, evaluation)
