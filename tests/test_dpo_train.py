@@ -437,12 +437,17 @@ def test_two_processes_equal_one(multi, same_runs, path, preset, flags, loss):
         for a, b in zip(one, plain):
             for k in ("loss", "rewards/margins", "logps/rejected"):
                 assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, plain)
-    assert one[-1]["loss"] < one[0]["loss"]
+    # It learns: the chosen answers move ahead (not the loss: cDPO's and IPO's have a finite optimum that the preset's
+    # Adam at 5e-2 overshoots, cDPO's loss back at 0.6955 from 0.6931 with margins at 4.9 by step 4).
+    assert one[-1]["rewards/margins"] > max(0.0, one[0]["rewards/margins"]), one
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen")
     for a, b in zip(one, two):
-        for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
+        for k in keys:
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, one, two)
     diff = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("loss", "grad_norm", "rewards/margins"))
+    bound = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(one, two) for k in keys)
     curve = lambda logs: " ".join(f"{e['loss']:.6f}" for e in logs)  # noqa: E731
     what = " ".join(flags[:1]) or "full, frozen copy"
     print(f"\nDPO parity | {path} | {preset} | {what} | {' '.join(loss_flags) or 'sigmoid'} | 1 process: {curve(one)} "
-          f"| 2 processes: {curve(two)} | max diff (loss, grad norm, margins) {diff:.1e}")
+          f"| 2 processes: {curve(two)} | max diff (loss, grad norm, margins) {diff:.1e} | max diff as asserted "
+          f"(relative above 1) {bound:.1e}")
