@@ -389,6 +389,32 @@ def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, 
         assert w["rewards/margins"] == pytest.approx(w["rewards/chosen"] - w["rewards/rejected"], abs=1e-5)
 
 
+@pytest.mark.parametrize("flags", [("--loss_type", "hinge"), ("--loss_type", "ipo"),
+                                   ("--loss_type", "simpo", "--simpo_gamma", "0.3", "--label_smoothing", "0.1")],
+                         ids=["hinge", "ipo", "simpo"])
+def test_cpo_loss_type_on_both_paths(job, isolated, one_thread, flags):
+    """CPO's --loss_type from the command line: step 1 is that type's float64 loss of the whole batch, and the Trainer
+    and the loop log the same losses and metrics at every step."""
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir, _ = job
+    name = f"cpo-{flags[1]}"
+    want = train(job, f"{name}-trainer", "cpo", "--max_steps", "2", *flags)
+    got = train(job, f"{name}-loop", "cpo", "--max_steps", "2", *flags, path="loop")
+    opts = {"beta": 0.1, "cpo_alpha": 1.0, "loss_type": flags[1],
+            **{k.lstrip("-"): float(v) for k, v in zip(flags[2::2], flags[3::2])}}
+    with torch.no_grad():
+        first = f64_loss("cpo", AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64),
+                         full_batch(model_dir), **opts).item()
+    print(f"\ncpo {' '.join(flags)}: trainer {[e['loss'] for e in want]} | loop {[e['loss'] for e in got]} | step 1 "
+          f"float64 {first:.8f}")
+    assert [e["step"] for e in want] == [e["step"] for e in got] == [1, 2]
+    assert want[0]["loss"] == pytest.approx(first, rel=1e-5)
+    for g, w in zip(got, want):
+        for k in ("loss", *CPO.metrics):
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (k, g, w)
+
+
 @pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_evaluation_on_both_paths(job, isolated, one_thread, method):
     flags = ("--eval_split_size", "2", "--per_device_eval_batch_size", "3", "--eval_steps", "2", "--max_steps", "2")
