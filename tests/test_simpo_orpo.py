@@ -1,6 +1,6 @@
 """finetune.methods.simpo, .orpo and .cpo: one batch's loss and gradients against a float64 computation written here
-and against TRL 1.16 (CPOTrainer with loss_type="simpo" and with its default "sigmoid", ORPOTrainer); `finetune train`
-and `finetune loop` per step."""
+and against TRL 1.16 (CPOTrainer with loss_type="simpo" for SimPO, and each of its loss types for CPO; ORPOTrainer);
+`finetune train` and `finetune loop` per step."""
 
 from __future__ import annotations
 
@@ -48,11 +48,18 @@ def f64_loss(method: str, model, batch, **options):
         beta, gamma, eps = options["beta"], options["simpo_gamma"], options["label_smoothing"]
         z = beta * (a - b) - gamma
         return (-(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)).mean()
-    if method == "cpo":
-        beta, alpha, eps = options["beta"], options["cpo_alpha"], options["label_smoothing"]
-        sc, sr = f64_logps(model, batch, mean=False).chunk(2)
-        p = torch.sigmoid(beta * (sc - sr))
-        return ((1 - eps) * -torch.log(p) + eps * -torch.log(1 - p) - alpha * a).mean()
+    if method == "cpo":  # TRL's CPOTrainer.cpo_loss, each loss type, on sums (means for ipo and simpo)
+        beta, alpha, eps = options["beta"], options["cpo_alpha"], options.get("label_smoothing", 0.0)
+        loss_type = options.get("loss_type", "sigmoid")
+        x, y = (a, b) if loss_type in ("ipo", "simpo") else f64_logps(model, batch, mean=False).chunk(2)
+        if loss_type == "hinge":
+            term = torch.clamp(1 - beta * (x - y), min=0)
+        elif loss_type == "ipo":
+            term = (x - y - 1 / (2 * beta)) ** 2
+        else:
+            p = torch.sigmoid(beta * (x - y) - (options["simpo_gamma"] if loss_type == "simpo" else 0.0))
+            term = (1 - eps) * -torch.log(p) + eps * -torch.log(1 - p)
+        return (term - alpha * a).mean()
     beta = options["beta"]
     log_odds = (a - b) - (torch.log1p(-torch.exp(a)) - torch.log1p(-torch.exp(b)))
     return (-a - beta * F.logsigmoid(log_odds)).mean()
@@ -62,7 +69,13 @@ CASES = [("simpo", dict(beta=2.0, simpo_gamma=0.5, label_smoothing=0.0)),
          ("simpo", dict(beta=1.3, simpo_gamma=0.2, label_smoothing=0.15)),
          ("orpo", dict(beta=0.1)), ("orpo", dict(beta=0.7)),
          ("cpo", dict(beta=0.1, cpo_alpha=1.0, label_smoothing=0.0)),
-         ("cpo", dict(beta=0.5, cpo_alpha=0.3, label_smoothing=0.1))]
+         ("cpo", dict(beta=0.5, cpo_alpha=0.3, label_smoothing=0.1)),
+         # CPO's other loss types (TRL's CPOConfig.loss_type); simpo with α > 0 is CPO-SimPO.
+         # β 0.05: on test_equal_to_trl's batch one pair inside the hinge (1 - β d = 1.03), one past it (-0.82).
+         ("cpo", dict(beta=0.05, cpo_alpha=1.0, loss_type="hinge")),
+         ("cpo", dict(beta=0.4, cpo_alpha=0.5, loss_type="ipo")),
+         ("cpo", dict(beta=2.0, cpo_alpha=1.0, loss_type="simpo", simpo_gamma=0.3, label_smoothing=0.1))]
+IDS = [f"{n}-{o.get('loss_type', '')}{'-' if 'loss_type' in o else ''}{o['beta']}" for n, o in CASES]
 METHOD = {"simpo": (SIMPO, simpo.SimPOConfig), "orpo": (ORPO, orpo.ORPOConfig), "cpo": (CPO, cpo.CPOConfig)}
 
 
@@ -91,7 +104,7 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name, options", CASES, ids=[f"{n}-{o['beta']}" for n, o in CASES])
+@pytest.mark.parametrize("name, options", CASES, ids=IDS)
 def test_loss_and_gradients_equal_float64(tiny, name, options):
     import copy
 
@@ -114,8 +127,25 @@ def test_loss_and_gradients_equal_float64(tiny, name, options):
     assert logged["rewards/chosen"] == pytest.approx(options["beta"] * logged["logps/chosen"])
     if name == "orpo":
         assert logged["nll_loss"] == pytest.approx(-logged["logps/chosen"])
-    if name == "cpo":  # TRL's CPO logs the sums: the rewards are β × them, the NLL the chosen tokens' mean
+    if name == "cpo" and options.get("loss_type") in ("ipo", "simpo"):  # the means: the NLL is -logps/chosen
+        assert logged["nll_loss"] == pytest.approx(-logged["logps/chosen"])
+    elif name == "cpo":  # TRL's CPO logs the sums: the rewards are β × them, the NLL the chosen tokens' mean
         assert logged["logps/chosen"] < -logged["nll_loss"] < 0
+
+
+def test_cpo_simpo_without_nll_is_simpo(tiny):
+    """--method cpo --loss_type simpo --cpo_alpha 0 is --method simpo (TRL's SimPO is its CPOTrainer so): the same
+    loss, to the last bit, and the same logged rewards."""
+    tokenizer, model = tiny
+    batch = PR.PairCollator(tokenizer.pad_token_id)(pair_features(tokenizer, RECORDS))
+    options = dict(beta=1.5, simpo_gamma=0.4, label_smoothing=0.1)
+    windows = [reference_free.Window(m.metrics) for m in (SIMPO, CPO)]
+    with torch.no_grad():
+        want = ours("simpo", model, batch, 3, windows[0], **options)
+        got = ours("cpo", model, batch, 3, windows[1], cpo_alpha=0.0, loss_type="simpo", **options)
+    assert got.item() == want.item()
+    simpo_logged, cpo_logged = (w.pop() for w in windows)
+    assert {k: cpo_logged[k] for k in simpo_logged} == simpo_logged
 
 
 def test_global_batch_normalization(tiny):
@@ -165,7 +195,9 @@ def trl_trainer(name, model, tokenizer, tmp_path, records, options):
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
         args = CPOConfig(**common, beta=options["beta"], cpo_alpha=options["cpo_alpha"],
-                         label_smoothing=options["label_smoothing"])  # loss_type "sigmoid", TRL's default
+                         label_smoothing=options.get("label_smoothing", 0.0),
+                         loss_type=options.get("loss_type", "sigmoid"),  # TRL's default
+                         simpo_gamma=options.get("simpo_gamma", 0.5))
         return CPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -191,7 +223,7 @@ def trl_nll(model, batch):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
-@pytest.mark.parametrize("name, options", CASES, ids=[f"{n}-{o['beta']}" for n, o in CASES])
+@pytest.mark.parametrize("name, options", CASES, ids=IDS)
 def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options):
     """TRL's trainer on its own tokens and collator, which on these records are ours (TRL tokenizes a string record
     by joining prompt and answer first, a difference on purpose that other tokenizers may show: docs/preference.md),
@@ -258,8 +290,8 @@ def test_equal_to_trl(tiny_plain, tmp_path, one_thread, isolated, name, options)
     logged = window.pop()
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected") + (("log_odds_ratio", "log_odds_chosen") if name == "orpo" else ()):
-        if name == "cpo" and key != "rewards/accuracies":  # sums (and β × them): tens
-            assert logged[key] == pytest.approx(float(metrics[key]), rel=1e-5), key
+        if name == "cpo" and key != "rewards/accuracies":  # sums (and β × them): tens; or means for ipo and simpo
+            assert logged[key] == pytest.approx(float(metrics[key]), rel=1e-5, abs=1e-5), key
             continue
         assert logged[key] == pytest.approx(float(metrics[key]), abs=1e-5), key
 
@@ -357,6 +389,32 @@ def test_trainer_and_loop_equal_per_step_and_float64(job, isolated, one_thread, 
         assert w["rewards/margins"] == pytest.approx(w["rewards/chosen"] - w["rewards/rejected"], abs=1e-5)
 
 
+@pytest.mark.parametrize("flags", [("--loss_type", "hinge"), ("--loss_type", "ipo"),
+                                   ("--loss_type", "simpo", "--simpo_gamma", "0.3", "--label_smoothing", "0.1")],
+                         ids=["hinge", "ipo", "simpo"])
+def test_cpo_loss_type_on_both_paths(job, isolated, one_thread, flags):
+    """CPO's --loss_type from the command line: step 1 is that type's float64 loss of the whole batch, and the Trainer
+    and the loop log the same losses and metrics at every step."""
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir, _ = job
+    name = f"cpo-{flags[1]}"
+    want = train(job, f"{name}-trainer", "cpo", "--max_steps", "2", *flags)
+    got = train(job, f"{name}-loop", "cpo", "--max_steps", "2", *flags, path="loop")
+    opts = {"beta": 0.1, "cpo_alpha": 1.0, "loss_type": flags[1],
+            **{k.lstrip("-"): float(v) for k, v in zip(flags[2::2], flags[3::2])}}
+    with torch.no_grad():
+        first = f64_loss("cpo", AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64),
+                         full_batch(model_dir), **opts).item()
+    print(f"\ncpo {' '.join(flags)}: trainer {[e['loss'] for e in want]} | loop {[e['loss'] for e in got]} | step 1 "
+          f"float64 {first:.8f}")
+    assert [e["step"] for e in want] == [e["step"] for e in got] == [1, 2]
+    assert want[0]["loss"] == pytest.approx(first, rel=1e-5)
+    for g, w in zip(got, want):
+        for k in ("loss", *CPO.metrics):
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (k, g, w)
+
+
 @pytest.mark.parametrize("method", ["simpo", "orpo", "cpo"])
 def test_evaluation_on_both_paths(job, isolated, one_thread, method):
     flags = ("--eval_split_size", "2", "--per_device_eval_batch_size", "3", "--eval_steps", "2", "--max_steps", "2")
@@ -403,12 +461,20 @@ def test_resume_gives_the_same_losses(job, isolated, one_thread, method, path):
 
 
 @pytest.mark.parametrize("flags, problem", [
-    (["--simpo_gamma", "0.2"], "simpo_gamma: a SimPO option; add --method simpo"),
+    (["--simpo_gamma", "0.2"], "simpo_gamma: an option of SimPO, CPO; add --method simpo or cpo"),
     (["--method", "orpo", "--label_smoothing", "0.1"], ("label_smoothing: an option of DPO, SimPO, CPO; add "
                                                        "--method dpo or simpo or cpo")),
     (["--cpo_alpha", "0.5"], "cpo_alpha: a CPO option; add --method cpo"),
     (["--method", "cpo", "--cpo_alpha", "-1"], "cpo_alpha: must be 0 or more, got -1.0"),
     (["--method", "cpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
+    (["--method", "cpo", "--loss_type", "robust"], "loss_type: 'robust' is not one of sigmoid, hinge, ipo, simpo"),
+    (["--method", "cpo", "--loss_type", "simp"], "loss_type: 'simp' is not one of sigmoid, hinge, ipo, simpo; did "
+                                                 "you mean 'simpo'?"),
+    (["--method", "cpo", "--loss_type", "ipo", "--label_smoothing", "0.1"], ("label_smoothing: --loss_type ipo does "
+                                                                             "not use it; leave it out or use "
+                                                                             "--loss_type sigmoid or simpo")),
+    (["--method", "cpo", "--simpo_gamma", "0.3"], ("simpo_gamma: --loss_type sigmoid does not use it; leave it out "
+                                                   "or use --loss_type simpo")),
     (["--method", "orpo", "--beta", "0"], "beta: must be positive, got 0.0"),
     (["--method", "simpo", "--label_smoothing", "0.5"], "label_smoothing: must be in [0, 0.5), got 0.5"),
     (["--method", "simpo", "--packing"], "packing: not supported with --method simpo yet"),

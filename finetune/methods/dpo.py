@@ -104,6 +104,21 @@ class DPOConfig(MethodConfig):
 
 
 
+def loss_type_problems(loss_type: str, label_smoothing: float, losses, smoothed) -> list[str]:
+    """--loss_type one of a method's `losses` (did-you-mean), and --label_smoothing in [0, 0.5) with a type that
+    reads it (one of `smoothed`): DPO's and CPO's checks."""
+    problems = []
+    if loss_type not in losses:
+        problems.append(f"loss_type: '{loss_type}' is not one of {', '.join(losses)}"
+                        f"{did_you_mean(loss_type, list(losses))}")
+    if not 0.0 <= label_smoothing < 0.5:
+        problems.append(f"label_smoothing: must be in [0, 0.5), got {label_smoothing}")
+    elif label_smoothing and loss_type in losses and loss_type not in smoothed:
+        problems.append(f"label_smoothing: --loss_type {loss_type} does not use it; leave it out or use "
+                        f"--loss_type {' or '.join(smoothed)}")
+    return problems
+
+
 def pair_data_problems(method: str, data, training: dict, evaluation, hints: dict | None = None) -> list[str]:
     """What the preference data paths do not support yet, refused by name for every method that trains on
     preference data (DPO, SimPO, ORPO, KTO)."""
@@ -133,14 +148,7 @@ class DPO(Method):
         problems = []
         if options.beta <= 0:
             problems.append(f"beta: must be positive, got {options.beta}")
-        if options.loss_type not in LOSSES:
-            problems.append(f"loss_type: '{options.loss_type}' is not one of {', '.join(LOSSES)}"
-                            f"{did_you_mean(options.loss_type, list(LOSSES))}")
-        if not 0.0 <= options.label_smoothing < 0.5:
-            problems.append(f"label_smoothing: must be in [0, 0.5), got {options.label_smoothing}")
-        elif options.label_smoothing and options.loss_type in LOSSES and options.loss_type not in SMOOTHED:
-            problems.append(f"label_smoothing: --loss_type {options.loss_type} does not use it; leave it out or use "
-                            f"--loss_type {' or '.join(SMOOTHED)}")
+        problems += loss_type_problems(options.loss_type, options.label_smoothing, LOSSES, SMOOTHED)
         return problems + pair_data_problems("dpo", data, training, evaluation,
                                              hints={"label_smoothing_factor": " (DPO's own is --label_smoothing)"})
 
