@@ -703,6 +703,65 @@ class _BeforeDeepSpeed:
         return None
 
 
+# deepspeed 0.19.8: deepspeed/autotuning/autotuner.py imports mlflow at module level when it is installed (for the
+# autotuner's run tracking, which finetune never starts), and `import deepspeed` imports the autotuner. With
+# mlflow-skinny installed (the trackers extra) every process importing DeepSpeed paid for mlflow's import: 1.4 of a
+# 1-step run's 20 s on 2 loaded cores, in every rank of every run, DDP ones too (transformers' Trainer imports
+# DeepSpeed when it is installed). While DeepSpeed itself is imported, mlflow reads as not installed; `--report_to
+# mlflow` imports it afterwards as usual.
+
+def deepspeed_import_without_mlflow() -> None:
+    """Install (once) the finder that imports DeepSpeed with mlflow hidden."""
+    import importlib.machinery
+
+    if "deepspeed" in sys.modules or any(isinstance(f, _DeepSpeedWithoutMlflow) for f in sys.meta_path):
+        return
+    # Just before the path finder, which would find DeepSpeed itself; after any finder placed first (before_deepspeed).
+    where = next((i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder), len(sys.meta_path))
+    sys.meta_path.insert(where, _DeepSpeedWithoutMlflow())
+
+
+class _DeepSpeedWithoutMlflow:
+    """A meta path finder for `deepspeed` alone: the path finder's spec, its loader wrapped (_WithoutMlflow)."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+
+        if name != "deepspeed" or "mlflow" in sys.modules or "deepspeed" in sys.modules:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _WithoutMlflow(spec.loader)
+        return spec
+
+
+class _WithoutMlflow:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):  # is_package, get_resource_reader, ...: the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        hidden = "mlflow" not in sys.modules
+        if hidden:
+            sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which the autotuner catches
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if hidden and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+                del sys.modules["mlflow"]
+            module.__loader__ = self.loader
+            if module.__spec__ is not None:
+                module.__spec__.loader = self.loader
+
+
+deepspeed_import_without_mlflow()  # at import: whichever module of finetune imports DeepSpeed first
+
+
 def _choose_deepspeed_accelerator() -> None:
     import importlib.util
 

@@ -209,6 +209,19 @@ ds_dist.barrier()
 """
 
 
+def test_deepspeed_is_imported_without_mlflow_which_still_imports_after():
+    """DeepSpeed's autotuner imports mlflow when installed (every process, every rank, even DDP runs): with finetune
+    imported first, DeepSpeed comes in without it, and mlflow is importable afterwards (--report_to mlflow)."""
+    pytest.importorskip("mlflow")  # the trackers extra, which requirements.lock installs
+    code = ("import sys, finetune.compat, deepspeed; from deepspeed.autotuning import autotuner; "
+            "print('mlflow' in sys.modules, autotuner.has_mlflow, type(deepspeed.__spec__.loader).__name__); "
+            "import mlflow; print(mlflow.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("[")]  # DeepSpeed's log lines
+    assert lines == ["False False SourceFileLoader", "mlflow"], proc.stdout
+
+
 @pytest.mark.parametrize("init", ["deepspeed", "ours"])
 def test_deepspeed_shared_memory_buffers_do_not_outlive_the_job(tmp_path, init):
     """A real `deepspeed --num_gpus 2` job: DeepSpeed's own init leaves a 66 MiB buffer per rank in /dev/shm after the
