@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from finetune.training import runlock
+from launch import matrix
 from test_cli_errors import REPO, _command, _environ
 from test_output_dir import args, global_step, job  # noqa: F401  (fixture)
 
@@ -86,7 +87,10 @@ def test_a_holder_on_another_node_is_stale_only_once_its_heartbeat_stops(tmp_pat
     assert not lock.exists() and out.is_dir()  # the folder was there before: kept
 
 
-CASES = [(path, case) for path in ("script", "loop", "engine") for case in ("same flags", "different flags")]
+EVERY = [(path, case) for path in ("script", "loop", "engine") for case in ("same flags", "different flags")]
+# CI's cover: each path once and each case (the lock is the three paths' shared start); all six with
+# FINETUNE_FULL_MATRIX=1.
+CASES = matrix(EVERY, [("script", "same flags"), ("loop", "different flags"), ("engine", "same flags")])
 
 
 @pytest.mark.slow
