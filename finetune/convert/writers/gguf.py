@@ -226,6 +226,11 @@ def sentencepiece_space_prefix(tj: dict, where: Path) -> bool:
         return True
     if kinds == ["Replace"] and not parts:
         return False
+    # Gemma's (as transformers 5 builds it): the Replace normalizer, then a split on " " that finds none (the
+    # normalizer has made every space "\u2581"): no prefix, as llama.cpp's Gemma files say.
+    if (kinds == ["Replace"] and norms[0].get("content") == "\u2581" and len(parts) == 1
+            and parts[0].get("type") == "Split" and parts[0].get("pattern") == {"String": " "}):
+        return False
     if not norms and [p.get("type") for p in parts] == ["Metaspace"] and parts[0].get("replacement") == "\u2581":
         scheme = parts[0].get("prepend_scheme", "always" if parts[0].get("add_prefix_space", True) else "never")
         if scheme in ("always", "never"):
