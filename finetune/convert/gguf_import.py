@@ -36,7 +36,8 @@ class GGUFInfo:
     name: str
     tensors: int
     tied_embeddings: bool  # no output.weight: the LM head is the embedding matrix
-    meta: dict = field(default_factory=dict, repr=False)  # the architecture's own metadata ("gemma2.*"): key -> value
+    # The architecture's own metadata ("gemma2.*") and the special token ids (tokenizer.ggml.*_token_id): key -> value
+    meta: dict = field(default_factory=dict, repr=False)
 
 
 def inspect(path: str | Path) -> GGUFInfo:
@@ -71,7 +72,8 @@ def inspect(path: str | Path) -> GGUFInfo:
         raise GGUFImportError(f"{p}: says architecture '{arch}' but lacks the tensors {', '.join(missing)}")
     if _field_str(reader, "tokenizer.ggml.model") is None:
         raise GGUFImportError(f"{p}: no tokenizer in the GGUF metadata (tokenizer.ggml.*); a folder without one cannot be trained")
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(arch + ".")}
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if k.startswith(arch + ".") or k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
     return GGUFInfo(p, arch, _field_str(reader, "general.name") or p.stem, len(names), "output.weight" not in names,
                     meta)
 

@@ -4,7 +4,8 @@ LoRA targets the fused modules by their own names (qkv_proj, gate_up_proj), as p
 
 GGUF (llama.cpp's "phi3"): the fused tensors as they are (attn_qkv; gate_up as ffn_up, which llama.cpp's SwiGLU
 splits gate first, as HF does), Q/K rows in HF's order (NEOX rope), an output tensor always. A sliding window is
-the attention.sliding_window key, which transformers' loader does not read for phi3 (gguf_config sets it)."""
+the attention.sliding_window key, which transformers' loader does not read for phi3 (gguf_config sets it, and the
+padding id from the file, not Phi3Config's default)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ class Phi3Family(LlamaFamily):
         return meta + [("add_vocab_size", config.vocab_size)]
 
     def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
-        return {"sliding_window": meta.get(f"{self.gguf_arch}.attention.sliding_window")}
+        # pad_token_id: Phi3Config's default (32000) is outside a smaller vocabulary, where transformers refuses it.
+        return {"sliding_window": meta.get(f"{self.gguf_arch}.attention.sliding_window"),
+                "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
 
     # No Q/K permutation: the file holds HF's layout.
     to_gguf = Family.to_gguf
