@@ -219,6 +219,65 @@ def test_half_and_q8_0_within_the_bounds(fam, gguf_type, tokenizers, tmp_path):
           f"tensors {report.types}")
 
 
+@pytest.mark.parametrize("case", ["gemma2-softcaps", "gemma3-linear-rope"])
+def test_keys_transformers_loader_does_not_read(case, tokenizers, tmp_path):
+    """Gemma-2 with soft-caps other than transformers' defaults, Gemma-3 with Gemma-3-4B's linear rope scaling of the
+    global layers (factor 8): the file carries them as llama.cpp's keys, finetune's reader sets them (transformers'
+    loader alone leaves its defaults), the f32 logits stay within 1e-5 and the imported folder has them."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.families.gemma3 import GEMMA3
+
+    fam = case.split("-")[0]
+    tokenizer = tokenizers["gemma"]
+    src = tmp_path / fam
+    model = save_tiny(fam, tokenizer, src)
+    if fam == "gemma2":
+        model.config.attn_logit_softcapping, model.config.final_logit_softcapping = 20.0, 5.0
+    else:  # six layers: the sixth is the global one (the tiny config's three all slide)
+        config = tiny_config("gemma3", vocab_size=len(tokenizer), tied=True)
+        config.num_hidden_layers, config.layer_types = 6, GEMMA3.layer_types(6)
+        config.rope_parameters["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id, None
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # random norms, and sharper attention (q/k norms about x 5): positions show in logits
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(4.0 if name.endswith(("q_norm.weight", "k_norm.weight")) else 0.0, 0.1)
+    model.save_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # as the exporter reads it
+    out = tmp_path / "gguf" / "m.gguf"
+    report = X.write_folder(src, out)
+    assert report.logit_diff <= 1e-5
+    fields = {k: f.contents() for k, f in GGUFReader(str(out)).fields.items() if k.startswith(fam + ".")}
+    ids = fixed_input(model.config.vocab_size)
+    bare = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
+    bare_diff = (logits_of(bare, ids) - logits_of(model, ids)).abs().max().item()
+    back = tmp_path / "back"
+    G.import_gguf(out, back, log=lambda *_: None)
+    imported = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    if fam == "gemma2":
+        assert (fields["gemma2.attn_logit_softcapping"], fields["gemma2.final_logit_softcapping"]) == (20.0, 5.0)
+        assert (imported.config.attn_logit_softcapping, imported.config.final_logit_softcapping) == (20.0, 5.0)
+    else:
+        assert (fields["gemma3.rope.scaling.type"], fields["gemma3.rope.scaling.factor"]) == ("linear", 8.0)
+        assert imported.config.rope_parameters["full_attention"]["factor"] == 8.0
+    import_diff = (logits_of(imported, ids) - logits_of(model, ids)).abs().max().item()
+    assert import_diff <= 1e-5
+    # The keys matter: the same weights under the config defaults compute other logits.
+    default = type(model.config)(**{k: v for k, v in model.config.to_dict().items()
+                                    if k not in ("attn_logit_softcapping", "final_logit_softcapping",
+                                                 "rope_parameters", "transformers_version")})
+    other = AutoModelForCausalLM.from_config(default, dtype=torch.float32, attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict())
+    default_diff = (logits_of(other, ids) - logits_of(model, ids)).abs().max().item()
+    assert default_diff > 1e-3
+    print(f"{case}: f32 logits vs HF max diff {report.logit_diff:.3g}, import-gguf {import_diff:.3g} "
+          f"(transformers' loader alone: {bare_diff:.3g}; the defaults' logits: {default_diff:.3g})")
+
+
 def test_gemma_and_phi3_modelfile_templates_write_what_the_hf_templates_write(tokenizers):
     """The Modelfile's TEMPLATE, executed by hand for a conversation without a system turn, writes the HF template's
     text (after BOS, which llama.cpp adds)."""
