@@ -396,3 +396,18 @@ def test_gemma3_with_its_real_tokenizer(tmp_path, capsys):
     modelfile = (out.parent / "Modelfile").read_text()
     assert 'PARAMETER stop "<end_of_turn>"' in modelfile and "<start_of_turn>model" in modelfile
     print(f"gemma3 (real tokenizer): GGUF logits vs HF max diff {report.logit_diff:.3g}")
+
+
+def test_no_family_branches_outside_the_family_modules():
+    """A family's GGUF facts live in its module: no module outside finetune/models/families compares a value with a
+    family name, model_type or GGUF architecture, but for the writer's two names of llama.cpp's own that are spelled
+    like families: the SentencePiece tokenizer kind "llama" (twice) and the Mistral [INST] chat format."""
+    from collections import Counter
+
+    from registry_check import comparisons_outside
+
+    names = ({f.name for f in families.FAMILIES} | {t for f in families.FAMILIES for t in f.model_types}
+             | set(families.gguf_archs()))
+    found = Counter(re.sub(r":\d+ ", " ", o) for o in comparisons_outside(names, "models/families"))
+    assert found == Counter({"convert/writers/gguf.py compares 'llama'": 2,
+                             "convert/writers/gguf.py compares 'mistral'": 1}), found
