@@ -190,15 +190,15 @@ def run_main(capsys, argv):
 
 def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     src = models[("chatml", False)]
-    # An architecture GGUF export cannot write.
-    phi3 = tmp_path / "phi3"
-    shutil.copytree(src, phi3)
-    cfg = json.loads((phi3 / "config.json").read_text())
-    cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"])
-    (phi3 / "config.json").write_text(json.dumps(cfg))
+    # An architecture GGUF export cannot write (Mixtral: no family writes it).
+    mixtral = tmp_path / "mixtral"
+    shutil.copytree(src, mixtral)
+    cfg = json.loads((mixtral / "config.json").read_text())
+    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+    (mixtral / "config.json").write_text(json.dumps(cfg))
     out_dir = tmp_path / "out"
-    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(phi3), str(out_dir / "m.gguf")])
-    assert code == 2 and "model_type 'phi3' cannot be written as GGUF" in err, err
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(mixtral), str(out_dir / "m.gguf")])
+    assert code == 2 and "model_type 'mixtral' cannot be written as GGUF" in err, err
     assert not out_dir.exists()
 
     # A vocabulary that is neither byte-level BPE nor BPE with byte fallback (Metaspace over a BPE without it).

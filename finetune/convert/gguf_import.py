@@ -36,6 +36,8 @@ class GGUFInfo:
     name: str
     tensors: int
     tied_embeddings: bool  # no output.weight: the LM head is the embedding matrix
+    # The architecture's own metadata ("gemma2.*") and the special token ids (tokenizer.ggml.*_token_id): key -> value
+    meta: dict = field(default_factory=dict, repr=False)
 
 
 def inspect(path: str | Path) -> GGUFInfo:
@@ -70,7 +72,10 @@ def inspect(path: str | Path) -> GGUFInfo:
         raise GGUFImportError(f"{p}: says architecture '{arch}' but lacks the tensors {', '.join(missing)}")
     if _field_str(reader, "tokenizer.ggml.model") is None:
         raise GGUFImportError(f"{p}: no tokenizer in the GGUF metadata (tokenizer.ggml.*); a folder without one cannot be trained")
-    return GGUFInfo(p, arch, _field_str(reader, "general.name") or p.stem, len(names), "output.weight" not in names)
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if k.startswith(arch + ".") or k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
+    return GGUFInfo(p, arch, _field_str(reader, "general.name") or p.stem, len(names), "output.weight" not in names,
+                    meta)
 
 
 def _field_str(reader, key: str) -> str | None:
@@ -101,14 +106,19 @@ def smollm2_file() -> Path:
 
 
 def load_gguf(path: str | Path):
-    """(model in float32, tokenizer) as transformers loads them from the GGUF file itself."""
+    """(model in float32, tokenizer) as transformers loads them from the GGUF file itself, with the config values
+    the file carries that transformers' loader leaves at its defaults set from the file (the family's gguf_config:
+    Gemma-2's soft-caps, a MoE's expert width), so the model computes what llama.cpp computes."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     info = inspect(path)
     folder, name = str(info.path.parent), info.path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for key, value in families.by_gguf_arch(info.architecture).gguf_config(info.meta).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     model.eval()
     return model, tokenizer
 

@@ -161,7 +161,8 @@ def _decode(data, qtype, shape):
 
 
 def gguf_tensors(model, gguf_type: str):
-    """[(gguf name, data, qtype, HF name)] for every weight of MODEL, named and laid out as its family's."""
+    """[(gguf name, data, qtype, HF name, stored shape)] for every weight of MODEL, named and laid out as its
+    family's (a weight llama.cpp keeps in parts, as a MoE's fused gate/up experts, is one row per part)."""
     import torch
 
     family = families.family_of(model.config)
@@ -174,13 +175,13 @@ def gguf_tensors(model, gguf_type: str):
             continue  # no output.weight: llama.cpp and transformers use token_embd for the head
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = names.get(hf_name)
-        if name is None:
+        parts = family.gguf_parts(hf_name, tensor.detach().to("cpu", dtype=torch.float32).numpy(), shape, names)
+        if not parts:
             raise ExportError(f"weight {hf_name} has no GGUF name for the {family.gguf_arch} architecture")
-        array = family.to_gguf(hf_name, tensor.detach().to("cpu", dtype=torch.float32).numpy(), shape)
-        head = name == "output.weight" or (tied and name == "token_embd.weight")
-        qtype = _tensor_type(gguf_type, array, name, head)
-        out.append((name, _encode(array, qtype), qtype, hf_name))
+        for name, array in parts:
+            head = name == "output.weight" or (tied and name == "token_embd.weight")
+            qtype = _tensor_type(gguf_type, array, name, head)
+            out.append((name, _encode(array, qtype), qtype, hf_name, tuple(array.shape)))
     return out
 
 
@@ -224,6 +225,11 @@ def sentencepiece_space_prefix(tj: dict, where: Path) -> bool:
     if kinds == ["Prepend", "Replace"] and norms[0].get("prepend") == "\u2581" and not parts:
         return True
     if kinds == ["Replace"] and not parts:
+        return False
+    # Gemma's (as transformers 5 builds it): the Replace normalizer, then a split on " " that finds none (the
+    # normalizer has made every space "\u2581"): no prefix, as llama.cpp's Gemma files say.
+    if (kinds == ["Replace"] and norms[0].get("content") == "\u2581" and len(parts) == 1
+            and parts[0].get("type") == "Split" and parts[0].get("pattern") == {"String": " "}):
         return False
     if not norms and [p.get("type") for p in parts] == ["Metaspace"] and parts[0].get("replacement") == "\u2581":
         scheme = parts[0].get("prepend_scheme", "always" if parts[0].get("add_prefix_space", True) else "never")
@@ -354,12 +360,21 @@ OLLAMA_MISTRAL = (
     '{{- range .Messages }}{{- if eq .Role "user" }}[INST] {{ .Content }} [/INST]'
     '{{- else if eq .Role "assistant" }}{{ .Content }}EOS{{- end }}{{- end }}'
 )
+# Gemma's turns (its template folds a system turn into the first user turn; the model's turn is "model").
+OLLAMA_GEMMA = (
+    '{{- $system := "" }}{{- range .Messages }}{{ if eq .Role "system" }}{{ $system = .Content }}'
+    '{{ else if eq .Role "user" }}<start_of_turn>user\n{{ if $system }}{{ $system }}\n\n{{ $system = "" }}{{ end }}'
+    '{{ .Content }}<end_of_turn>\n{{ else if eq .Role "assistant" }}<start_of_turn>model\n{{ .Content }}<end_of_turn>\n'
+    '{{ end }}{{ end }}<start_of_turn>model\n'
+)
+# Phi-3's turns: <|role|> lines ended by <|end|>.
+OLLAMA_PHI3 = "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}<|end|>\n{{ end }}<|assistant|>\n"
 PROBE = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
          {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
 
 
 def chat_style(tokenizer) -> tuple[str | None, str | None]:
-    """('chatml' | 'llama3' | 'mistral' | None, default system prompt or None), by rendering the template on a probe
+    """('chatml' | 'llama3' | 'mistral' | 'gemma' | 'phi3' | None, default system prompt or None), by rendering the template on a probe
     conversation and comparing it with what each style writes."""
     if not getattr(tokenizer, "chat_template", None):
         return None, None
@@ -372,12 +387,24 @@ def chat_style(tokenizer) -> tuple[str | None, str | None]:
             text = render(PROBE[1:])
         except Exception:
             return None, None
+        bos = tokenizer.bos_token or ""
         mistral = f"[INST] U1 [/INST]A1{tokenizer.eos_token}[INST] U2 [/INST]"
-        return ("mistral", None) if text in (mistral, (tokenizer.bos_token or "") + mistral) else (None, None)
+        gemma = ("<start_of_turn>user\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+                 "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n")  # Gemma-2's refuses a system turn
+        if text in (gemma, bos + gemma):
+            return "gemma", None
+        return ("mistral", None) if text in (mistral, bos + mistral) else (None, None)
     chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in PROBE) + "<|im_start|>assistant\n"
     llama3 = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in PROBE)
     llama3 += "<|start_header_id|>assistant<|end_header_id|>\n\n"
     bos = tokenizer.bos_token or ""
+    gemma = ("<start_of_turn>user\nS1\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+             "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n")
+    phi3 = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in PROBE) + "<|assistant|>\n"
+    if text in (gemma, bos + gemma):
+        return "gemma", None
+    if text in (phi3, bos + phi3):
+        return "phi3", None
     if text == chatml:
         style, head, tail = "chatml", "<|im_start|>system\n", "<|im_end|>\n"
     elif text in (llama3, bos + llama3):
@@ -398,7 +425,7 @@ def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[
     lines = [f"FROM ./{gguf_name}"]
     if style not in styles:
         return "\n".join(lines) + "\n", None
-    template = {"chatml": OLLAMA_CHATML, "llama3": OLLAMA_LLAMA3,
+    template = {"chatml": OLLAMA_CHATML, "llama3": OLLAMA_LLAMA3, "gemma": OLLAMA_GEMMA, "phi3": OLLAMA_PHI3,
                 "mistral": OLLAMA_MISTRAL.replace("EOS", tokenizer.eos_token or "")}[style]
     lines.append(f'TEMPLATE """{template}"""')
     if system:
@@ -406,7 +433,8 @@ def modelfile_text(gguf_name: str, tokenizer, styles: tuple[str, ...]) -> tuple[
     vocab = tokenizer.get_vocab()
     # The end-of-turn tokens; Mistral's turns end in EOS (a stop of its own in llama.cpp), and Ollama also stops on
     # the text of a next turn, as its own mistral Modelfile does.
-    stops = {"chatml": ["<|im_end|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"]}.get(style, [])
+    stops = {"chatml": ["<|im_end|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"], "gemma": ["<end_of_turn>"],
+             "phi3": ["<|end|>", "<|endoftext|>"]}.get(style, [])
     lines += [f'PARAMETER stop "{s}"' for s in stops if s in vocab]
     if style == "mistral":
         lines += ['PARAMETER stop "[INST]"', 'PARAMETER stop "[/INST]"']
@@ -439,7 +467,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
         tok = add_tokenizer(writer, model_dir, config.vocab_size, tokenizer, tj)
         tensors = gguf_tensors(model, gguf_type)
         plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)  # numpy dtype says it
-        for tensor_name, data, qtype, _ in tensors:
+        for tensor_name, data, qtype, *_ in tensors:
             writer.add_tensor(tensor_name, data, raw_dtype=None if qtype in plain else qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -452,7 +480,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
 def tensor_types(tensors: list) -> dict[str, int]:
     """{GGML type name: number of tensors}: what a file's tensors are stored as."""
     counts: dict[str, int] = {}
-    for _, _, qtype, _ in tensors:
+    for _, _, qtype, *_ in tensors:
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
     return dict(sorted(counts.items()))
 
@@ -460,14 +488,13 @@ def tensor_types(tensors: list) -> dict[str, int]:
 def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
     """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.convert.gguf_import import load_gguf
 
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        gguf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        loaded, gguf_tok = load_gguf(path)
     except Exception as e:
         raise VerificationError(f"transformers cannot load the written GGUF file: {type(e).__name__}: {e}") from None
-    loaded.eval()
     state = loaded.state_dict()
     # Every weight must be exactly what we meant to store (the HF weight rounded to the file's type): this is what
     # proves the Q/K permutation and the name mapping, whatever the type.
@@ -475,9 +502,12 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     hf_state = model.state_dict()
     family = families.family_of(model.config)
     shape = family.shape(model.config.to_dict())
-    for name, data, qtype, hf_name in tensors:
-        expected = torch.from_numpy(_decode(data, qtype, tuple(hf_state[hf_name].shape)))
-        expected = family.from_gguf(hf_name, expected, shape)
+    stored: dict[str, list] = {}
+    for name, data, qtype, hf_name, part_shape in tensors:
+        stored.setdefault(hf_name, []).append((name, torch.from_numpy(_decode(data, qtype, part_shape))))
+    for hf_name, parts in stored.items():
+        name = "+".join(n for n, _ in parts)
+        expected = family.from_gguf_parts(hf_name, [a for _, a in parts], shape)
         got = state.get(hf_name)
         if got is None or got.shape != expected.shape:
             raise VerificationError(f"{name} does not load back as {hf_name} {tuple(expected.shape)}")
@@ -494,7 +524,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     sample = "Hello world! 123 45678 the quick brown fox\n  jumped <|im_end|> äöü 日本 🦙"
     if gguf_tok(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
         raise VerificationError("the GGUF tokenizer (as transformers builds it) encodes a sample differently from the HF one")
-    weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for *_, hf in tensors)
+    weight_diff_vs_hf = max((state[hf].float() - hf_state[hf].float()).abs().max().item() for hf in stored)
     return diff, bound, weight_diff_vs_hf
 
 
@@ -554,7 +584,8 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     if modelfile:
         log(f"wrote {output.parent / 'Modelfile'}"
             + (f" (TEMPLATE for the {style} chat format)" if style else
-               " without TEMPLATE: the chat template is not one of the family's formats (ChatML, Llama-3, Mistral [INST]); write one by hand"))
+               " without TEMPLATE: the chat template is not one of the family's formats (ChatML, Llama-3, Mistral [INST], "
+                 "Gemma, Phi-3); write one by hand"))
     return report
 
 

@@ -300,7 +300,8 @@ class Family(ABC):
         for t in sh.tensors():
             name = table.get_name(t.name, try_suffixes=(".weight", ".bias"))
             if name is not None:
-                names[t.name] = name
+                # A bare parameter (a MoE's stacked experts) is a ".weight" in the file, as llama.cpp names it.
+                names[t.name] = name if name.endswith((".weight", ".bias")) else name + ".weight"
         return names
 
     def gguf_required_names(self) -> tuple[str, ...]:
@@ -315,6 +316,25 @@ class Family(ABC):
     def from_gguf(self, hf_name: str, array, sh: ModelShape):
         """The inverse of to_gguf: the HF layout of a weight read from a GGUF file."""
         return array
+
+    def gguf_parts(self, hf_name: str, array, sh: ModelShape, names: dict[str, str]) -> list[tuple[str, Any]]:
+        """[(GGUF name, array)]: how one HF weight is stored: one tensor under its table name (gguf_names), laid out by
+        to_gguf; a fused weight llama.cpp keeps apart (a MoE's experts.gate_up_proj) is several. [] when the table
+        does not name it (the exporter refuses it by name)."""
+        name = names.get(hf_name)
+        return [] if name is None else [(name, self.to_gguf(hf_name, array, sh))]
+
+    def from_gguf_parts(self, hf_name: str, parts: list, sh: ModelShape):
+        """The inverse of gguf_parts: the HF weight of the arrays it stored, in its order."""
+        (array,) = parts
+        return self.from_gguf(hf_name, array, sh)
+
+    def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Config values a GGUF file of this family carries (META: its metadata, key -> value) that transformers' GGUF
+        loader does not read into the config, or computes the way llama.cpp does not (a soft-cap, an expert width):
+        finetune's loader (finetune.convert.gguf_import.load_gguf) sets them, so the loaded model computes what
+        llama.cpp computes. None here."""
+        return {}
 
 
 # A shape for what does not depend on sizes (module names).

@@ -6,7 +6,14 @@ logit soft-caps; sdpa works.
 
 LoRA's default targets are the language model's projections only: the vision tower has q_proj, k_proj and v_proj
 of its own, which a bare name would also wrap (peft matches target_modules anywhere), so for a multimodal
-checkpoint the names are narrowed to model.language_model."""
+checkpoint the names are narrowed to model.language_model.
+
+GGUF (llama.cpp's "gemma3", the text model): Gemma-2's layout (norms stored plus one, the q/k norms too) with an
+output tensor when untied and no soft-caps; llama.cpp fixes the sliding window on five layers of six, the sliding
+layers' rope base at 10000 and the query scale by its rule (Gemma2Family.query_scalar); a linear rope scaling of the
+global layers (Gemma-3 4B and up) is rope.scaling.type/factor, which transformers' loader does not read (gguf_config
+sets it). A multimodal checkpoint's vision tower is a separate file in llama.cpp (mmproj), which finetune does not
+write: its export is refused."""
 
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ from typing import Any
 
 from finetune.models.families.base import ModelShape, Tensor
 from finetune.models.families.gemma2 import Gemma2Family
+
+LOCAL_THETA = 10000.0  # llama.cpp's rope base of Gemma-3's sliding layers (fixed: not read from the file)
 from finetune.models.families.llama import LlamaFamily
 
 
@@ -71,6 +80,52 @@ class Gemma3Family(Gemma2Family):
         return out + [Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, sh.hidden_size), "linear"),
                       Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "norm")]
 
+    # ---- GGUF ----
+
+    def gguf_refusal(self, config) -> str | None:
+        if getattr(config, "model_type", None) != "gemma3_text":
+            return ("a Gemma-3 multimodal checkpoint: llama.cpp keeps its vision tower in a separate mmproj file, which "
+                    "finetune does not write; export the language model as a Gemma3ForCausalLM folder first")
+        if getattr(config, "use_bidirectional_attention", False):
+            return "use_bidirectional_attention is set; llama.cpp's gemma3 is causal"
+        rope = config.rope_parameters
+        local, full = rope["sliding_attention"], rope["full_attention"]
+        if local.get("rope_type", "default") != "default" or float(local["rope_theta"]) != LOCAL_THETA:
+            return (f"the sliding layers' rope ({local}): llama.cpp's gemma3 fixes them at the default rope, "
+                    f"base {LOCAL_THETA:g}")
+        if full.get("rope_type", "default") not in ("default", "linear"):
+            return f"rope scaling '{full.get('rope_type')}': llama.cpp's gemma3 reads linear scaling only"
+        return super().gguf_refusal(config)
+
+    def softcap_refusal(self, config) -> str | None:
+        if config.attn_logit_softcapping is not None or config.final_logit_softcapping is not None:
+            return "a logit soft-cap is set; llama.cpp's gemma3 has none"
+        return None
+
+    def rope_theta(self, config) -> float:
+        return config.rope_parameters["full_attention"]["rope_theta"]
+
+    def softcap_metadata(self, config) -> list[tuple[str, Any]]:
+        full = config.rope_parameters["full_attention"]
+        if full.get("rope_type", "default") == "linear":
+            from gguf import RopeScalingType
+
+            return [("add_rope_scaling_type", RopeScalingType.LINEAR),
+                    ("add_rope_scaling_factor", float(full["factor"]))]
+        return []
+
+    def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
+        a = self.gguf_arch
+        layers, hidden, heads = (meta[f"{a}.block_count"], meta[f"{a}.embedding_length"],
+                                 meta[f"{a}.attention.head_count"])
+        full = {"rope_type": "default", "rope_theta": float(meta.get(f"{a}.rope.freq_base", 1e6))}
+        if meta.get(f"{a}.rope.scaling.type") == "linear":
+            full = dict(full, rope_type="linear", factor=float(meta[f"{a}.rope.scaling.factor"]))
+        return {"query_pre_attn_scalar": self.query_scalar(layers, hidden, heads,
+                                                           meta.get(f"{a}.attention.key_length", hidden // heads)),
+                "rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_THETA}}}
+
     def peft_target_modules(self, config, names: list[str]) -> list[str] | str:
         if getattr(config, "model_type", None) != "gemma3":
             return names
@@ -95,4 +150,10 @@ GEMMA3 = Gemma3Family(
     model_types=("gemma3_text", "gemma3"),
     hf_classes=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     tied_default=True,
+    gguf_arch="gemma3",
+    gguf_required=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                   "model.layers.0.self_attn.q_norm.weight", "model.layers.0.mlp.down_proj.weight"),
+    chat_templates=("gemma",),
+    big_layers=62,  # Gemma-3-27B
+    swa_pattern=6,
 )

@@ -1,12 +1,18 @@
 """Phi-3 (Phi3ForCausalLM): fused projections: self_attn.qkv_proj (q, k, v rows stacked) and mlp.gate_up_proj
 (gate, up rows stacked), registered after o_proj and before down_proj; no biases, untied embeddings (Phi-3-mini).
-LoRA targets the fused modules by their own names (qkv_proj, gate_up_proj), as peft sees them."""
+LoRA targets the fused modules by their own names (qkv_proj, gate_up_proj), as peft sees them.
+
+GGUF (llama.cpp's "phi3"): the fused tensors as they are (attn_qkv; gate_up as ffn_up, which llama.cpp's SwiGLU
+splits gate first, as HF does), Q/K rows in HF's order (NEOX rope), an output tensor always. A sliding window is
+the attention.sliding_window key, which transformers' loader does not read for phi3 (gguf_config sets it, and the
+padding id from the file, not Phi3Config's default)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from finetune.models.families.base import Linear, ModelShape
+from finetune.models.families.base import Family, Linear, ModelShape, rope_parameters
 from finetune.models.families.llama import LlamaFamily
 
 
@@ -21,10 +27,51 @@ class Phi3Family(LlamaFamily):
             Linear("down_proj", "mlp", h, i, False, "mlp_act"),
         )
 
+    def gguf_refusal(self, config) -> str | None:
+        partial = float(rope_parameters(config).get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:
+            # transformers' loader reads no rope.dimension_count for phi3, so a partial rotary could not be verified.
+            return (f"partial_rotary_factor {partial}: transformers' GGUF loader reads phi3 "
+                    "files with a full rotary only, so the file could not be verified")
+        if config.tie_word_embeddings:
+            return "tied embeddings: llama.cpp's phi3 needs an output tensor of its own"
+        return super().gguf_refusal(config)
+
+    def gguf_metadata(self, config) -> list[tuple[str, Any]]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        meta = [
+            ("add_context_length", config.max_position_embeddings),
+            ("add_embedding_length", config.hidden_size),
+            ("add_feed_forward_length", config.intermediate_size),
+            ("add_block_count", config.num_hidden_layers),
+            ("add_head_count", config.num_attention_heads),
+            ("add_head_count_kv", config.num_key_value_heads),
+            ("add_layer_norm_rms_eps", config.rms_norm_eps),
+            ("add_rope_dimension_count", head_dim),
+            ("add_rope_freq_base", float(rope_parameters(config)["rope_theta"])),
+        ]
+        if getattr(config, "original_max_position_embeddings", None):
+            meta.append(("add_rope_scaling_orig_ctx_len", config.original_max_position_embeddings))
+        if getattr(config, "sliding_window", None):
+            meta.append(("add_sliding_window", config.sliding_window))
+        return meta + [("add_vocab_size", config.vocab_size)]
+
+    def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
+        # pad_token_id: Phi3Config's default (32000) is outside a smaller vocabulary, where transformers refuses it.
+        return {"sliding_window": meta.get(f"{self.gguf_arch}.attention.sliding_window"),
+                "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
+
+    # No Q/K permutation: the file holds HF's layout.
+    to_gguf = Family.to_gguf
+    from_gguf = Family.from_gguf
 
 
 PHI3 = Phi3Family(
     name="phi3",
     model_types=("phi3",),
     hf_classes=("Phi3ForCausalLM",),
+    gguf_arch="phi3",
+    gguf_required=("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                   "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"),
+    chat_templates=("phi3",),
 )
