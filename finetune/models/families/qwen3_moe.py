@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import ModelShape, Saving, Tensor
 from finetune.models.families.moe import MoeFamily
 from finetune.models.families.qwen3 import HEAD_DIM, qk_norms_saved
 
@@ -34,8 +34,8 @@ class Qwen3MoeFamily(MoeFamily):
         return out[:at] + [Tensor(p + "self_attn.q_norm.weight", (sh.head_dim,), "norm"),
                            Tensor(p + "self_attn.k_norm.weight", (sh.head_dim,), "norm")] + out[at:]
 
-    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
-        return super().layer_saved_extra(sh, a, trains_weights, adapted_experts) + qk_norms_saved(sh, a, trains_weights)
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
+        return super().layer_saved_extra(sh, run) + qk_norms_saved(sh, run.a, run.trains_weights)
 
 
 QWEN3_MOE = Qwen3MoeFamily(
