@@ -172,38 +172,68 @@ def test_the_docs_table_is_the_registry_and_its_tests_exist():
         assert re.search(rf"^def {test}\(", (repo / path).read_text(), re.M), f"{path}::{test}"
 
 
+# Variants of one training forward: (use_peft, LoRA targets or "default", LoRA dropout, padded batch, loss chunk).
+SAVED_VARIANTS = {
+    "full": (False, None, 0.05, False, 0),
+    "full-padded": (False, None, 0.05, True, 0),  # a mask: k/v repeated (Phi-3's qkv slice let go), Gemma's eager adds it
+    "full-chunked": (False, None, 0.05, False, 16),  # the chunked loss (Gemma-2's final soft-cap inside the chunks)
+    "lora": (True, "attention", 0.05, False, 0),
+    "lora-no-dropout": (True, "attention", 0.0, False, 0),  # lora_A keeps o_proj's input (Phi-3's and Gemma-2's copy)
+    "lora-default": (True, "default", 0.05, False, 0),  # all-linear, and the experts with their adapted copies
+}
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("method", ["full", "lora", "lora-default"])
-@pytest.mark.parametrize("fam", ["qwen3", "qwen3_moe", "mixtral"])
-def test_activation_bytes_equal_saved_tensors(fam, method):
-    """The planner's saved activations are the bytes autograd saves in one forward, exactly, for the families whose
-    layers it models beyond Llama's: Qwen3's q/k norms, and the MoE router and experts (the experts' adapters of
-    the default LoRA targets too, which keep each adapted expert weight)."""
+@pytest.mark.parametrize("variant", list(SAVED_VARIANTS))
+@pytest.mark.parametrize("fam", TINY)
+def test_activation_bytes_equal_saved_tensors(fam, variant):
+    """The planner's saved activations are the bytes autograd saves in one forward, exactly (unique storages, the
+    parameters left out), for every family's tiny model: what its layer keeps beyond Llama's comes from the family
+    (Qwen3's q/k norms; Gemma-2's eager soft-capped attention, four (1 + weight) norms, embedding scale and final
+    soft-cap; Gemma-3's q/k norms and sliding-window masks; Phi-3's fused qkv slice and o_proj copy; the MoE router,
+    experts and expert adapters)."""
     import types
 
     from peft import LoraConfig, get_peft_model
     from test_plan import _saved_bytes
 
     from finetune.models.load import add_lora
+    from finetune.training import loss
 
+    use_peft, targets, dropout, padded, chunk = SAVED_VARIANTS[variant]
     model = tiny_model(fam)
     model.config.use_cache = False
     if hasattr(model.config, "output_router_logits"):
         model.config.output_router_logits = False
     d = model.config.to_dict()
-    targets, dropout = ("q_proj", "k_proj", "v_proj", "o_proj"), 0.05
-    if method == "lora":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets)))
-    elif method == "lora-default":  # all-linear (and the experts), the default dropout where it applies
+    family = families.family_of(d)
+    if targets == "default":  # all-linear (and the experts), as finetune's --use_peft sets it up
         targets = ("all-linear",)
         model = add_lora(model, types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=dropout,
                                                       lora_target_modules=list(targets), _hub=None), seed=0)
+    elif targets == "attention":
+        targets = tuple(n for n in family.linear_names() if n in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets)))
+    else:
+        targets = ("all-linear",)
+    if chunk:
+        assert loss.install(model, chunk)
     model.train()
-    b, s = 2, 48
+    b, s = 2, 48  # longer than the tiny Gemmas' sliding window (16): their sliding layers get a mask
     ids = torch.randint(3, 90, (b, s), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 38:] = 0
     job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=False,
-                        use_peft=method != "full", lora_r=4, lora_dropout=dropout, padding_mask=False,
-                        lora_targets=targets)
-    want, got = plan.activations(job).saved, _saved_bytes(model, ids)
-    print(f"{fam} {method}: planner {want:,} bytes saved, measured {got:,}")
+                        use_peft=use_peft, lora_r=4, lora_dropout=dropout, padding_mask=padded, lora_targets=targets,
+                        loss_chunk=chunk)
+    want, got = plan.activations(job).saved, _saved_bytes(model, ids, mask if padded else None)
+    print(f"{fam} {variant}: planner {want:,} bytes saved, measured {got:,}")
     assert want == got
+
+
+def test_plan_code_names_no_family():
+    """The planner reads what differs from the family (finetune.models.families), never a family's name."""
+    from registry_check import comparisons_outside
+
+    names = {f.name for f in families.FAMILIES} | {t for f in families.FAMILIES for t in f.model_types}
+    assert [o for o in comparisons_outside(names, "models/families") if o.startswith("plan/")] == []
