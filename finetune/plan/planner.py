@@ -613,13 +613,16 @@ def _lora_linears(job: Workload) -> list:
 
 
 def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: int, chunk: int,
-                      trains_head: bool) -> int:
+                      trains_head: bool, capped: bool = False) -> int:
     """Bytes the chunked loss (finetune.training.loss) holds at its peak, in the head (a, weight, grad: bytes per
-    activation, head weight and gradient element). Checked against CUDA's allocator on a GPU: tests/test_cuda.py."""
+    activation, head weight and gradient element; `capped`: the model soft-caps its logits). Checked against CUDA's
+    allocator on a GPU: tests/test_cuda.py."""
     f32 = 4
     # The trained rows' hidden states (a gathered copy) and their gradient; one chunk's fp32 logits, the logsumexp
-    # block over LSE_ROWS of them, and the chunk's 16-bit copy.
-    total = 2 * a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v + (a * chunk * v if a != f32 else 0)
+    # block over LSE_ROWS of them, and the chunk's 16-bit copy; soft-capped, tanh(logits / cap) beside the capped
+    # logits (measured on CPU, tests/test_families_plan.py: Gemma-2 was 3% low without it).
+    total = 2 * a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk) + (chunk if capped else 0)) * v
+    total += a * chunk * v if a != f32 else 0
     if weight != a:
         total += a * v * h  # fp32 weights under 16-bit autocast: the head weight cast for the chunks' GEMMs
     if trains_head:
@@ -702,7 +705,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     detail.update(sh.family.model_saved_extra(sh, saving(job, micro_batch)))
     saved = sum(detail.values())
     if chunk:
-        in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full)
+        in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full,
+                                    capped=sh.family.logit_softcap(sh) is not None)
         forward_peak = (saved - detail["chunked loss: hidden-state gradient"]
                         - detail["chunked loss: head weight gradient"] + in_head)
     elif job.pairs:

@@ -238,6 +238,12 @@ class Family(ABC):
             return window if types[layer] == "sliding_attention" else None
         return window if d.get("use_sliding_window", True) else None
 
+    def logit_softcap(self, sh: ModelShape) -> float | None:
+        """The final-logit soft-cap (cap * tanh(logits / cap)) the model applies, as transformers reads it
+        (config.final_logit_softcapping: Gemma-2's 30.0); None: none."""
+        cap = sh.text_config.get("final_logit_softcapping")
+        return None if cap is None else float(cap)
+
     def attention_masked(self, sh: ModelShape, run: "Saving", layer: int) -> bool:
         """Whether a [rows, 1, s, s] mask reaches LAYER's attention kernel: a padded batch, or a sliding window no longer
         than the sequence (transformers skips the mask only below the window, masking_utils._ignore_causal_mask_sdpa)."""

@@ -70,7 +70,7 @@ class Gemma2Family(LlamaFamily):
         out = {"final norm: (1 + weight)": 4 * sh.hidden_size}
         if run.trains_weights:
             out["embedding scale"] = run.a
-        if sh.text_config.get("final_logit_softcapping") is not None and run.logit_rows:
+        if self.logit_softcap(sh) is not None and run.logit_rows:
             out["final logit soft-cap: tanh output"] = run.a * run.logit_rows * (sh.head_outputs or sh.vocab_size)
         return out
 

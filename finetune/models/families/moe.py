@@ -66,6 +66,17 @@ class MoeFamily(LlamaFamily):
         adapted = run.a * experts if run.adapted_experts else 0
         return 4 * sh.num_experts + adapted
 
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """With output_router_logits, transformers' load_balancing_loss_func after the layers: each sparse layer's
+        softmax over its router logits (activation dtype), the tokens-per-expert fractions, and, the batch carrying an
+        attention mask (the collator always passes one), that mask in fp32 and its sum. Its top-k indices are let go
+        at once (nothing downstream keeps the top-k node): not counted."""
+        if not sh.text_config.get("output_router_logits"):
+            return {}
+        sparse = sum(sh.is_sparse(k) for k in range(sh.num_layers))
+        e = sh.num_experts
+        return {"router load-balancing loss": sparse * run.a * run.tokens * e + 4 * e + 4 * run.tokens + 4}
+
     def expert_lora(self, sh: ModelShape, r: int, experts: tuple[str, ...], p: str) -> list[Tensor]:
         # ParamWrapper's in/out of a [experts, a, b] parameter (not transposed): in = b, out = a. peft nests one
         # wrapper per parameter, the first innermost: its tensors are under mlp.experts.base_layer, the last's
