@@ -542,13 +542,13 @@ def saving(job: Workload, micro_batch: int | None = None) -> Saving:
                   logit_rows=0 if chunk else (b * job.seq_len - b if job.pairs else b * job.seq_len))
 
 
-def layer_saved(job: Workload, layer: int, first: bool = False, micro_batch: int | None = None) -> int:
+def layer_saved(job: Workload, run: Saving, layer: int, first: bool = False) -> int:
     """Bytes decoder layer LAYER saves for backward (no dropout in attention): the Llama layout, with the attention
     and what its layer keeps beyond Llama's from the model's family.
 
     `first`: layer 0 under LoRA without checkpointing, whose input does not require grad.
     """
-    sh, run = job.shape, saving(job, micro_batch)
+    sh = job.shape
     family = sh.family
     per_record = job.per_record_attention and run.o_input_kept
     if per_record:  # the records' outputs joined are o_proj's input: the family's own copy of it is that one
@@ -649,7 +649,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     detail: dict[str, int] = {}
     # Each layer as its family counts it (a mask reaching SDPA, padded or sliding, is a [b, 1, s, s] tensor in the
     # activation dtype, one copy per layer: measured on CPU).
-    full_layers = [layer_saved(job, k, micro_batch=micro_batch) for k in range(sh.num_layers)]
+    run = saving(job, micro_batch)
+    full_layers = [layer_saved(job, run, k) for k in range(sh.num_layers)]
     per_layer = max(full_layers, default=0)
     layer_saved_bytes = full_layers
     if ckpt:
@@ -658,7 +659,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["layer inputs (checkpointed)"] = sum(layer_saved_bytes)
     else:
         if job.use_peft and layer_saved_bytes:
-            layer_saved_bytes[0] = layer_saved(job, 0, first=True, micro_batch=micro_batch)
+            layer_saved_bytes[0] = layer_saved(job, run, 0, first=True)
         detail["decoder layers"] = sum(layer_saved_bytes)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
@@ -702,7 +703,7 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["log-softmax output"] = f32 * t * v
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     # What the family's model keeps outside its layers beyond Llama's (Gemma: the embedding scale, the final soft-cap).
-    detail.update(sh.family.model_saved_extra(sh, saving(job, micro_batch)))
+    detail.update(sh.family.model_saved_extra(sh, run))
     saved = sum(detail.values())
     if chunk:
         in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full,
