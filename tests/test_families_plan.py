@@ -252,9 +252,8 @@ def test_predicted_peak_within_5_percent_of_measured_rss(fam, tmp_path):
     load_model -> HF Trainer pipeline) trains 2 steps on full-length random records; the planner's per-device total is
     within 5% of the process's peak RSS (ru_maxrss), as the planner's Llama rows are (bench/RESULTS.md), and the
     activations autograd saved are the planner's to the byte."""
-    from test_plan import _bench
-
     from family_configs import ATTENTION
+    from test_plan import _bench
 
     bench = _bench()
     folder = tmp_path / "model"

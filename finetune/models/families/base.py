@@ -244,13 +244,13 @@ class Family(ABC):
         cap = sh.text_config.get("final_logit_softcapping")
         return None if cap is None else float(cap)
 
-    def attention_masked(self, sh: ModelShape, run: "Saving", layer: int) -> bool:
+    def attention_masked(self, sh: ModelShape, run: Saving, layer: int) -> bool:
         """Whether a [rows, 1, s, s] mask reaches LAYER's attention kernel: a padded batch, or a sliding window no longer
         than the sequence (transformers skips the mask only below the window, masking_utils._ignore_causal_mask_sdpa)."""
         window = self.sliding_window(sh, layer)
         return run.padding_mask or (window is not None and run.seq_len >= window)
 
-    def attention_saved(self, sh: ModelShape, run: "Saving", layer: int) -> int:
+    def attention_saved(self, sh: ModelShape, run: Saving, layer: int) -> int:
         """Bytes LAYER's attention (SDPA, no dropout) saves for backward, all tokens: the rotated q, k and v (k and v
         repeated to all heads when a mask disables SDPA's GQA path, the kernel's own copy of the mask), the output (also
         o_proj's input, a view) and the fp32 log-sum-exp per head."""
@@ -260,17 +260,17 @@ class Family(ABC):
         mask = a * run.rows * run.seq_len ** 2 if masked else 0
         return run.tokens * (a * (q + kv_saved + q) + f32 * sh.num_heads) + mask
 
-    def layer_saved_extra(self, sh: ModelShape, run: "Saving") -> int:
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
         """Bytes per token a decoder layer saves for backward beyond what the planner counts for Llama's layer (its
         attention, two RMSNorms, a SwiGLU MLP of intermediate_size): none here."""
         return 0
 
-    def layer_saved_per_batch(self, sh: ModelShape, run: "Saving", first: bool = False) -> int:
+    def layer_saved_per_batch(self, sh: ModelShape, run: Saving, first: bool = False) -> int:
         """Bytes a decoder layer saves once per forward whatever the tokens (a MoE's tokens-per-expert counts); `first`:
         layer 0 under LoRA, whose input needs no gradient."""
         return 0
 
-    def model_saved_extra(self, sh: ModelShape, run: "Saving") -> dict[str, int]:
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
         """What the model saves outside its decoder layers beyond Llama's (embeddings, final norm, LM head, loss),
         by name: none here."""
         return {}

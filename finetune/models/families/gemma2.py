@@ -47,7 +47,7 @@ class Gemma2Family(LlamaFamily):
         repeated to all heads (copies), the probabilities, the soft-cap's tanh output (same size) when the attention
         logits are capped; o_proj's input is a copy (the heads' outputs transposed back), kept where o_proj saves its
         input. The mask is added, not saved."""
-        a, f32, q = run.a, 4, sh.q_dim
+        a, q = run.a, sh.q_dim
         capped = sh.text_config.get("attn_logit_softcapping") is not None
         per_token = a * 3 * q + a * sh.num_heads * run.seq_len * (2 if capped else 1) + (a * q if run.o_input_kept else 0)
         return run.tokens * per_token
