@@ -265,26 +265,17 @@ def worker(argv: list[str]) -> None:
             timeline.append((f"step {trainer.state.global_step}", _rss(), _maxrss()))
 
     class _Saved:
-        """Bytes autograd saves for backward in the measured step's forward (unique storages, no parameters)."""
+        """Bytes autograd saves for backward in the measured step's forward (SavedTensors)."""
 
         def begin(self, model):
-            self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            self.seen: dict[int, int] = {}
-            self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+            self.saved = SavedTensors({p.untyped_storage().data_ptr() for p in model.parameters()})
+            self.ctx = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, lambda t: t)
             self.ctx.__enter__()
             return None
 
-        def pack(self, t):
-            if not isinstance(t, torch.nn.Parameter):
-                s = t.untyped_storage()
-                ptr = s.data_ptr()
-                if ptr and ptr not in self.params:
-                    self.seen[ptr] = s.nbytes()
-            return t
-
         def end(self):
             self.ctx.__exit__(None, None, None)
-            return sum(self.seen.values())
+            return self.saved.alive()
 
     _saved = _Saved()
     original_compute_loss = trainer.compute_loss
@@ -307,6 +298,35 @@ def worker(argv: list[str]) -> None:
     if torch.cuda.is_available():  # on a GPU machine: the number the planner's device total is meant to bound
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))
+
+
+class SavedTensors:
+    """The distinct storages autograd saves for backward (a saved-tensor pack hook), the parameters' left out, counted
+    while some saved tensor still holds them: a node nothing downstream keeps (transformers' MoE load-balancing loss
+    takes top-k indices it never differentiates) lets its saved tensors go during the forward, and the allocator may
+    hand their address to a later one, so a count by address alone depends on the allocator."""
+
+    def __init__(self, params: set[int]):
+        self.params = params
+        self.seen: dict[int, tuple[int, list]] = {}  # storage address -> (bytes, weak references to its saved tensors)
+
+    def pack(self, t):
+        import weakref
+
+        import torch
+
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr and ptr not in self.params and not isinstance(t, torch.nn.Parameter):
+            nbytes, refs = self.seen.get(ptr, (0, []))
+            if not any(r() is not None for r in refs):  # a new storage (or one at a freed one's address)
+                nbytes, refs = s.nbytes(), []
+            self.seen[ptr] = (nbytes, refs + [weakref.ref(t)])
+        return t
+
+    def alive(self) -> int:
+        """Bytes of the saved storages some saved tensor still holds."""
+        return sum(nbytes for nbytes, refs in self.seen.values() if any(r() is not None for r in refs))
 
 
 DPO_PROMPT = 1  # prompt tokens of a bench pair: every other position is scored, the planner's worst case

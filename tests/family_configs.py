@@ -10,10 +10,11 @@ TINY_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, nu
                    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
-def tiny_config(name: str, vocab_size: int = 96, tied: bool = False):
+def tiny_config(name: str, vocab_size: int = 96, tied: bool = False, **dims):
+    """DIMS: other sizes than TINY_COMMON's (hidden_size, num_hidden_layers, ...) for every family."""
     import transformers as T
 
-    c = dict(TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=tied)
+    c = dict(TINY_COMMON, vocab_size=vocab_size, tie_word_embeddings=tied, **dims)
     if name == "llama":
         return T.LlamaConfig(**c)
     if name == "qwen2":
@@ -30,7 +31,8 @@ def tiny_config(name: str, vocab_size: int = 96, tied: bool = False):
     if name == "gemma3":  # gemma-3-1b's keys (Gemma3ForCausalLM): no logit soft-caps, 5 sliding layers : 1 global
         return T.Gemma3TextConfig(head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
                                   pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                                  **dict(c, num_hidden_layers=3, tie_word_embeddings=True))
+                                  **dict(c, num_hidden_layers=dims.get("num_hidden_layers", 3),
+                                         tie_word_embeddings=True))
     if name == "gemma3_mm":  # gemma-3-4b and up: Gemma3ForConditionalGeneration, a SigLIP vision tower
         text = tiny_config("gemma3", vocab_size).to_dict()
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -54,12 +56,12 @@ TINY = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "
 ATTENTION = {"gemma2": "eager"}  # Gemma-2 has no sdpa kernel in transformers (soft-capped attention)
 
 
-def tiny_model(name: str, vocab_size: int = 96, tied: bool = False, seed: int = 0):
+def tiny_model(name: str, vocab_size: int = 96, tied: bool = False, seed: int = 0, **dims):
     """A random model of the family, with random norms and biases (so a wrong name or layout shows in logits)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    config = tiny_config(name, vocab_size, tied)
+    config = tiny_config(name, vocab_size, tied, **dims)
     auto = AutoModelForImageTextToText if name == "gemma3_mm" else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION.get(name, "sdpa"))
     with torch.no_grad():

@@ -100,20 +100,16 @@ def test_70b_parameter_count():
 
 
 def _saved_bytes(model, ids, mask=None, **inputs) -> int:
-    """Bytes of the distinct storages autograd saves in one forward (the parameters left out)."""
+    """Bytes of the distinct storages autograd saves in one forward and still holds at its end (the parameters left
+    out): bench/memory.py's count."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() and s.data_ptr() not in params and not isinstance(t, torch.nn.Parameter):
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=mask, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())),
-              **inputs)
-    return sum(seen.values())
+    saved = _bench().SavedTensors(params)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        out = model(input_ids=ids, attention_mask=mask, labels=ids,
+                    num_items_in_batch=torch.tensor(float(ids.numel())), **inputs)
+    total = saved.alive()
+    del out
+    return total
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["full-length", "padded"])

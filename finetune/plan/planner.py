@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
-from finetune.models.families import ModelShape, Tensor
+from finetune.models.families import ModelShape, Saving, Tensor
 from finetune.models.hub import looks_like_repo_id
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
@@ -529,38 +529,56 @@ def _dropout_saved(job: Workload, features: int, elt: int) -> int:
     return (elt + mask) * features
 
 
-def layer_saved_per_token(job: Workload, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
-    """Bytes one decoder layer (the Llama layout) saves for backward, per token (SDPA, no dropout in attention).
+def saving(job: Workload, micro_batch: int | None = None) -> Saving:
+    """The run as the model's family reads it when it counts what its layers save (finetune.models.families)."""
+    b = (job.micro_batch if micro_batch is None else micro_batch) * (2 if job.pairs else 1) * max(1, job.generations)
+    full = not job.use_peft
+    # o_proj's input is saved where o_proj trains, under ZeRO-3's linear, or by LoRA's lora_A without dropout.
+    o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0 if job.use_peft else False
+    chunk = 0 if job.pairs else min(job.loss_chunk, b * job.seq_len)
+    return Saving(a=precision_of(job).act, rows=b, seq_len=job.seq_len, trains_weights=full,
+                  adapted_experts=job.use_peft and job.shape.family.adapts_experts(job.lora_targets),
+                  padding_mask=job.padding_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,
+                  logit_rows=0 if chunk else (b * job.seq_len - b if job.pairs else b * job.seq_len))
+
+
+def layer_saved(job: Workload, run: Saving, layer: int, first: bool = False) -> int:
+    """Bytes decoder layer LAYER saves for backward (no dropout in attention): the Llama layout, with the attention
+    and what its layer keeps beyond Llama's from the model's family.
 
     `first`: layer 0 under LoRA without checkpointing, whose input does not require grad.
     """
     sh = job.shape
-    h, q, kv, i, nh = sh.hidden_size, sh.q_dim, sh.kv_dim, sh.intermediate_size, sh.num_heads
-    a = precision_of(job).act
-    f32 = 4
-    # Attention: rotated q, k and v (or k, v repeated to all heads when a padding mask disables SDPA's GQA path),
-    # the output (also o_proj's input, a view) and the fp32 log-sum-exp per head.
-    kv_saved = 2 * (q if job.padding_mask and sh.num_kv_heads != sh.num_heads else kv)
-    attn = a * (q + kv_saved + q) + f32 * nh
+    family = sh.family
+    per_record = job.per_record_attention and run.o_input_kept
+    if per_record:  # the records' outputs joined are o_proj's input: the family's own copy of it is that one
+        run = dataclasses.replace(run, o_input_kept=False)
+    attention = family.attention_saved(sh, run, layer)
     # Per-record attention: o_proj's input is the records' outputs joined (a copy), kept where o_proj saves its
     # input: trained, under ZeRO-3's linear, or LoRA's lora_A without dropout in front of it.
-    if job.per_record_attention:
-        o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0
-        if not job.use_peft or job.strategy.stage == 3 or o_lora:
-            attn += a * q
+    if per_record:
+        attention += run.tokens * run.a * sh.q_dim
+    once = family.layer_saved_per_batch(sh, run, first)
+    return attention + once + run.tokens * (layer_saved_per_token(job, run, first) + family.layer_saved_extra(sh, run))
+
+
+def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> int:  # noqa: C901 - one branch per tensor class
+    """Bytes per token one Llama decoder layer saves for backward beside its attention (the family's)."""
+    sh = job.shape
+    h, i = sh.hidden_size, sh.intermediate_size
+    a = run.a
+    f32 = 4
     if not job.use_peft:
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
-        return norms + attn + 4 * a * i + sh.family.layer_saved_extra(sh, a, True)
+        return norms + 4 * a * i
     targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
     per = f32 * h + f32  # norm1 input (fp32) + 1/rms: frozen norm weight, so not the normalized value
     per += f32 * h + f32  # norm2 input: the residual sum
-    per += attn + 3 * a * i  # gate, up, silu(gate): the MLP's own backward
-    # What the family's layer keeps beyond Llama's.
-    per += sh.family.layer_saved_extra(sh, a, False, sh.family.adapts_experts(job.lora_targets))
+    per += 3 * a * i  # gate, up, silu(gate): the MLP's own backward
     lora_elt = f32 if fp32_adapters(job) else a  # a bf16-counted branch was 2.5 GB low for a 1B model (GPU)
     per += lora_elt * r * len(targets)  # lora_A outputs, saved by lora_B
     # Inputs of the frozen base linears that something keeps: y1 (q/k/v: attn_in), y2 (gate/up: mlp_in), down's
@@ -595,13 +613,16 @@ def _lora_linears(job: Workload) -> list:
 
 
 def chunked_loss_peak(a: int, weight: int, grad: int, v: int, h: int, trained: int, chunk: int,
-                      trains_head: bool) -> int:
+                      trains_head: bool, capped: bool = False) -> int:
     """Bytes the chunked loss (finetune.training.loss) holds at its peak, in the head (a, weight, grad: bytes per
-    activation, head weight and gradient element). Checked against CUDA's allocator on a GPU: tests/test_cuda.py."""
+    activation, head weight and gradient element; `capped`: the model soft-caps its logits). Checked against CUDA's
+    allocator on a GPU: tests/test_cuda.py."""
     f32 = 4
     # The trained rows' hidden states (a gathered copy) and their gradient; one chunk's fp32 logits, the logsumexp
-    # block over LSE_ROWS of them, and the chunk's 16-bit copy.
-    total = 2 * a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk)) * v + (a * chunk * v if a != f32 else 0)
+    # block over LSE_ROWS of them, and the chunk's 16-bit copy; soft-capped, tanh(logits / cap) beside the capped
+    # logits (measured on CPU, tests/test_families_plan.py: Gemma-2 was 3% low without it).
+    total = 2 * a * trained * h + f32 * (chunk + min(LSE_ROWS, chunk) + (chunk if capped else 0)) * v
+    total += a * chunk * v if a != f32 else 0
     if weight != a:
         total += a * v * h  # fp32 weights under 16-bit autocast: the head weight cast for the chunks' GEMMs
     if trains_head:
@@ -626,20 +647,20 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     a = prec.act
     f32 = 4
     detail: dict[str, int] = {}
-    # A padding mask reaches SDPA as a [b, 1, s, s] tensor in the activation dtype; each layer keeps its own copy
-    # (measured on CPU: one per layer, float32).
-    mask = a * b * s_len * s_len if job.padding_mask else 0
-    once = sh.family.layer_saved_per_batch(sh, a, job.use_peft and sh.family.adapts_experts(job.lora_targets))
-    per_layer = layer_saved_per_token(job) * t + mask + once
-    layer_saved = [per_layer] * sh.num_layers
+    # Each layer as its family counts it (a mask reaching SDPA, padded or sliding, is a [b, 1, s, s] tensor in the
+    # activation dtype, one copy per layer: measured on CPU).
+    run = saving(job, micro_batch)
+    full_layers = [layer_saved(job, run, k) for k in range(sh.num_layers)]
+    per_layer = max(full_layers, default=0)
+    layer_saved_bytes = full_layers
     if ckpt:
         # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
-        layer_saved = [a * t * h] * sh.num_layers
-        detail["layer inputs (checkpointed)"] = sum(layer_saved)
+        layer_saved_bytes = [a * t * h] * sh.num_layers
+        detail["layer inputs (checkpointed)"] = sum(layer_saved_bytes)
     else:
-        if job.use_peft and layer_saved:
-            layer_saved[0] = layer_saved_per_token(job, first=True) * t + mask + once
-        detail["decoder layers"] = sum(layer_saved)
+        if job.use_peft and layer_saved_bytes:
+            layer_saved_bytes[0] = layer_saved(job, run, 0, first=True)
+        detail["decoder layers"] = sum(layer_saved_bytes)
         # Shared by the layers; one per row where position ids are per row (packed rows).
         detail["rotary cos/sin"] = 2 * a * s_len * sh.head_dim * (b if job.per_record_attention else 1)
     if prec.name == "fp32+autocast":
@@ -681,9 +702,12 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         # The loss upcasts logits to fp32 and log_softmax keeps its fp32 output; labels (int64) and a scalar.
         detail["log-softmax output"] = f32 * t * v
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
+    # What the family's model keeps outside its layers beyond Llama's (Gemma: the embedding scale, the final soft-cap).
+    detail.update(sh.family.model_saved_extra(sh, run))
     saved = sum(detail.values())
     if chunk:
-        in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full)
+        in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full,
+                                    capped=sh.family.logit_softcap(sh) is not None)
         forward_peak = (saved - detail["chunked loss: hidden-state gradient"]
                         - detail["chunked loss: head weight gradient"] + in_head)
     elif job.pairs:
@@ -717,7 +741,8 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
                         2 * a * t * h))
     layer_tmp = 2 * a * t * (h + i)  # gradients flowing through a layer (approximate)
     for k in reversed(range(sh.num_layers)):
-        stages.append(Stage(f"layer {k}", layer_saved[k], layer_params, layer_largest, layer_tmp + (per_layer if ckpt else 0)))
+        stages.append(Stage(f"layer {k}", layer_saved_bytes[k], layer_params, layer_largest,
+                            layer_tmp + (full_layers[k] if ckpt else 0)))
     emb = v * h if full else 0
     rest = saved - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
     stages.append(Stage("embedding", rest, emb, emb, a * t * h))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.models.families.base import Family, Linear, ModelShape, Tensor
+from finetune.models.families.base import Family, Linear, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import GEMMA2
 from finetune.models.families.gemma3 import GEMMA3
 from finetune.models.families.llama import LLAMA
@@ -23,7 +23,7 @@ FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA2, GEMMA3, PH
 # `finetune plan` may leave it out, and were always read as Llama).
 UNNAMED = LLAMA
 
-__all__ = ["FAMILIES", "Family", "FamilyError", "Linear", "ModelShape", "Tensor", "by_gguf_arch", "family_of",
+__all__ = ["FAMILIES", "Family", "FamilyError", "Linear", "ModelShape", "Saving", "Tensor", "by_gguf_arch", "family_of",
            "find"]
 
 

@@ -49,6 +49,25 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class Saving:
+    """What the planner tells a family about a run's forward, for the bytes its layers save for backward."""
+
+    a: int  # bytes per activation element (4 fp32, 2 bf16)
+    rows: int  # sequences per micro-batch
+    seq_len: int
+    trains_weights: bool  # a full fine-tune: the layers' own weights get gradients
+    adapted_experts: bool = False  # LoRA on a MoE's experts
+    padding_mask: bool = True  # the batch carries a padding mask (the planner's worst case)
+    # o_proj's input is saved by something (o_proj trained, ZeRO-3's linear, LoRA's lora_A without dropout)
+    o_input_kept: bool = False
+    logit_rows: int = 0  # positions whose logits exist at once (0: the chunked loss keeps none)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq_len
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes of one model, read from its config.json by its family (no weights)."""
 
@@ -103,6 +122,11 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors())
+
+    @property
+    def text_config(self) -> dict:
+        """The decoder's config.json keys (a multimodal config's text_config)."""
+        return self.config.get("text_config", self.config) if "hidden_size" not in self.config else self.config
 
 
 def rope_parameters(config) -> dict:
@@ -204,16 +228,52 @@ class Family(ABC):
 
     # ---- activations, for the planner ----
 
-    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+    def sliding_window(self, sh: ModelShape, layer: int) -> int | None:
+        """The attention window of decoder layer LAYER (None: it attends to every earlier position), as transformers
+        reads the config: config.layer_types where the config lists them (Gemma, Qwen2/3 with use_sliding_window),
+        else config.sliding_window for every layer (Mistral, Mixtral, Phi-3, Qwen3-MoE)."""
+        d = sh.text_config
+        window, types = d.get("sliding_window"), d.get("layer_types")
+        if types:
+            return window if types[layer] == "sliding_attention" else None
+        return window if d.get("use_sliding_window", True) else None
+
+    def logit_softcap(self, sh: ModelShape) -> float | None:
+        """The final-logit soft-cap (cap * tanh(logits / cap)) the model applies, as transformers reads it
+        (config.final_logit_softcapping: Gemma-2's 30.0); None: none."""
+        cap = sh.text_config.get("final_logit_softcapping")
+        return None if cap is None else float(cap)
+
+    def attention_masked(self, sh: ModelShape, run: Saving, layer: int) -> bool:
+        """Whether a [rows, 1, s, s] mask reaches LAYER's attention kernel: a padded batch, or a sliding window no longer
+        than the sequence (transformers skips the mask only below the window, masking_utils._ignore_causal_mask_sdpa)."""
+        window = self.sliding_window(sh, layer)
+        return run.padding_mask or (window is not None and run.seq_len >= window)
+
+    def attention_saved(self, sh: ModelShape, run: Saving, layer: int) -> int:
+        """Bytes LAYER's attention (SDPA, no dropout) saves for backward, all tokens: the rotated q, k and v (k and v
+        repeated to all heads when a mask disables SDPA's GQA path, the kernel's own copy of the mask), the output (also
+        o_proj's input, a view) and the fp32 log-sum-exp per head."""
+        a, f32, q, kv = run.a, 4, sh.q_dim, sh.kv_dim
+        masked = self.attention_masked(sh, run, layer)
+        kv_saved = 2 * (q if masked and sh.num_kv_heads != sh.num_heads else kv)
+        mask = a * run.rows * run.seq_len ** 2 if masked else 0
+        return run.tokens * (a * (q + kv_saved + q) + f32 * sh.num_heads) + mask
+
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
         """Bytes per token a decoder layer saves for backward beyond what the planner counts for Llama's layer (its
-        attention, two norms, a SwiGLU MLP of intermediate_size): `a` bytes per activation; `trains_weights`: a
-        full fine-tune (the layer's own weights get gradients); `adapted_experts`: LoRA on a MoE's experts. None
-        here."""
+        attention, two RMSNorms, a SwiGLU MLP of intermediate_size): none here."""
         return 0
 
-    def layer_saved_per_batch(self, sh: ModelShape, a: int, adapted_experts: bool = False) -> int:
-        """Bytes a decoder layer saves once per forward whatever the tokens (a MoE's tokens-per-expert counts)."""
+    def layer_saved_per_batch(self, sh: ModelShape, run: Saving, first: bool = False) -> int:
+        """Bytes a decoder layer saves once per forward whatever the tokens (a MoE's tokens-per-expert counts); `first`:
+        layer 0 under LoRA, whose input needs no gradient."""
         return 0
+
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """What the model saves outside its decoder layers beyond Llama's (embeddings, final norm, LM head, loss),
+        by name: none here."""
+        return {}
 
     def adapts_experts(self, targets) -> bool:
         """Whether LoRA on TARGETS puts adapters on the experts (all-linear, for a MoE family)."""

@@ -21,11 +21,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import Gemma2Family
 
 LOCAL_THETA = 10000.0  # llama.cpp's rope base of Gemma-3's sliding layers (fixed: not read from the file)
 from finetune.models.families.llama import LlamaFamily
+from finetune.models.families.qwen3 import qk_norms_saved
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,15 @@ class Gemma3Family(Gemma2Family):
 
     def attention_problem(self, attn_implementation: str) -> str | None:
         return LlamaFamily.attention_problem(self, attn_implementation)
+
+    # sdpa (no attention soft-cap), with Qwen3's per-head q/k norms in Gemma's (1 + weight) form.
+    attention_saved = Family.attention_saved
+
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
+        return super().layer_saved_extra(sh, run) + qk_norms_saved(sh, run.a, run.trains_weights)
+
+    def layer_saved_per_batch(self, sh: ModelShape, run: Saving, first: bool = False) -> int:
+        return super().layer_saved_per_batch(sh, run, first) + 2 * 4 * sh.head_dim  # the q/k norms' (1 + weight)
 
     def layer_tensors(self, sh: ModelShape, layer: int, p: str) -> list[Tensor]:
         out = []
@@ -147,6 +157,7 @@ def _dense(name: str, out: int, inp: int) -> list[Tensor]:
 
 GEMMA3 = Gemma3Family(
     name="gemma3",
+    sliding_pattern=6,  # Gemma3TextConfig's sliding_window_pattern: five sliding layers, then a global one
     model_types=("gemma3_text", "gemma3"),
     hf_classes=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     tied_default=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.models.families.base import Linear, ModelShape, Tensor
+from finetune.models.families.base import Linear, ModelShape, Saving, Tensor
 from finetune.models.families.llama import LlamaFamily
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -46,23 +46,36 @@ class MoeFamily(LlamaFamily):
                    for lin in LlamaFamily.linears(self, sh) if lin.block == "mlp"]
         return out[:at] + mlp + out[at:]
 
-    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
         """The sparse MLP in place of Llama's dense one (4 x intermediate_size values per token trained, 3 frozen),
         measured on CPU (transformers 5's grouped experts, output_router_logits off): the router's fp32 logits, the
         top-k indices (int64) and weights, their sum, two int64 sort orders of the token x expert slots, the routing
         weight per slot; per slot, the gathered input (when the expert weights train or carry LoRA), the gate_up
         output, silu(gate), the product (idem) and the expert output."""
         f32, e, k, h, w = 4, sh.num_experts, sh.experts_per_tok, sh.hidden_size, sh.moe_intermediate_size
+        a, trains_weights = run.a, run.trains_weights
         router = f32 * (e + 1 + 2 * k) + 32 * k
-        weights_grad = trains_weights or adapted_experts
+        weights_grad = trains_weights or run.adapted_experts
         experts = a * k * (2 * h + 4 * w) if weights_grad else a * k * (h + 3 * w)
         return router + experts - (4 if trains_weights else 3) * a * sh.intermediate_size
 
-    def layer_saved_per_batch(self, sh: ModelShape, a: int, adapted_experts: bool = False) -> int:
+    def layer_saved_per_batch(self, sh: ModelShape, run: Saving, first: bool = False) -> int:
         """The tokens routed to each expert (int32); with LoRA on the experts, peft's ParamWrapper keeps each expert
         parameter's adapted copy (base + B @ A) for backward."""
-        adapted = a * sum(t.numel for t in self.sparse_mlp(sh, "") if "experts" in t.name) if adapted_experts else 0
+        experts = sum(t.numel for t in self.sparse_mlp(sh, "") if "experts" in t.name)
+        adapted = run.a * experts if run.adapted_experts else 0
         return 4 * sh.num_experts + adapted
+
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """With output_router_logits, transformers' load_balancing_loss_func after the layers: each sparse layer's
+        softmax over its router logits (activation dtype), the tokens-per-expert fractions, and, the batch carrying an
+        attention mask (the collator always passes one), that mask in fp32 and its sum. Its top-k indices are let go
+        at once (nothing downstream keeps the top-k node): not counted."""
+        if not sh.text_config.get("output_router_logits"):
+            return {}
+        sparse = sum(sh.is_sparse(k) for k in range(sh.num_layers))
+        e = sh.num_experts
+        return {"router load-balancing loss": sparse * run.a * run.tokens * e + 4 * e + 4 * run.tokens + 4}
 
     def expert_lora(self, sh: ModelShape, r: int, experts: tuple[str, ...], p: str) -> list[Tensor]:
         # ParamWrapper's in/out of a [experts, a, b] parameter (not transposed): in = b, out = a. peft nests one

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import Family, Linear, ModelShape, rope_parameters
+from finetune.models.families.base import Family, Linear, ModelShape, Saving, rope_parameters
 from finetune.models.families.llama import LlamaFamily
 
 
@@ -64,6 +64,16 @@ class Phi3Family(LlamaFamily):
     # No Q/K permutation: the file holds HF's layout.
     to_gguf = Family.to_gguf
     from_gguf = Family.from_gguf
+
+    def attention_saved(self, sh: ModelShape, run: Saving, layer: int) -> int:
+        """Llama's, but v is a slice of qkv_proj's output: where SDPA saves v unrepeated (no mask, or as many key/value
+        heads as heads) it keeps the whole fused output alive (q + 2 kv, not kv). q is rotated from a slice, so the
+        kernel's output comes back in head-major order and o_proj's input is a copy, kept where o_proj saves its
+        input. (The MLP's gate and up are halves of gate_up_proj's output: the same 2 x intermediate as Llama's.)"""
+        out = Family.attention_saved(self, sh, run, layer)
+        repeated = self.attention_masked(sh, run, layer) and sh.num_kv_heads != sh.num_heads
+        per_token = (0 if repeated else run.a * (sh.q_dim + sh.kv_dim)) + (run.a * sh.q_dim if run.o_input_kept else 0)
+        return out + run.tokens * per_token
 
 
 PHI3 = Phi3Family(

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import Family, ModelShape, Tensor
+from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.llama import LlamaFamily
 
 HEAD_DIM = 128  # Qwen3Config's default head_dim
@@ -33,8 +33,8 @@ class Qwen3Family(LlamaFamily):
             out.append(t)
         return out
 
-    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
-        return qk_norms_saved(sh, a, trains_weights)
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
+        return qk_norms_saved(sh, run.a, run.trains_weights)
 
     def gguf_refusal(self, config) -> str | None:
         if getattr(config, "attention_bias", False):

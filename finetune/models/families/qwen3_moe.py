@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import Family, ModelShape, Tensor
+from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.moe import MoeFamily
 from finetune.models.families.qwen3 import HEAD_DIM, qk_norms_saved
 
@@ -42,8 +42,8 @@ class Qwen3MoeFamily(MoeFamily):
         return out[:at] + [Tensor(p + "self_attn.q_norm.weight", (sh.head_dim,), "norm"),
                            Tensor(p + "self_attn.k_norm.weight", (sh.head_dim,), "norm")] + out[at:]
 
-    def layer_saved_extra(self, sh: ModelShape, a: int, trains_weights: bool, adapted_experts: bool = False) -> int:
-        return super().layer_saved_extra(sh, a, trains_weights, adapted_experts) + qk_norms_saved(sh, a, trains_weights)
+    def layer_saved_extra(self, sh: ModelShape, run: Saving) -> int:
+        return super().layer_saved_extra(sh, run) + qk_norms_saved(sh, run.a, run.trains_weights)
 
     # ---- GGUF ----
 
