@@ -77,6 +77,11 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not FULL_MATRIX:  # deselected, and counted as such in the summary line
+        full = [item for item in items if item.get_closest_marker("full_matrix")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("full_matrix")]
     # With parallel workers (-n, --dist loadfile), each file runs whole on one worker, handed out in collection
     # order: the files with the most multi-process (slow) tests go first, and the in-process ones fill the end
     # instead of a long file running alone there. Every worker sorts alike; a run without workers keeps file order.

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from family_configs import tiny_config, tiny_model
-from launch import matrix
 from finetune.convert import export as E
 from finetune.convert import gguf_import as G
 from finetune.convert.writers import gguf as X
@@ -369,10 +368,10 @@ def test_import_of_an_architecture_no_family_covers_is_one_line(tmp_path, capsys
 
 
 @pytest.mark.slow
-# With FINETUNE_FULL_MATRIX=1 only (2-5 minutes on 2 cores: the 262k-token vocabulary is parsed several times by
-# transformers' GGUF loader); CI's Gemma-3 export is test_export_and_import_gguf's, on a byte-level tokenizer.
-@pytest.mark.parametrize("vocabulary", matrix(["gemma3-262k"], []))
-def test_gemma3_with_its_real_tokenizer(vocabulary, tmp_path, capsys):
+# 2-5 minutes on 2 cores (the 262k-token vocabulary is parsed several times by transformers' GGUF loader): with
+# FINETUNE_FULL_MATRIX=1 only; CI's Gemma-3 export is test_export_and_import_gguf's, on a byte-level tokenizer.
+@pytest.mark.full_matrix
+def test_gemma3_with_its_real_tokenizer(tmp_path, capsys):
     """Gemma-3's own tokenizer (262,145 tokens, SentencePiece-style with no prefix space) and template in the file:
     the exporter's verification encodes a sample the same through the GGUF-built tokenizer; the Modelfile's TEMPLATE
     is Gemma's and it stops on <end_of_turn>. (About 5 minutes on 2 shared cores: the 262k-token vocabulary is
