@@ -275,6 +275,45 @@ def _signal_masks(pid: int) -> dict[int, str]:
     return out
 
 
+FINALIZER_CTRL_C = """
+import gc, os, signal, sys, time
+from finetune import process
+if sys.argv[1] == "finetune":
+    process.interrupt_outside_finalizers()
+class Garbage:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(200_000):  # the handler runs here, in the finalizer
+            pass
+g = Garbage()
+g.cycle = g  # the collector runs the finalizer, as it ran regex's in the tokenizing processes
+start = time.monotonic()
+try:
+    del g
+    gc.collect()
+    while time.monotonic() - start < 3:
+        time.sleep(0.01)
+    print("ran on")
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.2f} s")
+"""
+
+
+@pytest.mark.parametrize("handler", ["python", "finetune"])
+def test_ctrl_c_in_a_finalizer_is_not_lost(handler):
+    """Python's own handler raises KeyboardInterrupt inside the finalizer, which swallows it ("Exception ignored"):
+    the program runs on. finetune's sends the signal again 50 ms later, outside it."""
+    proc = subprocess.run([sys.executable, "-c", FINALIZER_CTRL_C, handler], capture_output=True, text=True, timeout=60,
+                          env=env(), preexec_fn=_in_child)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if handler == "python":
+        assert proc.stdout.strip() == "ran on" and "Exception ignored" in proc.stderr, (proc.stdout, proc.stderr)
+    else:
+        line = proc.stdout.strip()
+        assert line.startswith("interrupted after") and float(line.split()[2]) < 1.0, (line, proc.stderr)
+        assert "Exception ignored" not in proc.stderr, proc.stderr
+
+
 def test_a_passed_on_message_is_prefixed_once(capfd, monkeypatch):
     from finetune import process
 
