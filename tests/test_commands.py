@@ -93,7 +93,7 @@ TWO_BAD = [
     ("import-gguf", ["--overwrite=maybe", "a.gguf", "out", "extra"],
      ["--overwrite: expected true or false, got 'maybe'", "unexpected argument 'extra'"]),
     ("quickstart", ["--method", "qlora", "--max_steps", "0"],
-     ["--method: 'qlora' is not one of sft, dpo, orpo, kto; did you mean 'lora'?", "--max_steps: must be at least 1, got 0"]),
+     ["--method: 'qlora' is not one of sft, dpo, orpo, kto, grpo; did you mean 'lora'?", "--max_steps: must be at least 1, got 0"]),
     ("tiny", ["out", "--hidden", "30", "--style", "chatm"],
      ["--hidden: must be a positive multiple of 8, got 30", "--style: 'chatm' is not one of chatml, llama3, plain; did you mean 'chatml'?"]),
     ("report", ["--report_dir"], ["--report_dir: needs a value", "OUTPUT_DIR: required"]),
