@@ -201,6 +201,17 @@ def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     assert code == 2 and "model_type 'mixtral' cannot be written as GGUF" in err, err
     assert not out_dir.exists()
 
+    # Weights that are not the config's model (a Llama relabelled as Phi-3: no fused qkv/gate_up weights): refused
+    # by name, not written with from_pretrained's random values and then verified against those.
+    phi3 = tmp_path / "phi3"
+    shutil.copytree(src, phi3)
+    cfg = json.loads((phi3 / "config.json").read_text())
+    cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False)
+    (phi3 / "config.json").write_text(json.dumps(cfg))
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(phi3), str(out_dir / "m.gguf")])
+    assert code == 2 and "do not match its config.json" in err and "qkv_proj" in err, err
+    assert not out_dir.exists()
+
     # A vocabulary that is neither byte-level BPE nor BPE with byte fallback (Metaspace over a BPE without it).
     sp = tmp_path / "sp"
     shutil.copytree(src, sp)
