@@ -349,6 +349,14 @@ class Family(ABC):
     def gguf_metadata(self, config) -> list[tuple[str, Any]]:
         """[(GGUFWriter adder, value)]: the model metadata llama.cpp needs (add_context_length, ...)."""
 
+    def gguf_size_metadata(self, config) -> list[tuple[str, Any]]:
+        """The sizes and counts every architecture here writes alike, from the config; a family's gguf_metadata
+        adds its rope, attention and other keys."""
+        return [("add_context_length", config.max_position_embeddings), ("add_embedding_length", config.hidden_size),
+                ("add_block_count", config.num_hidden_layers), ("add_feed_forward_length", config.intermediate_size),
+                ("add_head_count", config.num_attention_heads), ("add_head_count_kv", config.num_key_value_heads),
+                ("add_layer_norm_rms_eps", config.rms_norm_eps), ("add_vocab_size", config.vocab_size)]
+
     def gguf_names(self, sh: ModelShape) -> dict[str, str]:
         """HF tensor name -> GGUF tensor name for every tensor of SH, by llama.cpp's own table (the gguf
         package); a tensor the table does not name is left out (the exporter refuses it by name)."""

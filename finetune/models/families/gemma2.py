@@ -123,19 +123,11 @@ class Gemma2Family(LlamaFamily):
         return None
 
     def gguf_metadata(self, config) -> list[tuple[str, Any]]:
-        meta = [
-            ("add_context_length", config.max_position_embeddings),
-            ("add_embedding_length", config.hidden_size),
-            ("add_block_count", config.num_hidden_layers),
-            ("add_feed_forward_length", config.intermediate_size),
-            ("add_head_count", config.num_attention_heads),
-            ("add_head_count_kv", config.num_key_value_heads),
+        meta = self.gguf_size_metadata(config) + [
             ("add_key_length", config.head_dim),
             ("add_value_length", config.head_dim),
-            ("add_layer_norm_rms_eps", config.rms_norm_eps),
             ("add_rope_freq_base", float(self.rope_theta(config))),
             ("add_sliding_window", config.sliding_window),
-            ("add_vocab_size", config.vocab_size),
         ]
         return meta + self.softcap_metadata(config)
 

@@ -56,19 +56,12 @@ class LlamaFamily(Family):
 
     def gguf_metadata(self, config) -> list[tuple[str, Any]]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        meta = [
-            ("add_context_length", config.max_position_embeddings),
-            ("add_embedding_length", config.hidden_size),
-            ("add_block_count", config.num_hidden_layers),
-            ("add_feed_forward_length", config.intermediate_size),
-            ("add_head_count", config.num_attention_heads),
-            ("add_head_count_kv", config.num_key_value_heads),
+        meta = self.gguf_size_metadata(config) + [
             ("add_rope_freq_base", float(rope_parameters(config)["rope_theta"])),
             ("add_rope_dimension_count", head_dim),
         ]
         if head_dim != config.hidden_size // config.num_attention_heads:
             meta += [("add_key_length", head_dim), ("add_value_length", head_dim)]
-        meta += [("add_layer_norm_rms_eps", config.rms_norm_eps), ("add_vocab_size", config.vocab_size)]
         return meta
 
     def to_gguf(self, hf_name: str, array, sh: ModelShape):

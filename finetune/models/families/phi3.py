@@ -39,14 +39,7 @@ class Phi3Family(LlamaFamily):
 
     def gguf_metadata(self, config) -> list[tuple[str, Any]]:
         head_dim = config.hidden_size // config.num_attention_heads
-        meta = [
-            ("add_context_length", config.max_position_embeddings),
-            ("add_embedding_length", config.hidden_size),
-            ("add_feed_forward_length", config.intermediate_size),
-            ("add_block_count", config.num_hidden_layers),
-            ("add_head_count", config.num_attention_heads),
-            ("add_head_count_kv", config.num_key_value_heads),
-            ("add_layer_norm_rms_eps", config.rms_norm_eps),
+        meta = self.gguf_size_metadata(config) + [
             ("add_rope_dimension_count", head_dim),
             ("add_rope_freq_base", float(rope_parameters(config)["rope_theta"])),
         ]
@@ -54,7 +47,7 @@ class Phi3Family(LlamaFamily):
             meta.append(("add_rope_scaling_orig_ctx_len", config.original_max_position_embeddings))
         if getattr(config, "sliding_window", None):
             meta.append(("add_sliding_window", config.sliding_window))
-        return meta + [("add_vocab_size", config.vocab_size)]
+        return meta
 
     def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
         # pad_token_id: Phi3Config's default (32000) is outside a smaller vocabulary, where transformers refuses it.
