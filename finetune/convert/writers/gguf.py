@@ -452,8 +452,15 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
 def write_unverified(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
     """MODEL as a GGUF file of any --gguf_type at PATH, unverified: (its tensors as stored, the tokenizer's part).
     The gguf package writes the plain types; a K-quant preset is llama.cpp's quantization of the f32 file."""
-    make = gguf_kquant.write if gguf_type in LLAMACPP_TYPES else write_gguf
-    return make(model, model_dir, path, gguf_type, name, tokenizer)
+    if gguf_type not in LLAMACPP_TYPES:
+        return write_gguf(model, model_dir, path, gguf_type, name, tokenizer)
+    f32 = path.with_name(path.name + ".f32")  # beside PATH, in the output folder: removed whatever happens
+    try:
+        _, tok = write_gguf(model, model_dir, f32, "f32", name, tokenizer)
+        gguf_kquant.quantize(f32, path, gguf_type)
+    finally:
+        f32.unlink(missing_ok=True)
+    return gguf_kquant.read_back(path, model, gguf_type), tok
 
 
 def tensor_types(tensors: list) -> dict[str, int]:

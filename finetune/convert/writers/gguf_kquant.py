@@ -1,7 +1,7 @@
 """llama.cpp's K-quant presets for `--to gguf` (q4_K_M, q5_K_M, q6_K), made by llama.cpp's own quantizer
-(`llama_model_quantize` of llama-cpp-python, the optional extra `finetune[llamacpp]`): the model is written as an f32
-GGUF file by the gguf package (gguf.py's write_gguf), llama.cpp quantizes it into a staging file, and the GGUF
-writer verifies that file like any other before it is renamed into place. Here: the presets, the quantizer call and
+(`llama_model_quantize` of llama-cpp-python, the optional extra `finetune[llamacpp]`): gguf.py writes the model as an
+f32 GGUF file with the gguf package, llama.cpp quantizes it into a staging file, and gguf.py verifies that file like
+any other before it is renamed into place. Here: the presets, the quantizer call and
 the per-tensor types the preset must have given (what the verification reads back).
 
 The gguf package only dequantizes K-quants (transformers reads them through it), so without llama-cpp-python these
@@ -122,16 +122,3 @@ def read_back(path: Path, model, gguf_type: str) -> list:
         out.append((t.name, t.data, t.tensor_type, hf_names[t.name]))
     return out
 
-
-def write(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
-    """MODEL as a GGUF file of preset GGUF_TYPE at PATH (unverified, as gguf.py's write_gguf): an f32 file beside
-    PATH, quantized by llama.cpp into PATH, then removed."""
-    from finetune.convert.writers.gguf import write_gguf
-
-    f32 = path.with_name(path.name + ".f32")
-    try:
-        _, tok = write_gguf(model, model_dir, f32, "f32", name, tokenizer)
-        quantize(f32, path, gguf_type)
-    finally:
-        f32.unlink(missing_ok=True)
-    return read_back(path, model, gguf_type), tok
