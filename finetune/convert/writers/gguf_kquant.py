@@ -40,14 +40,24 @@ def refusal(name: str, plain_types: tuple[str, ...]) -> str | None:
 
 def quantize(src: Path, dst: Path, gguf_type: str, threads: int | None = None) -> None:
     """llama.cpp's quantizer: the f32 GGUF file SRC -> DST in preset GGUF_TYPE (llama-quantize SRC DST TYPE)."""
+    import logging
+
     import llama_cpp
 
-    llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = PRESETS[gguf_type][0]
-    params.nthread = threads or len(os.sched_getaffinity(0))
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
-        # llama.cpp printed its reason on stderr (an exception it caught inside llama_model_quantize)
+    # llama-cpp-python prints llama.cpp's log at or above its logger's level: a line per tensor, and a warning per
+    # fallback (which read_back checks); its errors (why a quantization failed) still print.
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = PRESETS[gguf_type][0]
+        params.nthread = threads or len(os.sched_getaffinity(0))
+        failed = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    finally:
+        logger.setLevel(level)
+    if failed:  # llama.cpp printed its reason on stderr (an exception it caught inside llama_model_quantize)
         raise ExportError(f"llama.cpp's quantizer failed to write {gguf_type} from {src.name} (its message is above)")
 
 
