@@ -13,6 +13,7 @@ quickstart's held-out records (data/quickstart/heldout.jsonl):
   forcing), in transformers (the GGUF file loaded by `from_pretrained(gguf_file=...)`, which dequantizes every
   weight to fp32 and computes in fp32: the weights' rounding alone) and, where llama-cpp-python is installed, in
   llama.cpp (its own kernels: activations rounded too);
+  `--no-transformers_ppl` leaves the transformers column out (minutes per type on 2 loaded cores);
 - exact match of greedy completions (the quickstart's scorer and budget; `--exact_match N` records, in llama.cpp
   where it is installed, else in transformers);
 - llama.cpp's generation speed, where it is installed: `--speed_runs` runs (default 5) each decoding `--speed_tokens`
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exact_match", type=int, default=80, help="held-out records decoded for exact match")
     parser.add_argument("--hf_exact_match", type=int, default=None,
                         help="held-out records the HF fp32 model decodes (default: --exact_match)")
+    parser.add_argument("--transformers_ppl", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the perplexity in transformers (the HF model, and each file as transformers loads it)")
     parser.add_argument("--speed_runs", type=int, default=5, help="llama.cpp timing runs per type")
     parser.add_argument("--speed_tokens", type=int, default=128, help="tokens decoded per timing run")
     parser.add_argument("--threads", type=int, default=2)
@@ -164,15 +167,16 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    t = time.time()
-    hf_ppl = hf_perplexity(model, conversations)
     hf_n = args.exact_match if args.hf_exact_match is None else min(args.hf_exact_match, args.exact_match)
-    hf_em = (sum(exact_match(tokenizer.decode(B.hf_greedy(model, ids, budget, eos), skip_special_tokens=True), ref)
-                 for ids, ref in zip(prompts[:hf_n], refs)) / hf_n) if hf_n else None
-    rows.append(dict(type="HF fp32", size_mib=None, ppl_transformers=hf_ppl, exact_match=hf_em, exact_match_n=hf_n,
-                     exact_match_in="transformers", seconds=time.time() - t))
-    print(json.dumps(rows[-1]), flush=True)
-    save(args, argv, rows, has_llamacpp)
+    if args.transformers_ppl or hf_n:  # the HF fp32 model's own row
+        t = time.time()
+        hf_ppl = hf_perplexity(model, conversations) if args.transformers_ppl else None
+        hf_em = (sum(exact_match(tokenizer.decode(B.hf_greedy(model, ids, budget, eos), skip_special_tokens=True), ref)
+                     for ids, ref in zip(prompts[:hf_n], refs)) / hf_n) if hf_n else None
+        rows.append(dict(type="HF fp32", size_mib=None, ppl_transformers=hf_ppl, exact_match=hf_em, exact_match_n=hf_n,
+                         exact_match_in="transformers", seconds=time.time() - t))
+        print(json.dumps(rows[-1]), flush=True)
+        save(args, argv, rows, has_llamacpp)
     for gguf_type in args.types.split(","):
         out = work / gguf_type / "model.gguf"
         t = time.time()
@@ -185,8 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             tensors, _ = write_unverified(model, Path(model_dir), out, gguf_type, "model")
             row = dict(type=gguf_type, size_mib=out.stat().st_size / 2**20, tensors=tensor_types(tensors))
         row["export_seconds"] = time.time() - t
-        loaded = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
-        row["ppl_transformers"] = hf_perplexity(loaded, conversations)
+        loaded = None
+        if args.transformers_ppl or not has_llamacpp:
+            loaded = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name,
+                                                          dtype=torch.float32).eval()
+        row["ppl_transformers"] = hf_perplexity(loaded, conversations) if args.transformers_ppl else None
         if has_llamacpp:
             llm = B.open_llamacpp(out, n_ctx=2048, threads=args.threads)
             row["ppl_llamacpp"] = llamacpp_perplexity(llm, conversations)
