@@ -80,12 +80,33 @@ def hf_perplexity(model, conversations) -> float:
     return math.exp(total / count) if count else None  # --examples 0: exact match only
 
 
-def llamacpp_perplexity(llm, conversations) -> float:
-    total, count = 0.0, 0
-    for ids, start in conversations:
-        s, n = nll(B.llamacpp_logits(llm, ids), ids, start)
-        total, count = total + s, count + n
-    return math.exp(total / count)
+def llamacpp_pass(llm, conversations, n_ppl: int, n_em: int, budget: int, eos: set[int]) -> tuple[float, list, float]:
+    """(answer perplexity over the first N_PPL conversations, greedy completions of the first N_EM, seconds of the
+    decoding): one evaluation of each whole conversation serves both, as the prompt's logits and KV cache are the
+    same in it (llama.cpp evaluates causally); the completion then continues from the prompt (n_tokens set back to
+    it: Llama.eval drops the cache past n_tokens first)."""
+    import numpy as np
+
+    total, count, completions, decoding = 0.0, 0, [], 0.0
+    for i, (ids, start) in enumerate(conversations[: max(n_ppl, n_em)]):
+        llm.reset()
+        llm.eval(ids)
+        if i < n_ppl:
+            s, n = nll(np.array(llm.scores[: len(ids)]), ids, start)
+            total, count = total + s, count + n
+        if i < n_em:
+            t = time.perf_counter()
+            llm.n_tokens = start
+            new: list[int] = []
+            while len(new) < budget:
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                new.append(token)
+                if token in eos:
+                    break
+                llm.eval([token])
+            completions.append(new)
+            decoding += time.perf_counter() - t
+    return (math.exp(total / count) if count else None), completions, decoding
 
 
 def llamacpp_speed(llm, ids: list[int], tokens: int, runs: int) -> list[float]:
@@ -154,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = merged
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = B.heldout(max(args.examples, args.exact_match))
-    conversations = [answer_ids(tokenizer, r) for r in records[: args.examples]]
+    all_conversations = [answer_ids(tokenizer, r) for r in records]
+    conversations = all_conversations[: args.examples]
     em_records = records[: args.exact_match]
     prompts = [B.prompt_ids(tokenizer, r) for r in em_records]
     refs = [r["messages"][-1]["content"] for r in em_records]
@@ -196,11 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         row["ppl_transformers"] = hf_perplexity(loaded, conversations) if args.transformers_ppl else None
         if has_llamacpp:
             llm = B.open_llamacpp(out, n_ctx=2048, threads=args.threads)
-            row["ppl_llamacpp"] = llamacpp_perplexity(llm, conversations)
             t = time.time()
-            completions = [B.llamacpp_greedy(llm, ids, budget, eos) for ids in prompts]
-            seconds = time.time() - t
-            row["exact_match_seconds"] = seconds
+            row["ppl_llamacpp"], completions, decoding = llamacpp_pass(
+                llm, all_conversations, args.examples, args.exact_match, budget, eos)
+            row["llamacpp_seconds"], row["exact_match_decoding_seconds"] = time.time() - t, decoding
             if args.speed_runs and prompts:
                 speeds = llamacpp_speed(llm, prompts[0], args.speed_tokens, args.speed_runs)
                 row["tokens_per_s_runs"] = speeds

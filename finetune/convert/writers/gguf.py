@@ -48,7 +48,7 @@ LOW_BIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1")
 # the largest of the measurements on SmolLM2-135M and the tests' tiny models (docs/export.md has them).
 LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
                 "q4_0": 0.75, "q4_1": 0.75, "q5_0": 0.75, "q5_1": 0.75,
-                "q4_K_M": 0.75, "q5_K_M": 0.75, "q6_K": 0.75}
+                "q4_K_M": 0.5, "q5_K_M": 0.3, "q6_K": 0.15}
 
 
 def gguf_type_name(value: str) -> str | None:
