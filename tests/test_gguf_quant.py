@@ -2,7 +2,8 @@
 mixed per tensor as llama.cpp's quantizer mixes them (norms F32, the output head Q8_0, rows that are not a multiple of
 the 32-value block F16); the file read back by `finetune import-gguf` holds exactly the HF weights quantized by the
 gguf package, and its logits are within the type's bound. llama.cpp's K-quant presets (q4_K_M, q5_K_M, q6_K), which
-only llama.cpp's quantizer makes, are refused in one line that says how to make one, before any model loads."""
+only llama.cpp's quantizer makes, are refused without llama-cpp-python in one line that says how to get it, before any
+model loads (made and checked where it is installed: tests/test_gguf_llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -109,9 +110,12 @@ def test_rows_not_a_multiple_of_the_block_fall_back_to_f16(tmp_path, capsys):
     assert "tensors: " in capsys.readouterr().err
 
 
-def test_llamacpp_presets_refused_in_one_line(models, tmp_path, capsys, monkeypatch):
-    """q4_K_M: exit 2 with the one line that says how to make it (llama.cpp's quantizer), before the model loads,
-    nothing written; the same line from `finetune quickstart --export gguf --gguf_type q4_K_M`."""
+def test_llamacpp_presets_refused_in_one_line_without_llama_cpp(models, tmp_path, capsys, monkeypatch):
+    """Without llama-cpp-python (hidden here, whether or not it is installed): q4_K_M exits 2 with the one line that
+    says how to get it, before the model loads, nothing written; the same line from `finetune quickstart --export
+    gguf --gguf_type q4_K_M`. (Where it is installed, tests/test_gguf_llamacpp.py makes the files.)"""
+    import sys
+
     import transformers
 
     from finetune.apps import quickstart as Q
@@ -119,20 +123,21 @@ def test_llamacpp_presets_refused_in_one_line(models, tmp_path, capsys, monkeypa
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
 
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importlib.util.find_spec then finds nothing
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
     out = tmp_path / "out" / "m.gguf"
     for name in ("q4_K_M", "Q5_K_M", "q6_k"):
         code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(models[False]), str(out),
                                       "--gguf_type", name])
         lines = [line for line in err.splitlines() if "--gguf_type" in line]
-        assert code == 2 and len(lines) == 1 and "pip install llama-cpp-python" in lines[0], err
-        assert "write --gguf_type f16, then `llama-quantize model.gguf" in lines[0], err
+        assert code == 2 and len(lines) == 1, err
+        assert "llama-cpp-python, which is not installed: pip install 'finetune[llamacpp]'" in lines[0], err
         assert not out.parent.exists()
     data = tiny.write_jsonl(tmp_path / "t.jsonl", tiny.synthetic_records(4))
     with pytest.raises(Q.QuickstartFlagsError) as e:
         Q.parse(["--model_name_or_path", str(models[True]), "--train_file", str(data), "--eval_file", str(data),
                  "--export", "gguf", "--gguf_type", "q4_K_M"])
-    assert [p for p in e.value.problems if "pip install llama-cpp-python" in p]
+    assert [p for p in e.value.problems if "pip install 'finetune[llamacpp]'" in p]
     # The types finetune writes itself parse, in any case.
     for name in X.PLAIN_TYPES:
         assert Q.parse(["--model_name_or_path", str(models[True]), "--train_file", str(data), "--eval_file",
@@ -140,6 +145,34 @@ def test_llamacpp_presets_refused_in_one_line(models, tmp_path, capsys, monkeypa
     code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(models[False]), str(out),
                                   "--gguf_type", "q4_k"])
     assert code == 2 and "--gguf_type: 'q4_k' is not one of" in err and "did you mean" in err.lower(), err
+    # With llama-cpp-python found, the presets pass the checks (quickstart accepts them).
+    monkeypatch.setattr(X.gguf_kquant, "available", lambda: True)
+    for name in X.LLAMACPP_TYPES:
+        assert X.gguf_type_problem(name) is None
+        assert Q.parse(["--model_name_or_path", str(models[True]), "--train_file", str(data), "--eval_file",
+                        str(data), "--export", "gguf", "--gguf_type", name]).gguf_type == name
+
+
+def test_kquant_preset_mix():
+    """The per-tensor types the verification expects of llama.cpp's presets (llama_tensor_get_type), on a 16-layer
+    model's names: attn_v and ffn_down in Q6_K in layers 0, 1, 4, 7, 10, 13, 14, 15 under q4_K_M / q5_K_M; the head
+    Q6_K; row lengths that 256 does not divide falling back (Q4_K -> Q5_0, Q6_K -> Q8_0, then F16)."""
+    from finetune.convert.writers.gguf_kquant import expected_type as T
+
+    more = [i for i in range(16) if T("q4_K_M", f"blk.{i}.attn_v.weight", (64, 256), "F32", 16, False) == "Q6_K"]
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [i for i in range(16) if T("q5_K_M", f"blk.{i}.ffn_down.weight", (256, 512), "F32", 16, False) == "Q6_K"] \
+        == more
+    assert T("q5_K_M", "blk.2.ffn_down.weight", (256, 512), "F32", 16, False) == "Q5_K"
+    assert T("q4_K_M", "blk.2.attn_q.weight", (256, 256), "F32", 16, False) == "Q4_K"
+    assert T("q6_K", "blk.2.attn_v.weight", (64, 256), "F32", 16, False) == "Q6_K"
+    assert T("q4_K_M", "token_embd.weight", (512, 256), "F32", 16, True) == "Q6_K"  # tied: the head
+    assert T("q4_K_M", "token_embd.weight", (512, 256), "F32", 16, False) == "Q4_K"
+    assert T("q4_K_M", "output.weight", (512, 576), "F32", 16, False) == "Q8_0"
+    assert T("q4_K_M", "blk.2.attn_q.weight", (576, 576), "F32", 16, False) == "Q5_0"
+    assert T("q6_K", "blk.2.attn_q.weight", (576, 576), "F32", 16, False) == "Q8_0"
+    assert T("q4_K_M", "blk.2.attn_q.weight", (48, 48), "F32", 16, False) == "F16"
+    assert T("q4_K_M", "blk.2.attn_norm.weight", (256,), "F32", 16, False) == "F32"
 
 
 @pytest.mark.parametrize("fam", ["qwen2", "qwen3", "mistral"])

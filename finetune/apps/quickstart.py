@@ -164,7 +164,7 @@ class QuickstartConfig:
     seed: int = _flag(0, help="Seed of training and sampling.")
     export: str | None = _flag(help="gguf: end with OUTPUT_DIR/gguf/model.gguf and an Ollama Modelfile "
                                     "(the fine-tuned model, merged), verified like finetune export --to gguf.")
-    gguf_type: str = _flag("f16", help="Tensor type of --export gguf: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (docs/export.md: each type's quality; q8_0 files crash llama.cpp 0.3.36 here unless repacking is off).")
+    gguf_type: str = _flag("f16", help="Tensor type of --export gguf: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1, or llama.cpp's q4_K_M, q5_K_M, q6_K (with pip install 'finetune[llamacpp]') (docs/export.md: each type's quality; q8_0 files crash llama.cpp 0.3.36 here unless repacking is off).")
     # The arguments after `--`, passed to finetune train unchanged (e.g. -- --lora_r 8 --gradient_checkpointing).
     extra_train_args: list[str] = _flag(list, cli=False)
 

@@ -2,10 +2,12 @@
 GGUF file for llama.cpp and Ollama, with an Ollama Modelfile beside it.
 
     finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q8_0    # or q4_0, q4_1, q5_0, q5_1
+    finetune export --to gguf --model_name_or_path merged out/model.gguf --gguf_type q4_K_M  # or q5_K_M, q6_K: llama.cpp's
     finetune export --to gguf --adapter OUT out/model.gguf              # merged into its base first
     finetune export --to gguf --zero_checkpoint OUT/checkpoint-500 out/model.gguf
 
-Written with the `gguf` package (llama.cpp's own writer): the family's metadata (finetune.models.families), the
+Written with the `gguf` package (llama.cpp's own writer; the K-quant presets then by llama.cpp's quantizer from
+llama-cpp-python, gguf_kquant.py): the family's metadata (finetune.models.families), the
 byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
 permuted). The file is written under a temporary name in the output folder, verified
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.convert.messages import ExportError, log
+from finetune.convert.writers import gguf_kquant
 from finetune.convert.writers.base import ExportArgs, Writer
 from finetune.convert.writers.hf import hf_folder
 from finetune.errors import did_you_mean
@@ -32,11 +35,10 @@ from finetune.models.verify import VerificationError, fixed_input, logits_of
 
 # --gguf_type values. Written here with the gguf package's own encoders and quantizers (no compiler):
 PLAIN_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-# llama.cpp's K-quant presets: made by llama.cpp's own quantizer (llama-quantize, or llama_model_quantize in
-# llama-cpp-python), which finetune does not run (the gguf package dequantizes these types but cannot quantize them,
-# and llama-cpp-python installs from source only: its build here took over 10 minutes). Named so that asking for one
-# gets the way to make it, in one line.
-LLAMACPP_TYPES = ("q4_K_M", "q5_K_M", "q6_K")
+# llama.cpp's K-quant presets: made by llama.cpp's own quantizer (llama_model_quantize of llama-cpp-python, the
+# optional extra finetune[llamacpp]; gguf_kquant.py), which mixes types per tensor; the gguf package only dequantizes
+# them. Without llama-cpp-python, asking for one gets the way to install it, in one line.
+LLAMACPP_TYPES = tuple(gguf_kquant.PRESETS)
 GGUF_TYPES = PLAIN_TYPES + LLAMACPP_TYPES
 # The 4- and 5-bit block types: their output head (or the tied token embedding that serves as one) is written Q8_0,
 # the most precise type the gguf package quantizes (llama.cpp's presets put it in Q6_K), as llama.cpp keeps it
@@ -46,7 +48,8 @@ LOW_BIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1")
 # project's 1e-5; the others are relative to the largest |logit| of the HF model, set with 2x or more headroom over
 # the largest of the measurements on SmolLM2-135M and the tests' tiny models (docs/export.md has them).
 LOGIT_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.08, "q8_0": 0.08,
-                "q4_0": 0.75, "q4_1": 0.75, "q5_0": 0.75, "q5_1": 0.75}
+                "q4_0": 0.75, "q4_1": 0.75, "q5_0": 0.75, "q5_1": 0.75,
+                "q4_K_M": 0.5, "q5_K_M": 0.3, "q6_K": 0.15}
 
 
 def gguf_type_name(value: str) -> str | None:
@@ -61,10 +64,7 @@ def gguf_type_problem(value: str) -> str | None:
         return (f"--gguf_type: '{value}' is not one of {', '.join(GGUF_TYPES)}"
                 f"{did_you_mean(str(value), list(GGUF_TYPES))}")
     if name in LLAMACPP_TYPES:
-        return (f"--gguf_type {name}: made by llama.cpp's quantizer, which finetune does not run: write --gguf_type f16, "
-                f"then `llama-quantize model.gguf model-{name}.gguf {name.upper()}` (llama.cpp; in Python: "
-                f"pip install llama-cpp-python, llama_cpp.llama_model_quantize); or pick one finetune writes "
-                f"({', '.join(PLAIN_TYPES)})")
+        return gguf_kquant.refusal(name, PLAIN_TYPES)
     return None
 
 
@@ -478,6 +478,20 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     return tensors, tok
 
 
+def write_unverified(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
+    """MODEL as a GGUF file of any --gguf_type at PATH, unverified: (its tensors as stored, the tokenizer's part).
+    The gguf package writes the plain types; a K-quant preset is llama.cpp's quantization of the f32 file."""
+    if gguf_type not in LLAMACPP_TYPES:
+        return write_gguf(model, model_dir, path, gguf_type, name, tokenizer)
+    f32 = path.with_name(path.name + ".f32")  # beside PATH, in the output folder: removed whatever happens
+    try:
+        _, tok = write_gguf(model, model_dir, f32, "f32", name, tokenizer)
+        gguf_kquant.quantize(f32, path, gguf_type)
+    finally:
+        f32.unlink(missing_ok=True)
+    return gguf_kquant.read_back(path, model, gguf_type), tok
+
+
 def tensor_types(tensors: list) -> dict[str, int]:
     """{GGML type name: number of tensors}: what a file's tensors are stored as."""
     counts: dict[str, int] = {}
@@ -568,7 +582,7 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
     try:
-        tensors, tok = write_gguf(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
+        tensors, tok = write_unverified(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
                                                        gguf_type=gguf_type)
         style = None
@@ -613,8 +627,9 @@ class GGUFFlags:
     """With --to gguf"""
 
     gguf_type: str = field(default="f32", metadata={"help": (
-        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1. Norms stay f32; the 4/5-bit types keep the "
-        "output head in q8_0. llama.cpp's q4_K_M, q5_K_M, q6_K: quantize an f16 file with llama.cpp.")})
+        "Tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (the gguf package's; norms stay f32, the 4/5-bit "
+        "types keep the output head in q8_0), or llama.cpp's presets q4_K_M, q5_K_M, q6_K (made by llama.cpp's "
+        f"quantizer: {gguf_kquant.INSTALL}).")})
 
 
 class GGUF(Writer):
