@@ -202,10 +202,15 @@ def _family_model(fam: str, tokenizer):
         return LlamaForCausalLM(LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
-    return tiny_model(FAMILIES[fam], vocab_size=len(tokenizer), seed=3)
+    if fam in FAMILIES:
+        return tiny_model(FAMILIES[fam], vocab_size=len(tokenizer), seed=3)
+    import family_configs
+
+    # llama.cpp's gemma2/gemma3 take the head from the token embedding (tied); its phi3 needs a head of its own.
+    return family_configs.tiny_model(fam, vocab_size=len(tokenizer), tied=fam.startswith("gemma"), seed=3).eval()
 
 
-GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe")
 
 
 @pytest.mark.parametrize("fam", GREEDY_FAMILIES)
