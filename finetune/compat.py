@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from finetune.errors import ResumeError
 
@@ -775,6 +775,19 @@ def _choose_deepspeed_accelerator() -> None:
         return
     os.environ["DS_ACCELERATOR"] = "cpu"
 
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 5.24: a mixture-of-experts model (Mixtral, Qwen3-MoE) whose config has output_router_logits=True (as
+# training with the router's auxiliary loss saves it) computes that loss in every forward, from the router logits
+# and the attention mask; decoding with a cache hands it one new token's router logits against the whole mask, and a
+# padded batch fails ("The size of tensor a (2) must match the size of tensor b (28)"). Sampling never needs that
+# loss: every generating forward asks for no router logits.
+
+def generation_kwargs(model) -> dict[str, Any]:
+    """Extra keyword arguments for a forward (or generate) that samples from `model`."""
+    config = getattr(model, "config", None)
+    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
 
 
 # ----------------------------------------------------------------------------------------------

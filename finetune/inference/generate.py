@@ -175,6 +175,16 @@ def read_device_map_file(path: str, model) -> dict[str, int | str]:
     if unplaced:
         shown = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
         raise GenerationError(f"--device_map {path}: these weights are not placed on any device: {shown}")
+    # Tied weights are one tensor, stored once (under the first name): placed apart, the disk side finds nothing to
+    # read and accelerate fails in the first forward (KeyError: 'lm_head.weight').
+    from accelerate.utils import find_tied_parameters
+
+    for group in find_tied_parameters(model):
+        where = {name: _placement_of(name, device_map) for name in group}
+        if len({str(d) for d in where.values()}) > 1:
+            shown = ", ".join(f"{name} on {d}" for name, d in where.items())
+            raise GenerationError(f"--device_map {path}: {' and '.join(group)} are one tensor (tied weights) placed "
+                                  f"apart ({shown}); place their modules on the same device")
     return device_map
 
 
@@ -444,6 +454,16 @@ def attach_adapter(model, adapter: str):
     weights = load_file(str(Path(adapter) / "adapter_model.safetensors"))
     weights = {k[len("base_model.model."):] if k.startswith("base_model.model.") else k: v for k, v in weights.items()}
     inject_adapter_in_model(config, model, adapter_name="default", low_cpu_mem_usage=True)
+    # peft 0.21's LoRA on a MoE's expert parameters (ParamWrapper) parametrizes the experts' tensors as it runs, and
+    # an offloaded module's tensors are on the meta device then ("unsupported scalarType" in the first forward).
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, ParamWrapper)]
+    apart = sorted({w for w in wrapped for n, _, _ in hooks if w == n or w.startswith(n + ".")})
+    if apart:
+        raise ValueError(f"its LoRA on the experts' parameters ({apart[0]}{' and more' if len(apart) > 1 else ''}) "
+                         "cannot run with those layers offloaded: give them room in memory (--max_memory, or a "
+                         "--device_map keeping them on cpu or a GPU), or merge the adapter first (finetune export)")
     # Set the LoRA weights ourselves: PEFT's loader moves them to the device of the base weight, which is the meta
     # device for offloaded layers (their weights are read at forward time), and they would be lost.
     from accelerate.utils import set_module_tensor_to_device
@@ -456,9 +476,12 @@ def attach_adapter(model, adapter: str):
             raise ValueError(f"the adapter has no weight for {key}")
         used.add(key)
         module_name = name.rsplit(".", 3)[0]  # ...q_proj . lora_A . default . weight
-        base_weight = model.get_submodule(module_name).get_base_layer().weight
-        device = base_weight.device if base_weight.device.type != "meta" else "cpu"
-        set_module_tensor_to_device(model, name, device, value=weights[key].to(base_weight.dtype if base_weight.dtype.is_floating_point else torch.float32))
+        # A linear layer's weight, or (a MoE's experts, LoRA on their parameters) the first of the module's own.
+        base = model.get_submodule(module_name).get_base_layer()
+        ref = next(base.parameters(), None)
+        device = ref.device if ref is not None and ref.device.type != "meta" else "cpu"
+        dtype = ref.dtype if ref is not None and ref.dtype.is_floating_point else torch.float32
+        set_module_tensor_to_device(model, name, device, value=weights[key].to(dtype))
     unused = sorted(set(k for k in weights if "lora_" in k) - used)
     if unused or not lora_params:
         raise ValueError(f"adapter weights that match no LoRA layer: {unused[:3]}")
@@ -591,6 +614,7 @@ def generate(
     device = input_device(model)
     gen_kwargs: dict[str, Any] = dict(
         max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=stop, pad_token_id=pad, use_cache=True,
+        **compat.generation_kwargs(model),
     )
     if do_sample:
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -16,6 +16,7 @@ import math
 import time
 from pathlib import Path
 
+from finetune import compat
 from finetune.methods.base import Context, Examples, Session, Window
 
 
@@ -79,7 +80,7 @@ def sample(module, prompt_ids, prompt_mask, seeds, *, max_new: int, temperature:
         for t in range(max_new):
             with autocast():
                 o = module(input_ids=ids, attention_mask=mask, position_ids=pos, cache=past, use_cache=True,
-                           logits_to_keep=1)
+                           logits_to_keep=1, **compat.generation_kwargs(module))
             past = o.cache
             token = pick(o.logits[:, -1], generators, temperature, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from finetune import compat
 from finetune.constants import IGNORE_INDEX
 from finetune.data.prepare import Collator
 from finetune.training import checkpoint, core
@@ -137,7 +138,7 @@ def generations(module, es: EvalSet, device, synced_gpus: bool = False) -> tuple
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, use_cache=True)
         ids = torch.tensor([prompt], device=device)
         out = module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                              synced_gpus=synced_gpus)
+                              synced_gpus=synced_gpus, **compat.generation_kwargs(module))
         predictions.append(tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip())
         references.append(tok.decode(answer, skip_special_tokens=True).strip())
     return predictions, references
