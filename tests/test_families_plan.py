@@ -239,7 +239,7 @@ def test_plan_code_names_no_family():
     assert [o for o in comparisons_outside(names, "models/families") if o.startswith("plan/")] == []
 
 
-# Each family's tiny model grown so that activations are a fifth or more of the peak (the process overhead, 555 MB,
+# Each family's tiny model grown so that activations are a fifth or more of the peak (the process overhead, 511 MB,
 # is the rest): a Llama layer counted for Gemma-2 would be 17% low here, beyond the 5% bound.
 RSS_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4)
 RSS_VOCAB, RSS_MICRO, RSS_SEQ = 8192, 4, 512

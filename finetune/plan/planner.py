@@ -787,8 +787,10 @@ def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: 
 
 # Measured on this project's CPU stack (torch 2.13, transformers 5.23, accelerate 1.15, deepspeed 0.19.8):
 # RSS of a training process after imports, the process group and the model's (lazily mapped) load,
-# before the weights are touched. bench/memory.py re-measures it.
-CPU_PROCESS_OVERHEAD = 555 * 10**6
+# before the weights are touched. bench/memory.py re-measures it. 555 MB until DeepSpeed's import stopped loading
+# mlflow (finetune.compat): 44 MB less in every process (measured on Gemma-2, Phi-3 and Qwen3-MoE's tiny models,
+# whose planned peaks went from +0.4..+0.8% to +5.9..+7.5% of the measured RSS).
+CPU_PROCESS_OVERHEAD = 511 * 10**6
 # GPU: CUDA context, cuBLAS/NCCL workspaces and allocator slack on the device (not in max_memory_allocated);
 # and what each training process holds in host memory (CUDA and torch libraries). Allowances, not measured here.
 GPU_DEVICE_OVERHEAD = 2 * 10**9
