@@ -37,14 +37,15 @@ LATE = 40.0  # node 1 starts this long after node 0
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
-# CI's cover: every launcher (and so every path) once over the two cases; both cases on all three with
+# CI's cover: DeepSpeed's launcher (the engine) on the shared folder, accelerate (the loop) on a folder per node; torchrun
+# (the Trainer) is the late node's, through the SLURM script; both cases on all three with
 # FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared core's, whatever the launcher.
-SHARED_COVER = [("torchrun", "zero2"), ("deepspeed", "zero3")]
+SHARED_COVER = [("deepspeed", "zero3")]
 PER_NODE_COVER = ["accelerate"]
-# CI's cover of the late node: the SLURM script (torchrun's c10d under it) and DeepSpeed's own launcher; `finetune
+# CI's cover of the late node: the SLURM script (torchrun's c10d under it); `finetune
 # nodes` holds every line the same way before the launcher starts, and each line's waiting and giving up is
 # test_a_node_alone_says_what_it_waits_for_and_gives_up's.
-LATE_COVER = ["slurm", "deepspeed"]
+LATE_COVER = ["slurm"]
 
 
 # The "Measured" table of docs/multi-node.md: each slow case below adds its row; FINETUNE_WRITE_MEASURED=1 writes the

@@ -28,9 +28,8 @@ ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
 # The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's; FINETUNE_RESUME_TRIALS=N runs N
 # random trials on every path.
 ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1, "kto": 0}
-# CI's cover: the Trainer (DPO) and the loop (ORPO); the loop's SFT resume is also tests/test_resume.py's mid-epoch
-# case.
-ONE_TRIAL_CASES = matrix(list(ONE_TRIAL), ["dpo", "orpo"])
+# CI's cover: DPO on the Trainer; the loop's resume is tests/test_resume.py's mid-epoch case.
+ONE_TRIAL_CASES = matrix(list(ONE_TRIAL), ["dpo"])
 
 
 @pytest.fixture(scope="module")
