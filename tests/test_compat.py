@@ -222,7 +222,9 @@ def test_deepspeed_is_imported_without_mlflow_which_still_imports_after():
     assert lines == ["False False SourceFileLoader", "mlflow"], proc.stdout
 
 
-@pytest.mark.parametrize("init", ["deepspeed", "ours"])
+# The control (DeepSpeed's own init leaving its buffers; 80 s of CPU on 2 cores, ours 20 s) shows the
+# workaround is still needed on a new DeepSpeed; CI runs ours.
+@pytest.mark.parametrize("init", [pytest.param("deepspeed", marks=pytest.mark.full_matrix), "ours"])
 def test_deepspeed_shared_memory_buffers_do_not_outlive_the_job(tmp_path, init):
     """A real `deepspeed --num_gpus 2` job: DeepSpeed's own init leaves a 66 MiB buffer per rank in /dev/shm after the
     job (the control, which finetune.testing.run reports and removes); ours unlinks them once every rank has mapped

@@ -157,9 +157,9 @@ EVERY = [("trainer", "zero2", ()), ("trainer", "zero3", ()),
          ("loop", "zero3", ()), ("loop", "ddp", ("--method", "rloo")),
          # the std of the whole step, both ranks' (an all-reduce); 2 steps on one batch of generations
          ("loop", "ddp", ("--scale_rewards", "batch", "--num_iterations", "2"))]
-# CI's cover: the loop with the whole step's std and a reused batch of generations (the Trainer path runs in
-# test_kill_one_rank_then_resume_repeats_the_run); every cell with FINETUNE_FULL_MATRIX=1.
-CASES = matrix(EVERY, [EVERY[5]])
+# CI's cover: the Trainer on ZeRO-2, and the loop with the whole step's std and a reused batch of generations; every
+# cell with FINETUNE_FULL_MATRIX=1.
+CASES = matrix(EVERY, [EVERY[0], EVERY[5]])
 
 
 @pytest.mark.slow
@@ -218,7 +218,11 @@ def test_plan_counts_generation(tmp_path):
     assert "reference: a frozen copy" in full["job"]["method"]
 
 
+# 3 two-process GRPO runs (120 s of CPU): full matrix only. CI holds the parts: a kill -9 and resume on 2 processes
+# (tests/test_resume.py, test_resume_trials.py) and GRPO's resume sampling the same completions
+# (test_resume_repeats_the_run).
 @pytest.mark.slow
+@pytest.mark.full_matrix
 def test_kill_one_rank_then_resume_repeats_the_run(job):
     """2 processes (Trainer path, ZeRO-2): rank 1 killed (-9) after step 3, checkpoint-2 complete; the resumed run
     logs what the uninterrupted one does, the completions of steps 3 and 4 sampled again alike."""
