@@ -2,7 +2,7 @@
 the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; DPO on the Trainer path, ORPO
 on the loop), ZeRO-2 and ZeRO-3 alternating.
 
-CI runs one trial on DPO (the Trainer) and one on ORPO (the loop); FINETUNE_FULL_MATRIX=1 adds one on SFT's loop and
+CI runs one trial, on DPO (the Trainer); FINETUNE_FULL_MATRIX=1 adds one on SFT's loop, one on ORPO (the loop) and
 one on KTO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
 `FINETUNE_RESUME_TRIALS_ROWS=FILE` appends each trial's row there, and `python bench/resume_trials.py --rows FILE
 --write` puts them in bench/RESULTS.md."""
