@@ -500,8 +500,9 @@ def tensor_types(tensors: list) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
-    """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch."""
+def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str, source=None) -> tuple[float, float, float]:
+    """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch. The
+    logits are compared with SOURCE's (the checkpoint MODEL was taken from by its family's gguf_model), else MODEL's."""
     import torch
 
     from finetune.convert.gguf_import import load_gguf
@@ -530,7 +531,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     if weight_diff != 0.0:
         raise VerificationError(f"weights load back changed by {weight_diff:.3g} (must be exact)")
     ids = fixed_input(model.config.vocab_size)
-    ref = logits_of(model, ids)
+    ref = logits_of(model if source is None else source, ids)
     got = logits_of(loaded, ids)
     diff = (got - ref).abs().max().item()
     bound = LOGIT_BOUNDS[gguf_type] * (1.0 if gguf_type == "f32" else ref.abs().max().item())
@@ -576,6 +577,10 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     except WeightsError as e:
         raise ExportError(str(e)) from None
     model.eval()
+    source = model
+    model, left_out = family.gguf_model(source)
+    if left_out:
+        log(f"{model_dir}: {left_out}")
     made_parent = not output.parent.exists()
     output.parent.mkdir(parents=True, exist_ok=True)
     done = False
@@ -584,7 +589,7 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     try:
         tensors, tok = write_unverified(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
-                                                       gguf_type=gguf_type)
+                                                       gguf_type=gguf_type, source=source)
         style = None
         if modelfile:
             text, style = modelfile_text(output.name, tok["tokenizer"], family.chat_templates)
@@ -653,7 +658,9 @@ class GGUF(Writer):
         write_source(args, flags.gguf_type)
         return Path(args.output_dir)
 
-    def verify(self, written: Path, reference, *, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
+    def verify(self, written: Path, reference, *, tokenizer, tensors: list, gguf_type: str,
+               source=None) -> tuple[float, float, float]:
         """The file as transformers loads it: its weights exactly the stored ones, its logits within the type's
-        bound of REFERENCE's, its tokenizer encoding as the HF one (verify_gguf)."""
-        return verify_gguf(written, reference, tokenizer, tensors, gguf_type)
+        bound of REFERENCE's (or SOURCE's, the checkpoint REFERENCE is the language model of), its tokenizer
+        encoding as the HF one (verify_gguf)."""
+        return verify_gguf(written, reference, tokenizer, tensors, gguf_type, source)
