@@ -10,7 +10,8 @@ Written with the `gguf` package (llama.cpp's own writer; the K-quant presets the
 llama-cpp-python, gguf_kquant.py): the family's metadata (finetune.models.families), the
 byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
-permuted). The file is written under a temporary name in the output folder, verified
+permuted); a checkpoint holding more than the architecture (Gemma-3's multimodal one) is written as the causal LM its
+family's gguf_model gives, with one line saying what is left out. The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
 weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it. An adapter or a ZeRO checkpoint becomes an HF
 folder first (the HF export type's `hf_folder`, verified as for --to hf).
@@ -451,11 +452,13 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_
 
 
 def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
-    """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified."""
+    """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified:
+    the causal LM its family's gguf_model gives (a multimodal checkpoint's language model)."""
     import gguf
 
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
+    model, _ = families.family_of(model.config).gguf_model(model)
     config = model.config
     family = families.family_of(config)
     writer = gguf.GGUFWriter(str(path), family.gguf_arch)
