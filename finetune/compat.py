@@ -386,6 +386,25 @@ def defer_bitsandbytes_import() -> bool:
 # transformers 5.23-5.24 and accelerate 1.15.
 
 
+def fill_zero_sizes(plugin, model) -> None:
+    """accelerate 1.15's prepare() fills a DeepSpeed config's "auto" ZeRO sizes (reduce_bucket_size,
+    stage3_prefetch_bucket_size, stage3_param_persistence_threshold) from model.config.hidden_size or hidden_sizes and
+    raises on a config with neither: a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its sizes in
+    text_config, which transformers 5.24's Trainer reads (HfTrainerDeepSpeedConfig.trainer_config_finalize). The
+    values accelerate would set, from the text config, before prepare(); a config with its own size is left to it."""
+    config = getattr(model, "config", None)
+    if config is None or hasattr(config, "hidden_size") or hasattr(config, "hidden_sizes"):
+        return
+    hidden = getattr(config.get_text_config(), "hidden_size", None)
+    if hidden is None:
+        return
+    for key, value in (("zero_optimization.reduce_bucket_size", hidden * hidden),
+                       ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)),
+                       ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)):
+        if plugin.is_auto(key):
+            plugin.fill_match(key, must_match=False, **{key: value})
+
+
 @contextmanager
 def outside_zero3():
     """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,

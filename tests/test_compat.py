@@ -384,3 +384,17 @@ def test_deepspeed_asks_for_the_cpu_once_per_process():
     assert plain["runs"] == 6 and cached["runs"] == 1, (plain["runs"], cached["runs"])
     assert cached["flags"] == plain["flags"] and plain["flags"][0][0].startswith("-m")
     assert cached["info"] == plain["info"] and "changed by a caller" not in cached["info"]["flags"]
+
+
+def test_zero_sizes_of_a_multimodal_config_come_from_its_text_config():
+    """accelerate 1.15's prepare() raises on a DeepSpeed config whose ZeRO sizes are "auto" when model.config has no
+    hidden_size (Gemma3ForConditionalGeneration's is in text_config); fill_zero_sizes sets accelerate's values from
+    the text config's 64 (64², 0.9 x 64², 10 x 64) and leaves a text model's to accelerate."""
+    from accelerate.utils import DeepSpeedPlugin
+    from family_configs import tiny_config
+
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    for name, expected in (("gemma3_mm", (4096, 3686, 640)), ("gemma3", ("auto",) * 3)):
+        plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3, **dict.fromkeys(keys, "auto")}})
+        compat.fill_zero_sizes(plugin, SimpleNamespace(config=tiny_config(name)))
+        assert tuple(plugin.deepspeed_config["zero_optimization"][k] for k in keys) == expected, name

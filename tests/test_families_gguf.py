@@ -5,8 +5,9 @@ transformers' GGUF loader with the config values it does not read set from the f
 logits within 1e-5 of the HF model's; its tensors carry llama.cpp's names for the architecture (gguf.MODEL_TENSORS)
 and the values llama.cpp expects (Gemma's norms plus one, the experts split gate/up), its metadata the keys llama.cpp
 reads for the architecture, the family's chat template and stop token, and the Modelfile the template and stops;
-`finetune import-gguf` of the file is an HF folder of the family with the same weights. f16 and q8_0 stay within the
-exporter's bounds; what llama.cpp's architecture cannot hold is refused in one line, and so is an architecture no
+`finetune import-gguf` of the file is an HF folder of the family with the same weights. The Gemma-3 multimodal
+checkpoint (Gemma3ForConditionalGeneration) is written as its language model, an ordinary gemma3 file, whose logits
+equal the multimodal model's on text. f16 and q8_0 stay within the exporter's bounds; what llama.cpp's architecture cannot hold is refused in one line, and so is an architecture no
 family covers."""
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def tokenizers(tmp_path_factory, sentencepiece_model):
 
 
 def save_tiny(fam: str, tokenizer, folder: Path, tied: bool | None = None, seed: int = 3):
-    tied = {"gemma2": True, "gemma3": True, "phi3": False, "qwen3_moe": False}[fam] if tied is None else tied
+    tied = {"gemma2": True, "gemma3": True, "gemma3_mm": True, "phi3": False, "qwen3_moe": False}[fam] if tied is None \
+        else tied
     model = tiny_model(fam, vocab_size=len(tokenizer), tied=tied, seed=seed).eval()
     model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     model.config.pad_token_id = None
@@ -108,18 +110,18 @@ def arch_tensor_names(arch: str, layers: int) -> set[str]:
     return {n + s for n in base for s in (".weight", ".bias")}
 
 
-def expected_stored(fam: str, model) -> dict[str, np.ndarray]:
-    """What llama.cpp's convert_hf_to_gguf.py stores, by GGUF name, written out here independently of the family
-    modules: Gemma's norms plus one; Qwen3-MoE's fused gate_up experts split gate first; everything else as HF
-    holds it (none of these architectures permutes Q/K)."""
+def expected_stored(fam: str, config, state: dict) -> dict[str, np.ndarray]:
+    """What llama.cpp's convert_hf_to_gguf.py stores of STATE (a causal LM's state dict, CONFIG its config), by
+    GGUF name, written out here independently of the family modules: Gemma's norms plus one; Qwen3-MoE's fused
+    gate_up experts split gate first; everything else as HF holds it (none of these architectures permutes Q/K)."""
     import gguf
 
-    a = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[families.family_of(model.config).gguf_arch]
-    table = gguf.get_tensor_name_map(a, model.config.num_hidden_layers)
+    a = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[families.family_of(config).gguf_arch]
+    table = gguf.get_tensor_name_map(a, config.num_hidden_layers)
     out = {}
-    for hf_name, w in model.state_dict().items():
+    for hf_name, w in state.items():
         w = w.numpy()
-        if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if hf_name.endswith("experts.gate_up_proj"):
             layer = int(hf_name.split(".")[2])
@@ -155,7 +157,7 @@ def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys):
     assert arch == family.gguf_arch
     stored = {t.name: np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors}
     assert set(stored) <= arch_tensor_names(arch, model.config.num_hidden_layers)
-    expected = expected_stored(fam, model)
+    expected = expected_stored(fam, model.config, model.state_dict())
     assert sorted(stored) == sorted(expected)
     for name, w in expected.items():
         assert np.array_equal(stored[name], w), name
@@ -278,6 +280,79 @@ def test_keys_transformers_loader_does_not_read(case, tokenizers, tmp_path):
           f"(transformers' loader alone: {bare_diff:.3g}; the defaults' logits: {default_diff:.3g})")
 
 
+def test_gemma3_multimodal_checkpoint_exports_its_language_model(tokenizers, tmp_path, capsys):
+    """Gemma-3 4B and up ship as Gemma3ForConditionalGeneration (a SigLIP vision tower, a projector, the language
+    model under model.language_model.). The export writes the language model as llama.cpp's converter does, an
+    ordinary gemma3 file (text_config's sizes, the decoder's weights, Gemma's norms plus one, the tied embedding as
+    the head), and says in one line that the vision tower is not in it; the f32 file, as finetune's reader and
+    `finetune import-gguf` load it, gives the multimodal model's text-only logits within 1e-5; the chat template and
+    stop token are in the file and the Modelfile; q8_0 stays within the exporter's bound."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizers["gemma"]
+    src = tmp_path / "gemma3_mm"
+    save_tiny("gemma3_mm", tokenizer, src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # as the exporter loads it
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    text = model.config.text_config
+    # The language model's weights as a Gemma3ForCausalLM names them, found here by prefix (not by the family).
+    lm_state = {"model." + n[len("model.language_model."):]: w for n, w in model.state_dict().items()
+                if n.startswith("model.language_model.")}
+    lm_state["lm_head.weight"] = model.state_dict()["lm_head.weight"]
+    assert any(n.startswith("model.vision_tower.") for n in model.state_dict())
+
+    out = tmp_path / "gguf" / "model.gguf"
+    capsys.readouterr()
+    E.main(["--to", "gguf", "--model_name_or_path", str(src), str(out)])
+    err = capsys.readouterr().err
+    note = [line for line in err.splitlines() if "vision tower" in line]
+    assert len(note) == 1 and "not included" in note[0] and "mmproj" in note[0], err
+    reported = float(re.search(r"transformers-loaded logits vs HF max diff (\S+) ", err).group(1))
+    assert reported <= 1e-5
+
+    reader = GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert fields["general.architecture"] == "gemma3"
+    assert (fields["gemma3.block_count"], fields["gemma3.embedding_length"], fields["gemma3.attention.head_count"],
+            fields["gemma3.attention.key_length"]) == (text.num_hidden_layers, text.hidden_size,
+                                                       text.num_attention_heads, text.head_dim)
+    assert all(f"gemma3.{k}" in fields for k in CASES["gemma3"][1])
+    stored = {t.name: np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors}
+    expected = expected_stored("gemma3", text, lm_state)
+    assert sorted(stored) == sorted(expected)  # the vision tower's and projector's tensors are not in the file
+    for name, w in expected.items():
+        assert np.array_equal(stored[name], w), name
+    assert fields["tokenizer.chat_template"] == tokenizer.chat_template == gemma_template()
+    assert reader.fields["tokenizer.ggml.eos_token_id"].contents() == tokenizer.eos_token_id
+    modelfile = (out.parent / "Modelfile").read_text()
+    assert "<start_of_turn>model" in modelfile and 'PARAMETER stop "<end_of_turn>"' in modelfile, modelfile
+
+    ids = fixed_input(text.vocab_size)
+    ref = logits_of(model, ids)  # the multimodal model on text only
+    loaded, _ = G.load_gguf(out)
+    diff = (logits_of(loaded, ids) - ref).abs().max().item()
+    assert diff <= 1e-5
+    bare = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32).eval()
+    bare_diff = (logits_of(bare, ids) - ref).abs().max().item()
+    back = tmp_path / "back"
+    G.main([str(out), str(back)])
+    imported = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    assert type(imported).__name__ == "Gemma3ForCausalLM"
+    got = imported.state_dict()
+    assert sorted(got) == sorted(lm_state)
+    for n, w in lm_state.items():
+        assert torch.equal(got[n] + 1, w + 1) if n.endswith("norm.weight") else torch.equal(got[n], w), n
+    import_diff = (logits_of(imported, ids) - ref).abs().max().item()
+    assert import_diff <= 1e-5
+
+    q8 = X.write_folder(src, tmp_path / "q8" / "m.gguf", gguf_type="q8_0")
+    assert q8.logit_diff <= q8.logit_bound
+    print(f"gemma3_mm: GGUF (gemma3, language model) f32 logits vs the multimodal model's max diff {diff:.3g} "
+          f"(transformers' loader alone: {bare_diff:.3g}); import-gguf folder {import_diff:.3g}; q8_0 "
+          f"{q8.logit_diff:.3g} (bound {q8.logit_bound:.3g})")
+
+
 def test_gemma_and_phi3_modelfile_templates_write_what_the_hf_templates_write(tokenizers):
     """The Modelfile's TEMPLATE, executed by hand for a conversation without a system turn, writes the HF template's
     text (after BOS, which llama.cpp adds)."""
@@ -320,7 +395,10 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(tokenizers, tmp_path,
     c = tiny_config("gemma3", tied=True)
     c.final_logit_softcapping = 30.0
     assert "soft-cap is set" in GEMMA3.gguf_refusal(c)
-    assert "mmproj" in GEMMA3.gguf_refusal(tiny_config("gemma3_mm"))
+    assert GEMMA3.gguf_refusal(tiny_config("gemma3_mm")) is None  # its language model is written (test below)
+    c = tiny_config("gemma3_mm")
+    c.text_config.final_logit_softcapping = 30.0  # what is checked of a multimodal checkpoint is its language model
+    assert "soft-cap is set" in GEMMA3.gguf_refusal(c)
     assert "tied embeddings" in PHI3.gguf_refusal(tiny_config("phi3", tied=True))
     c = tiny_config("phi3")
     c.rope_parameters = dict(c.rope_parameters, partial_rotary_factor=0.75)

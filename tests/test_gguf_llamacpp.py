@@ -207,10 +207,12 @@ def _family_model(fam: str, tokenizer):
     import family_configs
 
     # llama.cpp's gemma2/gemma3 take the head from the token embedding (tied); its phi3 needs a head of its own.
+    # gemma3_mm: the multimodal checkpoint, whose file is its language model (arch gemma3; HF greedy runs the
+    # multimodal model on text only).
     return family_configs.tiny_model(fam, vocab_size=len(tokenizer), tied=fam.startswith("gemma"), seed=3).eval()
 
 
-GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe")
+GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe")
 
 
 @pytest.mark.parametrize("fam", GREEDY_FAMILIES)

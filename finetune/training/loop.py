@@ -12,7 +12,7 @@ log_history to the Trainer's.
 
 from __future__ import annotations
 
-from finetune import methods
+from finetune import compat, methods
 from finetune.training import checkpoint, core, evaluate, examples
 from finetune.training.lifecycle import finish_run, rank0_print, resume_or_exit
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = DummyScheduler(optimizer, lr_scheduler_callable=None if "scheduler" in ds_config else schedule)
     else:
         scheduler = schedule(optimizer)
+    if deepspeed:  # a multimodal checkpoint's sizes are in its text_config, which accelerate does not read
+        compat.fill_zero_sizes(accelerator.state.deepspeed_plugin, model)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     rank0_print(f"engine: {accelerator.distributed_type.value}")
 

@@ -10,7 +10,8 @@ Written with the `gguf` package (llama.cpp's own writer; the K-quant presets the
 llama-cpp-python, gguf_kquant.py): the family's metadata (finetune.models.families), the
 byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
-permuted). The file is written under a temporary name in the output folder, verified
+permuted); a checkpoint holding more than the architecture (Gemma-3's multimodal one) is written as the causal LM its
+family's gguf_model gives, with one line saying what is left out. The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
 weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it. An adapter or a ZeRO checkpoint becomes an HF
 folder first (the HF export type's `hf_folder`, verified as for --to hf).
@@ -451,11 +452,13 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_
 
 
 def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, tokenizer=None) -> tuple[list, dict]:
-    """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified."""
+    """Write MODEL (its tokenizer from MODEL_DIR, or the (tokenizer, tokenizer.json data) given) to PATH, unverified:
+    the causal LM its family's gguf_model gives (a multimodal checkpoint's language model)."""
     import gguf
 
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
+    model, _ = families.family_of(model.config).gguf_model(model)
     config = model.config
     family = families.family_of(config)
     writer = gguf.GGUFWriter(str(path), family.gguf_arch)
@@ -500,8 +503,9 @@ def tensor_types(tensors: list) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
-    """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch."""
+def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str, source=None) -> tuple[float, float, float]:
+    """(max logit diff, its bound, max weight diff) of the file as transformers loads it; raise on a mismatch. The
+    logits are compared with SOURCE's (the checkpoint MODEL was taken from by its family's gguf_model), else MODEL's."""
     import torch
 
     from finetune.convert.gguf_import import load_gguf
@@ -530,7 +534,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str) -> 
     if weight_diff != 0.0:
         raise VerificationError(f"weights load back changed by {weight_diff:.3g} (must be exact)")
     ids = fixed_input(model.config.vocab_size)
-    ref = logits_of(model, ids)
+    ref = logits_of(model if source is None else source, ids)
     got = logits_of(loaded, ids)
     diff = (got - ref).abs().max().item()
     bound = LOGIT_BOUNDS[gguf_type] * (1.0 if gguf_type == "f32" else ref.abs().max().item())
@@ -576,6 +580,10 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     except WeightsError as e:
         raise ExportError(str(e)) from None
     model.eval()
+    source = model
+    model, left_out = family.gguf_model(source)
+    if left_out:
+        log(f"{model_dir}: {left_out}")
     made_parent = not output.parent.exists()
     output.parent.mkdir(parents=True, exist_ok=True)
     done = False
@@ -584,7 +592,7 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     try:
         tensors, tok = write_unverified(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
-                                                       gguf_type=gguf_type)
+                                                       gguf_type=gguf_type, source=source)
         style = None
         if modelfile:
             text, style = modelfile_text(output.name, tok["tokenizer"], family.chat_templates)
@@ -653,7 +661,9 @@ class GGUF(Writer):
         write_source(args, flags.gguf_type)
         return Path(args.output_dir)
 
-    def verify(self, written: Path, reference, *, tokenizer, tensors: list, gguf_type: str) -> tuple[float, float, float]:
+    def verify(self, written: Path, reference, *, tokenizer, tensors: list, gguf_type: str,
+               source=None) -> tuple[float, float, float]:
         """The file as transformers loads it: its weights exactly the stored ones, its logits within the type's
-        bound of REFERENCE's, its tokenizer encoding as the HF one (verify_gguf)."""
-        return verify_gguf(written, reference, tokenizer, tensors, gguf_type)
+        bound of REFERENCE's (or SOURCE's, the checkpoint REFERENCE is the language model of), its tokenizer
+        encoding as the HF one (verify_gguf)."""
+        return verify_gguf(written, reference, tokenizer, tensors, gguf_type, source)

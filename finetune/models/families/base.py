@@ -345,6 +345,12 @@ class Family(ABC):
         """Why this model (a transformers config) cannot be written as GGUF, or None."""
         return None
 
+    def gguf_model(self, model) -> tuple[Any, str | None]:
+        """(the causal LM the GGUF file holds, a line naming what of MODEL it leaves out, or None): MODEL as
+        AutoModelForCausalLM loaded it; a family whose checkpoint holds more than llama.cpp's architecture (a
+        multimodal checkpoint's vision tower) gives its language model. MODEL itself here."""
+        return model, None
+
     @abstractmethod
     def gguf_metadata(self, config) -> list[tuple[str, Any]]:
         """[(GGUFWriter adder, value)]: the model metadata llama.cpp needs (add_context_length, ...)."""

@@ -12,8 +12,9 @@ GGUF (llama.cpp's "gemma3", the text model): Gemma-2's layout (norms stored plus
 output tensor when untied and no soft-caps; llama.cpp fixes the sliding window on five layers of six, the sliding
 layers' rope base at 10000 and the query scale by its rule (Gemma2Family.query_scalar); a linear rope scaling of the
 global layers (Gemma-3 4B and up) is rope.scaling.type/factor, which transformers' loader does not read (gguf_config
-sets it). A multimodal checkpoint's vision tower is a separate file in llama.cpp (mmproj), which finetune does not
-write: its export is refused."""
+sets it). A multimodal checkpoint's file is its language model (text_config's sizes, model.language_model.'s weights
+and the LM head), as llama.cpp's converter writes it; the vision tower goes to a separate file in llama.cpp (mmproj),
+which finetune does not write (gguf_model says so in one line)."""
 
 from __future__ import annotations
 
@@ -93,9 +94,7 @@ class Gemma3Family(Gemma2Family):
     # ---- GGUF ----
 
     def gguf_refusal(self, config) -> str | None:
-        if getattr(config, "model_type", None) != "gemma3_text":
-            return ("a Gemma-3 multimodal checkpoint: llama.cpp keeps its vision tower in a separate mmproj file, which "
-                    "finetune does not write; export the language model as a Gemma3ForCausalLM folder first")
+        config = config.get_text_config()  # a multimodal checkpoint's file is its language model (gguf_model)
         if getattr(config, "use_bidirectional_attention", False):
             return "use_bidirectional_attention is set; llama.cpp's gemma3 is causal"
         rope = config.rope_parameters
@@ -106,6 +105,26 @@ class Gemma3Family(Gemma2Family):
         if full.get("rope_type", "default") not in ("default", "linear"):
             return f"rope scaling '{full.get('rope_type')}': llama.cpp's gemma3 reads linear scaling only"
         return super().gguf_refusal(config)
+
+    def gguf_model(self, model) -> tuple[Any, str | None]:
+        """A multimodal checkpoint's language model as a Gemma3ForCausalLM over the same modules (no copy): its
+        decoder (a Gemma3TextModel) and LM head; a text model as it is."""
+        config = model.config
+        if getattr(config, "model_type", None) != "gemma3":
+            return model, None
+        import copy
+
+        import torch
+        from transformers import Gemma3ForCausalLM
+
+        text_config = copy.deepcopy(config.text_config)
+        # The multimodal model ties its head by its own top-level key (transformers' tie_weights reads model.config).
+        text_config.tie_word_embeddings = bool(config.tie_word_embeddings)
+        with torch.device("meta"):  # no weights allocated: both modules are replaced by the checkpoint's
+            lm = Gemma3ForCausalLM(text_config)
+        lm.model, lm.lm_head = model.model.language_model, model.lm_head
+        return lm.eval(), ("the file holds the language model only: the vision tower and projector are not included "
+                           "(llama.cpp reads them from a separate mmproj file, which finetune does not write)")
 
     def softcap_refusal(self, config) -> str | None:
         if config.attn_logit_softcapping is not None or config.final_logit_softcapping is not None:
