@@ -37,11 +37,11 @@ LATE = 40.0  # node 1 starts this long after node 0
 # (measured up to 9.5e-7 under a Slurm launch); a resume that lost any state departs by 1e-3 or more.
 TOL = 2e-6
 REFUSAL = "the ranks do not see the same checkpoint in --output_dir"
-# CI's cover: DeepSpeed's launcher (the engine) on the shared folder, accelerate (the loop) on a folder per node; torchrun
-# (the Trainer) is the late node's, through the SLURM script; both cases on all three with
-# FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared core's, whatever the launcher.
+# CI's cover: DeepSpeed's launcher (the engine) on the shared folder; torchrun (the Trainer) is the late node's, through
+# the SLURM script; the folder per node's refusal runs in this process (test_ranks_that_see_different_checkpoints_are_
+# refused); both cases on all three launchers with FINETUNE_FULL_MATRIX=1. The refusal and the merge are the shared
+# core's, whatever the launcher.
 SHARED_COVER = [("deepspeed", "zero3")]
-PER_NODE_COVER = ["accelerate"]
 # CI's cover of the late node: the SLURM script (torchrun's c10d under it); `finetune
 # nodes` holds every line the same way before the launcher starts, and each line's waiting and giving up is
 # test_a_node_alone_says_what_it_waits_for_and_gives_up's.
@@ -202,7 +202,8 @@ def test_shared_output_folder_resumes_exactly_after_a_kill_on_node_1(kind, confi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", matrix(list(SCRIPTS), PER_NODE_COVER))
+@pytest.mark.full_matrix  # CI: its refusal in this process (test_ranks_that_see_different_checkpoints_are_refused)
+@pytest.mark.parametrize("kind", list(SCRIPTS))
 def test_folder_per_node_refuses_latest_on_every_node_then_resumes_once_merged(kind, job, reference):
     expected = reference(SCRIPTS[kind])
     outs = [job[0] / f"{kind}-node{r}" for r in range(2)]
