@@ -43,7 +43,10 @@ def test_record_replaces_the_section_of_the_same_device(tmp_path):
     assert "`bash bench/gpu_run.sh`" in text
 
 
-@pytest.mark.slow  # about 3 minutes on 2 cores: every section in forked children, 18 throughput rows, 4 profiled
+# About 3 minutes on 2 cores (every section in forked children, 18 throughput rows, 4 profiled): a bench script's
+# readiness, run before a GPU session and with FINETUNE_FULL_MATRIX=1, not in CI.
+@pytest.mark.slow
+@pytest.mark.full_matrix
 def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {k: v for k, v in os.environ.items()

@@ -224,6 +224,7 @@ def test_model_flops_count_the_job():
 
 
 @pytest.mark.slow
+@pytest.mark.full_matrix  # a bench script's end-to-end run (50 s): with FINETUNE_FULL_MATRIX=1, not in CI
 def test_tiny_grid_runs(tmp_path, one_thread):
     """Every kind of row runs, times at least min_tokens, and reports (the CPU path; the GPU preset is not run)."""
     p = dict(T.PRESETS["tiny"], attn="sdpa", name="tiny")

@@ -264,6 +264,7 @@ def test_export_and_import_gguf(fam, tied, chatml_tokenizer, tmp_path, capsys, o
 
 
 @pytest.mark.slow
+@pytest.mark.full_matrix  # 60 s (the 151k-token file read back); CI's real-tokenizer GGUF is SmolLM2's
 def test_qwen3_with_its_real_tokenizer(qwen3_dir, tmp_path, capsys, one_thread):
     """Qwen3's own tokenizer (151,669 tokens, its pre-tokenizer, chat template and stop token) in the file: the
     exporter's verification encodes a sample the same through the GGUF-built tokenizer; the Modelfile is ChatML."""

@@ -2,8 +2,8 @@
 the uninterrupted run's losses (1e-6), on each path (Trainer, loop, DeepSpeed engine; DPO on the Trainer path, ORPO
 on the loop), ZeRO-2 and ZeRO-3 alternating.
 
-CI runs one trial, on DPO (the Trainer); FINETUNE_FULL_MATRIX=1 adds one on SFT's loop, one on ORPO (the loop) and
-one on KTO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
+Not in CI: FINETUNE_FULL_MATRIX=1 runs one trial each on SFT's loop, DPO (the Trainer), ORPO (the loop) and
+KTO. `FINETUNE_RESUME_TRIALS=10` runs ten per path (about an hour on 2 cores);
 `FINETUNE_RESUME_TRIALS_ROWS=FILE` appends each trial's row there, and `python bench/resume_trials.py --rows FILE
 --write` puts them in bench/RESULTS.md."""
 
@@ -19,7 +19,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import resume_trials as T  # noqa: E402
-from launch import matrix  # noqa: E402
 
 TRIALS = int(os.environ.get("FINETUNE_RESUME_TRIALS", "1"))
 ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
@@ -28,8 +27,7 @@ ROWS = os.environ.get("FINETUNE_RESUME_TRIALS_ROWS")
 # The Trainer and engine paths' kill-and-resume runs are tests/test_resume.py's; FINETUNE_RESUME_TRIALS=N runs N
 # random trials on every path.
 ONE_TRIAL = {"loop": 0, "dpo": 1, "orpo": 1, "kto": 0}
-# CI's cover: DPO on the Trainer; the loop's resume is tests/test_resume.py's mid-epoch case.
-ONE_TRIAL_CASES = matrix(list(ONE_TRIAL), ["dpo"])
+ONE_TRIAL_CASES = list(ONE_TRIAL)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +38,10 @@ def work(tmp_path_factory):
     return root
 
 
+# Not in CI (a kill -9 and resume on 2 processes is tests/test_resume.py's, each method's resume its own test's): one
+# trial per path with FINETUNE_FULL_MATRIX=1, or FINETUNE_RESUME_TRIALS=N.
 @pytest.mark.slow
+@(pytest.mark.full_matrix if TRIALS == 1 else lambda test: test)
 @pytest.mark.parametrize("path", list(T.PATHS) if TRIALS > 1 else ONE_TRIAL_CASES)
 def test_random_kill_trials_resume_exactly(path, work):
     indices = range(TRIALS) if TRIALS > 1 else [ONE_TRIAL[path]]
