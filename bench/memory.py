@@ -172,6 +172,12 @@ def worker(argv: list[str]) -> None:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     timeline = [("start", _rss(), _maxrss())]
+    from finetune.training import core
+
+    # As every training path starts: DeepSpeed's ops come from this virtualenv's folder, built once without debug
+    # information (without it, this worker built cpu_adam and shm_comm a second time, with DeepSpeed's own flags, in
+    # torch's default folder: about 400 s of compiling on a clean checkout's first test run).
+    core.start_run()
     sampler = _PhaseSampler()
     if os.environ.get("FINETUNE_BENCH_NO_LIGER"):
         # liger-kernel hidden: the chunked loss runs its own chunk loop, which the planner models (Liger's kernel

@@ -198,6 +198,7 @@ SHM_WORKER = """
 import sys, torch, deepspeed, deepspeed.comm as ds_dist
 from finetune import compat
 if sys.argv[-1] == "ours":  # the launcher puts --local_rank=N first
+    compat.guard_extension_builds()  # as every run's start does: the op from this virtualenv's folder
     compat.init_deepspeed_distributed()
 else:
     deepspeed.init_distributed(dist_backend="gloo")
