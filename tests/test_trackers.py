@@ -72,7 +72,9 @@ def read_mlflow(store: Path) -> dict:
     assert len(runs) == 1
     r = runs[0]
     return {"name": r.info.run_name, "status": r.info.status, "params": r.data.params,
-            "loss": [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "loss")]}
+            # transformers logs with synchronous=False: MLflow's async queue hands batches to a pool of up to 10
+            # threads, so the file store's lines come in the order the writes finished, not step order
+            "loss": sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "loss"))}
 
 
 @pytest.fixture(scope="module")
