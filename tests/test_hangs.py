@@ -161,7 +161,9 @@ if sys.argv[1] == "guarded":
     from finetune.training import core
     core.start_run()
 from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+print("loading the op", flush=True)
+builder.load()
 print(f"loaded in {time.monotonic() - start:.1f} s", flush=True)
 """
 
@@ -169,7 +171,7 @@ print(f"loaded in {time.monotonic() - start:.1f} s", flush=True)
 @pytest.mark.slow
 def test_deepspeed_op_load_with_a_planted_dead_lock(tmp_path):
     """A real DeepSpeed op (deepspeed_shm_comm, what every CPU DeepSpeed run loads first) in a private copy of this
-    virtualenv's extensions folder, with a `lock` left by a dead build: DeepSpeed alone is still waiting after 20 s,
+    virtualenv's extensions folder, with a `lock` left by a dead build: DeepSpeed alone is still waiting after 10 s,
     silently; under finetune the lock is removed with a message and the op loads."""
     source = compat.extensions_dir() / "deepspeed_shm_comm"
     ninja = source / "build.ninja"
@@ -184,7 +186,9 @@ def test_deepspeed_op_load_with_a_planted_dead_lock(tmp_path):
     (private / "deepspeed_shm_comm" / "lock").touch()
     with testing.Launched([sys.executable, "-c", LOAD_SHM, "plain"], testing.REPO,
                      testing.env(TORCH_EXTENSIONS_DIR=str(private))) as plain:
-        assert not plain.wait(20)
+        plain.wait(120, until=lambda: "loading the op" in plain.output)  # past the imports, at the lock
+        assert "loading the op" in plain.output, plain.output[-3000:]
+        assert not plain.wait(10)  # the guarded load below, lock removal included, takes about 2 s
         assert "loaded" not in plain.output and "lock" not in plain.output
         plain.kill()
     start = time.monotonic()

@@ -493,6 +493,7 @@ def test_two_processes_equal_one(job, path, preset):
 
 
 @pytest.mark.slow
+@pytest.mark.full_matrix  # CI: the quickstart's preference stage as --method dpo (test_quickstart.py)
 def test_quickstart_kto_on_a_tiny_model(tiny_chatml, tmp_path, one_thread):
     """`quickstart --method kto` after a LoRA SFT (a random adapter on a tiny model): the bundled pairs split into
     2 unpaired examples each (chosen: label true, rejected: false), KTO trains a new adapter whose reference is the

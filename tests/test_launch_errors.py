@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from finetune import config as C
 from finetune.models import tiny
 from launch import launcher, run
 
@@ -55,7 +54,5 @@ def test_accelerate_config_and_preset_must_agree(model, tmp_path):
     assert "--config ddp (the default) disagrees with the accelerate config, which uses DeepSpeed file " \
            "ds_configs/zero2.json: pass --config zero2 to train with that file" in default.output
 
-    good = run(launcher("accelerate", 2, "accelerate_configs/zero2.yaml") + common
-               + ["--config", "zero2", "--output_dir", str(tmp_path / "good")], timeout=300).check()
-    assert f"parallelism: zero2 ({C.DS_CONFIG_DIR / 'zero2.json'})" in good.output
-    assert "x 2 processes = global batch 4" in good.output
+    # The two agreeing (accelerate_configs/zero2.yaml with --config zero2) train on that file: test_parity.py's zero2
+    # and loop_zero2 runs.

@@ -90,6 +90,10 @@ def train(name: str, setup) -> Run:
     m = re.search(r"batch: (\d+) per device x (\d+) accumulation x (\d+) processes = global batch (\d+)", result.output)
     assert m, result.output[-3000:]
     assert tuple(map(int, m.groups())) == (micro, accum, nproc, 8), m.group(0)
+    if config_file == "accelerate_configs/zero2.yaml":  # an accelerate config and --config that agree: that file
+        from finetune.config.preset import DS_CONFIG_DIR
+
+        assert f"parallelism: zero2 ({DS_CONFIG_DIR / 'zero2.json'})" in result.output, result.output[-3000:]
     if name.startswith("loop_"):  # the preset really switched the engine (a DDP run would give the same losses)
         assert ("engine: DEEPSPEED" in result.output) == ("zero" in name), result.output[-3000:]
     assert not unexpected_warnings(result.output), f"{name}: {unexpected_warnings(result.output)}"

@@ -301,6 +301,7 @@ def test_quickstart_dpo_stage_on_a_tiny_model(tiny_chatml, tmp_path, one_thread)
 
 
 @pytest.mark.slow
+@pytest.mark.full_matrix  # CI: the preference stage as --method dpo above; ORPO's training in test_simpo_orpo.py
 def test_quickstart_orpo_from_the_base_model(tiny_chatml, tmp_path, one_thread):
     """`quickstart --method orpo` on a tiny base model (no SFT stage): ORPO trains a LoRA adapter on the pairs; the
     report's preference accuracy is the held-out pairs' own (their log-probs equal a direct computation under the
