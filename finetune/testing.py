@@ -668,3 +668,17 @@ def run_nodes_and_kill_rank(cmds: list[list[str]], when, node: int = 1, timeout:
 def _outputs(jobs: list[Launched]) -> str:
     return "\n".join(f"--- node {i}: {' '.join(job.cmd[:2])} (exit {job.returncode})\n{job.output[-4000:]}"
                      for i, job in enumerate(jobs))
+
+
+def ops_built_elsewhere(ours: Path, since: float) -> list[str]:
+    """DeepSpeed ops JIT-built since `since` anywhere but `ours` (this virtualenv's folder, which every finetune
+    process builds into through compat.guard_extension_builds), or built in it again under other flags (torch names
+    such a rebuild NAME_v1): each one a second build of an op, a minute of CPU or more."""
+    found = []
+    for folder in sorted(p for p in ours.parent.glob("*/*") if p.is_dir()):
+        built = [so for so in folder.glob("*.so") if so.stat().st_mtime >= since]
+        if folder.parent == ours:
+            found += [str(so) for so in built if re.search(r"_v\d+\.so$", so.name)]
+        elif built:
+            found.append(str(folder))
+    return found

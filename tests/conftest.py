@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,25 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     collect_ignore.append("test_cuda.py")
+
+
+# DeepSpeed builds its CPU ops on first use (a minute of CPU or more each on 2 cores). Every finetune process builds
+# them into this virtualenv's folder through compat.guard_extension_builds; so does a test that loads an op in this
+# process (an unguarded load built cpu_adam a second time, with DeepSpeed's flags, in torch's default folder). An op
+# built anywhere else during the session was built twice: the session fails, naming it.
+from finetune import compat  # noqa: E402
+from finetune.testing import ops_built_elsewhere  # noqa: E402
+
+compat.guard_extension_builds()
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return
+    session.config._ops_built_elsewhere = ops_built_elsewhere(compat.extensions_dir(), _SESSION_START)
+    if session.config._ops_built_elsewhere:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # os._exit in the test process would end the session at once with the exit code it is given, the remaining tests
@@ -97,6 +117,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
+    for op in getattr(terminalreporter.config, "_ops_built_elsewhere", []):
+        terminalreporter.write_line(f"FAILED: a DeepSpeed op was built a second time, outside {compat.extensions_dir()} "
+                                    f"or under other flags: {op} (load it after compat.guard_extension_builds())",
+                                    red=True)
     if not FULL_MATRIX:
         terminalreporter.write_line("matrices run as their CI cover; FINETUNE_FULL_MATRIX=1 runs every combination "
                                     "(signals x launchers, presets x paths, output-folder cases x paths in processes)")

@@ -163,3 +163,21 @@ def test_a_rank_stops_itself_at_the_step_it_is_told(spec, stops):
     else:
         # 0.75 s after step 2: step 3 (0.5 s later) ran meanwhile, step 4 (1 s later) did not.
         assert [s[1] for s in steps] == ["1", "2", "3"], out
+
+
+def test_an_op_built_twice_is_found(tmp_path):
+    """conftest fails the session on an op built outside this virtualenv's folder, or rebuilt in it under other flags
+    (torch's NAME_v1); ops built before the session, and ours, are not counted."""
+    import os
+
+    ours, default = tmp_path / "py311_cpu-venvabc", tmp_path / "py311_cpu"
+    for folder, files in ((ours / "cpu_adam", ["cpu_adam.so"]), (ours / "async_io", ["async_io.so", "async_io_v1.so"]),
+                          (default / "cpu_adam", ["cpu_adam.so"]), (default / "old_op", ["old_op.so"])):
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_bytes(b"")
+    os.utime(default / "old_op" / "old_op.so", (1.0, 1.0))  # built long before the session
+    since = (ours / "cpu_adam" / "cpu_adam.so").stat().st_mtime - 1
+    assert sorted(testing.ops_built_elsewhere(ours, since)) == sorted([str(ours / "async_io" / "async_io_v1.so"),
+                                                                       str(default / "cpu_adam")])
+    assert testing.ops_built_elsewhere(ours, time.time() + 60) == []
