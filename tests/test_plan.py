@@ -513,3 +513,20 @@ def test_gpu_plan_matches_the_h200_measurements(cell, tmp_path):
     peak, saved = GPU_MEASURED[cell]
     assert abs(planned["saved_planned"] - saved) <= 256, (planned["saved_planned"], saved)
     assert abs(planned["device"] - peak) <= 0.05 * peak, (planned["device"], peak)
+
+
+def test_plan_refuses_the_method_flags_train_refuses(tmp_path):
+    """`finetune plan` runs each method's own flag checks, as `finetune train` does (it once planned `--loss_type
+    ipoo` silently): the same lines, every problem at once, before anything is planned."""
+    from finetune import config as C
+
+    model = write_config(tmp_path / "llama-70b", **LLAMA_70B)
+    line = ["--model_name_or_path", str(model), "--method", "dpo", "--loss_type", "ipoo", "--beta", "-1"]
+    with pytest.raises(plan.PlanError) as e:
+        plan.make_plan(line + ["--device_memory", "80GB"])
+    with pytest.raises(C.ConfigError) as t:
+        C.parse(line + ["--dataset", "x.jsonl", "--output_dir", str(tmp_path / "out")], check_paths=False)
+    method = [p for p in t.value.problems if p.startswith(("loss_type", "beta"))]
+    assert len(method) == 2, t.value.problems
+    assert all(p in e.value.problems for p in method), (e.value.problems, method)
+    assert any("did you mean" in p for p in method), method

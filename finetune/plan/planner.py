@@ -1110,6 +1110,8 @@ def parse_plan_args(argv: list[str]):
     # No launcher to agree with: a plan may be for another machine or launch.
     preset, more = C.resolve_preset(launch, environ=None)
     problems += more + _preset_problems(model, data, launch, values, preset)
+    # The method's own flag checks, as `finetune train` runs them: a plan of a line train would refuse is no plan.
+    problems += C.validate_method(extra["objective"], data, values, extra["evaluation"])
     if not model.model_name_or_path:
         problems.append("model_name_or_path: required (a folder with config.json)")
     elif looks_like_repo_id(model.model_name_or_path):
