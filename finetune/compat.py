@@ -918,3 +918,38 @@ def shm_buffer_path(rank: int, addr: str | None = None, port: str | None = None)
     addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
     port = os.environ.get("MASTER_PORT", "") if port is None else port
     return SHM_DIR / f"{SHM_BUFFER}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 5.24 (modeling_gguf_pytorch_utils.load_gguf_checkpoint) with gguf 0.19: every from_pretrained with a
+# gguf_file parses the file's whole metadata again (a tokenizer alone reads it twice), and gguf's reader parses each
+# vocabulary entry as its own numpy view: about 2.5 s per read of a 32k-token file on one core, 4 reads per loaded
+# model. Within shared_gguf_reader() a file is parsed once; the readers are dropped (their maps closed) at its end.
+
+
+@contextmanager
+def shared_gguf_reader():
+    import gguf
+
+    real = gguf.GGUFReader
+    if getattr(real, "finetune_shared", False):  # an outer scope's readers serve this one
+        yield
+        return
+    made: dict[tuple, Any] = {}
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, mode)
+        if mode != "r":  # a writable map is the caller's own
+            return real(path, mode)
+        if key not in made:
+            made[key] = real(path, mode)
+        return made[key]
+
+    reader.finetune_shared = True
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+        made.clear()

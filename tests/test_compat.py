@@ -225,6 +225,7 @@ def test_deepspeed_is_imported_without_mlflow_which_still_imports_after():
 
 # The control (DeepSpeed's own init leaving its buffers; 80 s of CPU on 2 cores, ours 20 s) shows the
 # workaround is still needed on a new DeepSpeed; CI runs ours.
+@pytest.mark.slow  # 2 DeepSpeed ranks
 @pytest.mark.parametrize("init", [pytest.param("deepspeed", marks=pytest.mark.full_matrix), "ours"])
 def test_deepspeed_shared_memory_buffers_do_not_outlive_the_job(tmp_path, init):
     """A real `deepspeed --num_gpus 2` job: DeepSpeed's own init leaves a 66 MiB buffer per rank in /dev/shm after the
@@ -340,6 +341,7 @@ print("loaded:", type(real).__name__, real.__version__, layer is real.nn.Linear4
 """
 
 
+@pytest.mark.slow  # imports bitsandbytes for real in fresh processes
 def test_bitsandbytes_is_imported_at_first_use():
     """Importing transformers' Trainer and peft leaves bitsandbytes unimported (1.5-2 s of every start), while the
     package is still seen as installed; its first use, an attribute or a submodule import, imports it for real, and

@@ -135,7 +135,8 @@ def expected_stored(fam: str, config, state: dict) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("fam", list(CASES))
-def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys):
+def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys, monkeypatch):
+    import gguf
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +186,20 @@ def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys):
         bare_diff = f"{(logits_of(bare, ids) - ref).abs().max().item():.3g}"
     except RuntimeError:  # Qwen3-MoE: it reads no expert width, so the experts' shapes do not match
         bare_diff = "does not load"
+    parsed = []
+
+    class Counted(GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
     loaded, _ = G.load_gguf(out)
+    monkeypatch.undo()
+    # transformers parses the file on every from_pretrained (tokenizer twice, config, model): once here, and the
+    # parsed reader is not kept after the load.
+    assert len(parsed) == 1, parsed
+    assert gguf.GGUFReader is GGUFReader
     diff = (logits_of(loaded, ids) - ref).abs().max().item()
     assert diff <= 1e-5
 

@@ -253,6 +253,7 @@ def launch_line(kind: str, rank: int, port: int, root: Path, timeout: float) -> 
     return node_launcher(kind, rank, port, script=LINES[kind], hostfile=hostfile, timeout=timeout)
 
 
+@pytest.mark.slow  # starts each launcher (it imports torch) and waits out its --timeout
 @pytest.mark.parametrize("kind, rank", [(k, 0) for k in LINES] + [("torchrun", 1)])
 def test_a_node_alone_says_what_it_waits_for_and_gives_up(kind, rank, tmp_path):
     # The test's --timeout, above nodes_app.FIRST_S (the first waiting line); the default: nodes_app.DEFAULT_TIMEOUT_S.

@@ -112,13 +112,16 @@ def load_gguf(path: str | Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    info = inspect(path)
-    folder, name = str(info.path.parent), info.path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    for key, value in families.by_gguf_arch(info.architecture).gguf_config(info.meta).items():
-        setattr(config, key, value)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+    from finetune import compat
+
+    with compat.shared_gguf_reader():
+        info = inspect(path)
+        folder, name = str(info.path.parent), info.path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        for key, value in families.by_gguf_arch(info.architecture).gguf_config(info.meta).items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     model.eval()
     return model, tokenizer
 
@@ -194,10 +197,13 @@ def write_folder(gguf_model, tokenizer, out_dir: str | Path, *, overwrite: bool 
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False, log=print) -> Path:
-    info = inspect(gguf_path)
-    log(f"import-gguf: {info.path.name}: {info.name} ({info.architecture}, {info.tensors} tensors, "
-        f"{'tied' if info.tied_embeddings else 'separate'} embeddings)")
-    model, tokenizer = load_gguf(info.path)
+    from finetune import compat
+
+    with compat.shared_gguf_reader():
+        info = inspect(gguf_path)
+        log(f"import-gguf: {info.path.name}: {info.name} ({info.architecture}, {info.tensors} tensors, "
+            f"{'tied' if info.tied_embeddings else 'separate'} embeddings)")
+        model, tokenizer = load_gguf(info.path)
     return write_folder(model, tokenizer, out_dir, overwrite=overwrite, log=log)
 
 
