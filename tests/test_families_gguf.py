@@ -1,9 +1,9 @@
-"""GGUF export and import of the Gemma-2, Gemma-3 (text), Phi-3 and Qwen3-MoE families (their family modules:
-finetune/models/families/gemma2.py, gemma3.py, phi3.py, qwen3_moe.py). A tiny random model of each family's real
+"""GGUF export and import of the Gemma-2, Gemma-3 (text), Phi-3, Qwen3-MoE and Mixtral families (their family modules:
+finetune/models/families/gemma2.py, gemma3.py, phi3.py, qwen3_moe.py, mixtral.py). A tiny random model of each family's real
 config shape (tests/family_configs.py) goes through `finetune export --to gguf`: the f32 file, read back by
 transformers' GGUF loader with the config values it does not read set from the file (finetune's load_gguf), gives
 logits within 1e-5 of the HF model's; its tensors carry llama.cpp's names for the architecture (gguf.MODEL_TENSORS)
-and the values llama.cpp expects (Gemma's norms plus one, the experts split gate/up), its metadata the keys llama.cpp
+and the values llama.cpp expects (Gemma's norms plus one, the experts split gate/up, Mixtral's Q/K permuted), its metadata the keys llama.cpp
 reads for the architecture, the family's chat template and stop token, and the Modelfile the template and stops;
 `finetune import-gguf` of the file is an HF folder of the family with the same weights. The Gemma-3 multimodal
 checkpoint (Gemma3ForConditionalGeneration) is written as its language model, an ordinary gemma3 file, whose logits
@@ -52,6 +52,8 @@ CASES = {
     "phi3": ("phi3", COMMON_KEYS + ("rope.dimension_count", "rope.freq_base"), ["<|end|>", "<|endoftext|>"]),
     "qwen3_moe": ("chatml", COMMON_KEYS + ("attention.key_length", "attention.value_length", "expert_count",
                                            "expert_used_count", "expert_feed_forward_length"), ["<|im_end|>"]),
+    "mixtral": ("mistral", COMMON_KEYS + ("rope.dimension_count", "rope.freq_base", "expert_count",
+                                         "expert_used_count"), ["[INST]", "[/INST]"]),
 }
 
 
@@ -65,7 +67,7 @@ def gemma_template() -> str:
 def tokenizers(tmp_path_factory, sentencepiece_model):
     """kind -> a tokenizer: ChatML byte-level BPE (Qwen's format); Gemma's turn tokens and Gemma-3's template;
     Mistral's 32k SentencePiece vocabulary with Phi-3's turn tokens and template (Phi-3's vocabulary is Llama-2's
-    32k SentencePiece one plus these)."""
+    32k SentencePiece one plus these); Mistral's vocabulary and [INST] template (Mixtral-8x7B-Instruct's)."""
     from transformers import AutoTokenizer
 
     out = {"chatml": tiny.build_tokenizer(tmp_path_factory.mktemp("chatml"), "chatml")}
@@ -80,11 +82,13 @@ def tokenizers(tmp_path_factory, sentencepiece_model):
     phi3.chat_template = PHI3_TEMPLATE
     phi3.eos_token = "<|endoftext|>"
     out["phi3"] = phi3
+    out["mistral"] = AutoTokenizer.from_pretrained(sentencepiece_model)
     return out
 
 
 def save_tiny(fam: str, tokenizer, folder: Path, tied: bool | None = None, seed: int = 3):
-    tied = {"gemma2": True, "gemma3": True, "gemma3_mm": True, "phi3": False, "qwen3_moe": False}[fam] if tied is None \
+    tied = {"gemma2": True, "gemma3": True, "gemma3_mm": True, "phi3": False, "qwen3_moe": False,
+            "mixtral": False}[fam] if tied is None \
         else tied
     model = tiny_model(fam, vocab_size=len(tokenizer), tied=tied, seed=seed).eval()
     model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -112,11 +116,20 @@ def arch_tensor_names(arch: str, layers: int) -> set[str]:
 
 def expected_stored(fam: str, config, state: dict) -> dict[str, np.ndarray]:
     """What llama.cpp's convert_hf_to_gguf.py stores of STATE (a causal LM's state dict, CONFIG its config), by
-    GGUF name, written out here independently of the family modules: Gemma's norms plus one; Qwen3-MoE's fused
-    gate_up experts split gate first; everything else as HF holds it (none of these architectures permutes Q/K)."""
+    GGUF name, written out here independently of the family modules: Gemma's norms plus one; the MoEs' fused
+    gate_up experts split gate first; the "llama" architecture's (Mixtral's) Q and K rows permuted as
+    convert_hf_to_gguf.py's LlamaModel.permute does; everything else as HF holds it."""
     import gguf
 
-    a = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[families.family_of(config).gguf_arch]
+    def permute(weights, n_head, n_head_kv):  # convert_hf_to_gguf.py's LlamaModel.permute, verbatim
+        if n_head_kv is not None and n_head != n_head_kv:
+            n_head = n_head_kv
+        return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+                .swapaxes(1, 2)
+                .reshape(weights.shape))
+
+    arch = families.family_of(config).gguf_arch
+    a = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     table = gguf.get_tensor_name_map(a, config.num_hidden_layers)
     out = {}
     for hf_name, w in state.items():
@@ -128,6 +141,10 @@ def expected_stored(fam: str, config, state: dict) -> dict[str, np.ndarray]:
             half = w.shape[1] // 2
             out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = w[:, :half], w[:, half:]
             continue
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            w = permute(w, config.num_attention_heads, config.num_attention_heads)
+        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+            w = permute(w, config.num_attention_heads, config.num_key_value_heads)
         name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         name = name if name.endswith((".weight", ".bias")) else name + ".weight"
         out[name] = w + 1 if fam.startswith("gemma") and hf_name.endswith("norm.weight") else w
@@ -169,6 +186,9 @@ def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys, monkeypatch):
     if fam == "qwen3_moe":
         assert (fields["qwen3moe.expert_count"], fields["qwen3moe.expert_used_count"],
                 fields["qwen3moe.expert_feed_forward_length"]) == (4, 2, 32)
+    if fam == "mixtral":
+        assert (fields["llama.expert_count"], fields["llama.expert_used_count"]) == (4, 2)
+        assert G.inspect(out).family is family  # not Llama, whose files say "llama" too
 
     # The chat template and stop tokens, in the file and in the Modelfile.
     assert fields["tokenizer.chat_template"] == tokenizer.chat_template
@@ -186,6 +206,7 @@ def test_export_and_import_gguf(fam, tokenizers, tmp_path, capsys, monkeypatch):
         bare_diff = f"{(logits_of(bare, ids) - ref).abs().max().item():.3g}"
     except RuntimeError:  # Qwen3-MoE: it reads no expert width, so the experts' shapes do not match
         bare_diff = "does not load"
+    # Mixtral: it reads the "llama" file as a dense Llama, whose MLP (absent from the file) it draws at random.
     parsed = []
 
     class Counted(GGUFReader):
@@ -395,10 +416,12 @@ def test_gemma_and_phi3_modelfile_templates_write_what_the_hf_templates_write(to
 def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(tokenizers, tmp_path, capsys):
     from finetune.models.families.gemma2 import GEMMA2
     from finetune.models.families.gemma3 import GEMMA3
+    from finetune.models.families.mixtral import MIXTRAL
     from finetune.models.families.phi3 import PHI3
     from finetune.models.families.qwen3_moe import QWEN3_MOE
 
-    for fam, family in (("gemma2", GEMMA2), ("gemma3", GEMMA3), ("phi3", PHI3), ("qwen3_moe", QWEN3_MOE)):
+    for fam, family in (("gemma2", GEMMA2), ("gemma3", GEMMA3), ("phi3", PHI3), ("qwen3_moe", QWEN3_MOE),
+                        ("mixtral", MIXTRAL)):
         assert family.gguf_refusal(tiny_config(fam, tied=fam.startswith("gemma"))) is None, fam
     c = tiny_config("gemma2", tied=True)
     c.query_pre_attn_scalar = 256
@@ -424,17 +447,26 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(tokenizers, tmp_path,
     c.norm_topk_prob = False
     assert "norm_topk_prob is off" in QWEN3_MOE.gguf_refusal(c)
 
-    # Mixtral (llama.cpp writes it as "llama" with stacked experts) is not exported: one line, exit 2.
-    src = tmp_path / "mixtral"
+    c = tiny_config("mixtral")
+    c.sliding_window = 4096
+    assert "sliding_window 4096: llama.cpp's llama architecture attends to every earlier position" in \
+        MIXTRAL.gguf_refusal(c)
+
+    # A model_type no family covers (GPT-2) is not exported: one line, exit 2.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
     save_tiny("qwen3_moe", tokenizers["chatml"], src)  # the folder's tokenizer; the model replaced next
-    tiny_model("mixtral", vocab_size=len(tokenizers["chatml"])).save_pretrained(src)
+    (src / "model.safetensors").unlink()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizers["chatml"]), n_embd=32, n_layer=1, n_head=2,
+                               n_positions=64)).save_pretrained(src)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         E.main(["--to", "gguf", "--model_name_or_path", str(src), str(tmp_path / "x.gguf")])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model_type 'mixtral' cannot be written as GGUF by finetune (supported: llama, qwen2, " \
-        "qwen3, mistral, gemma2, gemma3_text, gemma3, phi3, qwen3_moe)" in err[0], err
+    assert len(err) == 1 and "model_type 'gpt2' cannot be written as GGUF by finetune (supported: llama, qwen2, " \
+        "qwen3, mistral, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral)" in err[0], err
     assert not (tmp_path / "x.gguf").exists()
 
 

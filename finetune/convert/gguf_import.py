@@ -7,7 +7,8 @@ folder.
 The folder holds `model.safetensors` (float32: the GGUF weights dequantized, so the folder computes exactly what
 the GGUF-loaded model does), `config.json`, the tokenizer with its chat template and `generation_config.json`; it
 loads with `from_pretrained(OUT_DIR)`, no `gguf_file` and no `gguf` package needed. Reading the GGUF is
-transformers' own loader (`from_pretrained(..., gguf_file=...)`): the folder is that model, saved. The folder is
+transformers' own loader (`from_pretrained(..., gguf_file=...)`) where it reads the architecture, else the family's
+(Mixtral: a "llama" file with experts): the folder is that model, saved. The folder is
 written under a staging name next to OUT_DIR, verified (it reloads, and its logits equal the GGUF-loaded model's),
 then renamed into place, so OUT_DIR either is complete or does not exist.
 """
@@ -38,6 +39,7 @@ class GGUFInfo:
     tied_embeddings: bool  # no output.weight: the LM head is the embedding matrix
     # The architecture's own metadata ("gemma2.*") and the special token ids (tokenizer.ggml.*_token_id): key -> value
     meta: dict = field(default_factory=dict, repr=False)
+    family: families.Family | None = field(default=None, repr=False)  # the family that claims the file
 
 
 def inspect(path: str | Path) -> GGUFInfo:
@@ -62,8 +64,10 @@ def inspect(path: str | Path) -> GGUFInfo:
     arch = _field_str(reader, "general.architecture")
     if arch is None:
         raise GGUFImportError(f"{p}: no general.architecture in the GGUF metadata; cannot tell what model it holds")
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if k.startswith(arch + ".") or k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
     try:
-        family = families.by_gguf_arch(arch)
+        family = families.by_gguf_arch(arch, meta)
     except families.FamilyError as e:
         raise GGUFImportError(f"{p}: {e}; finetune imports the model families it trains only") from None
     names = {t.name for t in reader.tensors}
@@ -72,10 +76,8 @@ def inspect(path: str | Path) -> GGUFInfo:
         raise GGUFImportError(f"{p}: says architecture '{arch}' but lacks the tensors {', '.join(missing)}")
     if _field_str(reader, "tokenizer.ggml.model") is None:
         raise GGUFImportError(f"{p}: no tokenizer in the GGUF metadata (tokenizer.ggml.*); a folder without one cannot be trained")
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if k.startswith(arch + ".") or k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
     return GGUFInfo(p, arch, _field_str(reader, "general.name") or p.stem, len(names), "output.weight" not in names,
-                    meta)
+                    meta, family)
 
 
 def _field_str(reader, key: str) -> str | None:
@@ -106,22 +108,18 @@ def smollm2_file() -> Path:
 
 
 def load_gguf(path: str | Path):
-    """(model in float32, tokenizer) as transformers loads them from the GGUF file itself, with the config values
-    the file carries that transformers' loader leaves at its defaults set from the file (the family's gguf_config:
-    Gemma-2's soft-caps, a MoE's expert width), so the model computes what llama.cpp computes."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """(model in float32, tokenizer) of the GGUF file, as its family loads it (Family.load_gguf: transformers' own
+    loader with the config values it leaves at its defaults set from the file, Gemma-2's soft-caps, a MoE's expert
+    width; Mixtral's, which transformers cannot read, built by the family), so the model computes what llama.cpp
+    computes. The tokenizer is transformers' GGUF tokenizer."""
+    from transformers import AutoTokenizer
 
     from finetune import compat
 
     with compat.shared_gguf_reader():
         info = inspect(path)
-        folder, name = str(info.path.parent), info.path.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        for key, value in families.by_gguf_arch(info.architecture).gguf_config(info.meta).items():
-            setattr(config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+        model = info.family.load_gguf(info.path, info.meta)
     model.eval()
     return model, tokenizer
 

@@ -48,12 +48,14 @@ def family_of(config_or_model_type: Any) -> Family:
     return family
 
 
-def by_gguf_arch(name: str) -> Family:
-    """The family whose GGUF files say general.architecture NAME; FamilyError names an unknown one."""
-    family = next((f for f in FAMILIES if f.gguf_arch is not None and f.gguf_arch == name), None)
-    if family is None:
+def by_gguf_arch(name: str, meta: dict[str, Any] | None = None) -> Family:
+    """The family whose GGUF files say general.architecture NAME, the one claiming the file surely (META: its
+    metadata; Family.gguf_claim) among several; FamilyError names an unknown one."""
+    claims = [(f.gguf_claim(meta or {}), -k, f) for k, f in enumerate(FAMILIES) if f.gguf_arch == name]
+    best = max(claims, key=lambda c: c[:2], default=None)
+    if best is None or best[0] <= 0:
         raise FamilyError(f"no model family for GGUF architecture '{name}' (known: {', '.join(gguf_archs())})")
-    return family
+    return best[2]
 
 
 def gguf_archs() -> list[str]:

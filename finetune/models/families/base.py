@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # What a linear projection's input is, for the planner's activation model: the normed residual before attention,
@@ -409,6 +410,50 @@ class Family(ABC):
         finetune's loader (finetune.convert.gguf_import.load_gguf) sets them, so the loaded model computes what
         llama.cpp computes. None here."""
         return {}
+
+    def gguf_claim(self, meta: dict[str, Any]) -> int:
+        """How surely a GGUF file of this family's architecture (META: its metadata) holds this family: 0 not at all,
+        1 as any file of the architecture, more when its metadata says so (a "llama" file with experts is Mixtral).
+        The highest claim imports the file; the first family of FAMILIES among equals."""
+        return 1
+
+    def load_gguf(self, path, meta: dict[str, Any]):
+        """The causal LM in float32 of the GGUF file PATH (META: its metadata): transformers' own loader, with the
+        config values it does not read set from the file (gguf_config). A family transformers' loader cannot read
+        builds the model itself (gguf_state_dict)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        folder, name = str(Path(path).parent), Path(path).name
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        for key, value in self.gguf_config(meta).items():
+            setattr(config, key, value)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+
+    def gguf_state_dict(self, path, sh: ModelShape) -> dict[str, Any]:
+        """The HF state dict (float32 torch tensors) of SH's tensors in the GGUF file PATH, dequantized and mapped back
+        by this family (gguf_names, gguf_parts, from_gguf_parts): the inverse of what the exporter writes."""
+        import gguf
+        import numpy as np
+        import torch
+
+        reader = gguf.GGUFReader(str(path))  # finetune.compat.shared_gguf_reader's, when the caller holds one
+        stored = {t.name: t for t in reader.tensors}
+        names = self.gguf_names(sh)
+        state = {}
+        for t in sh.tensors():
+            # The parts' names only: a zero-sized view of the tensor's shape goes through gguf_parts.
+            parts = self.gguf_parts(t.name, np.broadcast_to(np.float32(0), t.shape), sh, names)
+            if not parts or any(n not in stored for n, _ in parts):
+                raise ValueError(f"the GGUF file lacks {' + '.join(n for n, _ in parts) or t.name}")
+            arrays = []
+            for n, _ in parts:
+                r = stored[n]
+                data = gguf.dequantize(np.asarray(r.data), r.tensor_type)
+                arrays.append(torch.from_numpy(np.array(data, dtype=np.float32)  # a copy: the map is read-only
+                                               .reshape(tuple(reversed(r.shape.tolist())))))
+            state[t.name] = self.from_gguf_parts(t.name, arrays, sh).contiguous()
+        return state
 
 
 # A shape for what does not depend on sizes (module names).

@@ -5,16 +5,21 @@ hidden, width], transformers 5's fused layout) and a router (mlp.gate.weight [ex
 LoRA: the attention projections by name, and the experts through peft's target_parameters (lora.ParamWrapper, one
 lora_A [r x experts, in] and lora_B [out, r x experts] per expert parameter). ParamWrapper cannot apply dropout
 (x cannot be factored out of lora_B(lora_A(dropout(x))) per expert), so finetune.models.load gives the experts'
-adapters no dropout and the attention projections' adapters --lora_dropout."""
+adapters no dropout and the attention projections' adapters --lora_dropout.
+
+GGUF: llama.cpp stacks the experts one tensor per projection, so the fused gate_up_proj is written as ffn_gate_exps
+and ffn_up_exps (gate first); down_proj and the router are one tensor each, under the table's names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from finetune.models.families.base import Linear, ModelShape, Saving, Tensor
 from finetune.models.families.llama import LlamaFamily
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+GATE_UP = EXPERTS[0]
 
 
 @dataclass(frozen=True)
@@ -91,3 +96,27 @@ class MoeFamily(LlamaFamily):
                     Tensor(f"{module}.lora_B.default.weight", (a, r * e), "lora")]
         return out
 
+
+    # ---- GGUF ----
+
+    def gguf_parts(self, hf_name: str, array, sh: ModelShape, names: dict[str, str]) -> list[tuple[str, Any]]:
+        if not hf_name.endswith(GATE_UP):
+            return super().gguf_parts(hf_name, array, sh, names)
+        import gguf
+
+        layer = int(hf_name.split(".layers.", 1)[1].split(".", 1)[0])
+        w = array.shape[1] // 2
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_EXP].format(bid=layer) + ".weight", array[:, :w]),
+                (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_UP_EXP].format(bid=layer) + ".weight", array[:, w:])]
+
+    def from_gguf_parts(self, hf_name: str, parts: list, sh: ModelShape):
+        if not hf_name.endswith(GATE_UP):
+            return super().from_gguf_parts(hf_name, parts, sh)
+        gate, up = parts
+        import numpy as np
+
+        if isinstance(gate, np.ndarray):
+            return np.concatenate([gate, up], axis=1)
+        import torch
+
+        return torch.cat([gate, up], dim=1)

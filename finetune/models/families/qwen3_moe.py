@@ -20,9 +20,6 @@ from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.moe import MoeFamily
 from finetune.models.families.qwen3 import HEAD_DIM, qk_norms_saved
 
-GATE_UP = "mlp.experts.gate_up_proj"
-
-
 @dataclass(frozen=True)
 class Qwen3MoeFamily(MoeFamily):
     def shape(self, d: dict[str, Any]) -> ModelShape:
@@ -68,28 +65,6 @@ class Qwen3MoeFamily(MoeFamily):
 
     def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
         return {"moe_intermediate_size": meta[f"{self.gguf_arch}.expert_feed_forward_length"]}
-
-    def gguf_parts(self, hf_name: str, array, sh: ModelShape, names: dict[str, str]) -> list[tuple[str, Any]]:
-        if not hf_name.endswith(GATE_UP):
-            return super().gguf_parts(hf_name, array, sh, names)
-        import gguf
-
-        layer = int(hf_name.split(".layers.", 1)[1].split(".", 1)[0])
-        w = array.shape[1] // 2
-        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_EXP].format(bid=layer) + ".weight", array[:, :w]),
-                (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_UP_EXP].format(bid=layer) + ".weight", array[:, w:])]
-
-    def from_gguf_parts(self, hf_name: str, parts: list, sh: ModelShape):
-        if not hf_name.endswith(GATE_UP):
-            return super().from_gguf_parts(hf_name, parts, sh)
-        gate, up = parts
-        import numpy as np
-
-        if isinstance(gate, np.ndarray):
-            return np.concatenate([gate, up], axis=1)
-        import torch
-
-        return torch.cat([gate, up], dim=1)
 
     # No Q/K permutation: the file holds HF's layout.
     to_gguf = Family.to_gguf
