@@ -212,7 +212,8 @@ def _family_model(fam: str, tokenizer):
     return family_configs.tiny_model(fam, vocab_size=len(tokenizer), tied=fam.startswith("gemma"), seed=3).eval()
 
 
-GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe")
+GREEDY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe",
+                   "mixtral")
 
 
 @pytest.mark.parametrize("fam", GREEDY_FAMILIES)
