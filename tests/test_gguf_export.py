@@ -190,15 +190,15 @@ def run_main(capsys, argv):
 
 def test_bad_input_exit_2_nothing_left(models, tmp_path, capsys):
     src = models[("chatml", False)]
-    # An architecture GGUF export cannot write (Mixtral: no family writes it).
-    mixtral = tmp_path / "mixtral"
-    shutil.copytree(src, mixtral)
-    cfg = json.loads((mixtral / "config.json").read_text())
-    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
-    (mixtral / "config.json").write_text(json.dumps(cfg))
+    # An architecture GGUF export cannot write (GPT-2: no family writes it).
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(src, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
     out_dir = tmp_path / "out"
-    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(mixtral), str(out_dir / "m.gguf")])
-    assert code == 2 and "model_type 'mixtral' cannot be written as GGUF" in err, err
+    code, err = run_main(capsys, ["--to", "gguf", "--model_name_or_path", str(gpt2), str(out_dir / "m.gguf")])
+    assert code == 2 and "model_type 'gpt2' cannot be written as GGUF" in err, err
     assert not out_dir.exists()
 
     # Weights that are not the config's model (a Llama relabelled as Phi-3: no fused qkv/gate_up weights): refused
