@@ -68,12 +68,20 @@ class MixtralFamily(MoeFamily):
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
         state = self.gguf_state_dict(path, self.shape(config.to_dict()))
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        # Built without weights and given the file's (assign): one float32 copy of the model in memory, not two, and
+        # no random initialisation of 46.7B parameters to overwrite.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected or [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]:
             raise ValueError(f"the GGUF weights do not fit a Mixtral model: missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]}")
+        # The rotary embedding's frequencies are computed, not stored: computed again off the meta device.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
         model.tie_weights()
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"the GGUF file left {', '.join(left[:3])} unset")
         return model
 
 
