@@ -4,6 +4,7 @@ and on several; the once-per-job lock (stale locks, waiting ranks that say what 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -113,6 +114,22 @@ def test_cache_is_int32_arrow_shards_memory_mapped(toks, tmp_path):
     assert str(ds.features["input_ids"].feature.dtype) == "int32"
     assert ds.cache_files and all(f["filename"].startswith(str(entry)) for f in ds.cache_files)  # mapped, not copied
     assert not [p for p in (tmp_path / "c").iterdir() if not p.is_dir()]  # no lock, error or tmp left
+
+
+def test_a_cache_hit_names_the_file_given_this_time(toks, tmp_path):
+    """The cache is keyed on content: the same records under another path are not tokenized again, and the data line
+    names the path given this time (it once named whichever file first built the entry)."""
+    records = [{"messages": m} for m in CONVERSATIONS.values()]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    first, second = write_jsonl(tmp_path / "a" / "d.jsonl", records), write_jsonl(tmp_path / "b" / "d.jsonl", records)
+    cache = str(tmp_path / "c")
+    logs = []
+    _, one = pipeline.prepare_dataset(DataConfig(dataset=str(first), dataset_cache_dir=cache), toks["chatml"], log=logs.append)
+    _, two = pipeline.prepare_dataset(DataConfig(dataset=str(second), dataset_cache_dir=cache), toks["chatml"], log=logs.append)
+    assert len([p for p in (tmp_path / "c").iterdir() if p.is_dir()]) == 1  # one entry: the second run was a hit
+    assert (one.path, two.path) == (str(first), str(second))
+    assert f"from {second}" in two.summary() and str(first) not in two.summary()
+    assert dataclasses.replace(two, path=one.path) == one
 
 
 # ----------------------------------------------------------------------------------------------

@@ -438,6 +438,10 @@ def prepare_source(cfg, tokenizer, hub, *, local_rank: int, num_proc: int, log, 
             finally:
                 lock.unlink(missing_ok=True)
     stats = stats_cls(**json.loads(done.read_text()))
+    if hasattr(stats, "path"):
+        # The cache is keyed on content: a hit may have been built from another path holding the same records; the
+        # log names the source given this time.
+        stats = replace(stats, path=name)
     dataset = load_final(final)
     return (dataset, stats, key) if with_key else (dataset, stats)
 
