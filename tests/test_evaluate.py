@@ -267,8 +267,17 @@ def test_report_writes_curves_and_metrics(tmp_path):
     assert metrics["train"]["first_loss"] == 2.9 and metrics["train"]["last_loss"] == pytest.approx(2.0)
     assert metrics["eval"]["eval_loss"] == 2.2 and metrics["eval"]["evaluations"] == 2
     assert metrics["best"] == {"best_metric": 2.2, "best_global_step": 10} and metrics["run"]["train_loss"] == 2.55
-    assert "| eval_loss | 2.2 |" in (folder / "README.md").read_text()
-    assert report.series(json.loads((out / "trainer_state.json").read_text())["log_history"], "loss")[0] == list(range(1, 11))
+    readme = (folder / "README.md").read_text()
+    assert "| eval_loss | 2.2 |" in readme
+    # Named within the run folder, not by this machine's path: the report is pushed with the model.
+    assert readme.startswith("# Run report: run\n") and "From the run folder's `trainer_state.json` (step 10 of 10)" in readme
+    assert str(tmp_path) not in readme
+    # A run stopped before its final save: the newest checkpoint's state, named within the run folder.
+    (out / "checkpoint-10").mkdir()
+    (out / "trainer_state.json").rename(out / "checkpoint-10" / "trainer_state.json")
+    readme = (report.write_report(out) / "README.md").read_text()
+    assert readme.startswith("# Run report: run\n") and "`checkpoint-10/trainer_state.json`" in readme, readme[:300]
+    assert report.series(json.loads((out / "checkpoint-10" / "trainer_state.json").read_text())["log_history"], "loss")[0] == list(range(1, 11))
 
 
 def test_report_command_errors(tmp_path, capsys):

@@ -133,9 +133,14 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def markdown(source: Path, metrics: dict, images: list[str]) -> str:
-    lines = [f"# Run report: {source.parent.name if source.parent.name != 'report' else source.parent.parent.name}",
-             "", f"From `{source}` (step {metrics.get('global_step')} of {metrics.get('max_steps')}).", ""]
+def markdown(source: Path, metrics: dict, images: list[str], run: Path | None = None) -> str:
+    """The report's README. SOURCE is named relative to the run folder RUN: the report travels (a Hub push), and
+    this machine's paths mean nothing there."""
+    run = Path(run).resolve() if run is not None else source.parent
+    shown = source.resolve().relative_to(run) if source.resolve().is_relative_to(run) else source
+    lines = [f"# Run report: {run.name}",
+             "", f"From the run folder's `{shown}` (step {metrics.get('global_step')} of {metrics.get('max_steps')}).",
+             ""]
     titles = {"loss.png": "loss", "learning_rate.png": "learning rate", "tokens_per_second.png": "tokens per second"}
     for name in images:
         lines += [f"![{titles.get(name, name.removesuffix('.png'))}]({name})", ""]
@@ -181,7 +186,7 @@ def write_report(output_dir: str | Path, report_dir: str | Path | None = None) -
             images.append(f"{group}.png")
     metrics = summary(state, method)
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (staging / "README.md").write_text(markdown(source, metrics, images))
+    (staging / "README.md").write_text(markdown(source, metrics, images, run=Path(output_dir)))
     old = report.parent / f".{report.name}.old-{os.getpid()}"
     if report.exists():
         os.rename(report, old)
