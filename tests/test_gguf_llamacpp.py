@@ -241,3 +241,49 @@ def test_greedy_equals_hf_per_family(fam, tmp_path):
               f"({sum(map(len, hf))} tokens)")
         assert got == hf, (fam, gguf_type)
         del llm
+
+
+KQUANT_FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral")
+
+
+@pytest.mark.parametrize("fam", KQUANT_FAMILIES)
+def test_kquant_per_family(fam, tmp_path, capsys):
+    """q4_K_M of each family (256 wide where the family allows, so the K-quant blocks fit its rows): llama.cpp's
+    quantizer writes the file, the export verifies it (every weight loads back exactly as stored, logits within the
+    bound, through finetune's reader: Mixtral's is its own), and llama.cpp's logits on the file are close to
+    transformers' on the same file. llama.cpp picks the types of a fused attn_qkv and of stacked experts by rules of
+    its own (not checked per tensor)."""
+    import family_configs
+    from test_families_qwen_mistral import FAMILIES, tiny_model
+
+    from finetune.convert.gguf_import import load_gguf
+    from finetune.models import tiny
+    from finetune.models.verify import fixed_input
+
+    tokenizer = tiny.build_tokenizer(tmp_path / "tok", "chatml")
+    if fam == "qwen3":  # head_dim 128: transformers' loader reads qwen3 files with no other
+        model = tiny_model(FAMILIES[fam], vocab_size=len(tokenizer), seed=3)
+    else:
+        model = family_configs.tiny_model(fam, vocab_size=len(tokenizer), seed=3, hidden_size=256,
+                                          intermediate_size=512).eval()
+    model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    src = tmp_path / fam
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    out = tmp_path / "out" / "model.gguf"
+    report = X.write_folder(src, out, gguf_type="Q4_K_M")
+    assert f"wrote {out} (q4_K_M" in capsys.readouterr().err
+    assert 0 < report.logit_diff <= report.logit_bound and "Q4_K" in report.types, report.types
+    ids = fixed_input(model.config.vocab_size, batch=1, length=32)[0].tolist()
+    ref = model(torch.tensor([ids])).logits[0].detach().numpy()
+    loaded, _ = load_gguf(out)
+    via_transformers = loaded(torch.tensor([ids])).logits[0].detach().numpy()
+    llm = B.open_llamacpp(out, n_ctx=64)
+    via_llamacpp = B.llamacpp_logits(llm, ids)
+    top = float(np.abs(ref).max())
+    cpp = float(np.abs(via_llamacpp - via_transformers).max())
+    print(f"{fam} q4_K_M: {report.types}; transformers-loaded logits vs HF {report.logit_diff:.3g} (bound "
+          f"{report.logit_bound:.3g}); llama.cpp vs transformers on the file {cpp:.3g} ({cpp / top:.1%} of {top:.3g})")
+    # As test_kquant_presets: llama.cpp rounds the activations to 8 bits for its K-quant dot products.
+    assert cpp <= 0.10 * top, (cpp, top)
+    del llm

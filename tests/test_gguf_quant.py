@@ -173,6 +173,10 @@ def test_kquant_preset_mix():
     assert T("q6_K", "blk.2.attn_q.weight", (576, 576), "F32", 16, False) == "Q8_0"
     assert T("q4_K_M", "blk.2.attn_q.weight", (48, 48), "F32", 16, False) == "F16"
     assert T("q4_K_M", "blk.2.attn_norm.weight", (256,), "F32", 16, False) == "F32"
+    # Phi-3's fused attn_qkv and a MoE's stacked experts: llama.cpp's own rules, not modelled (no expectation).
+    assert T("q4_K_M", "blk.2.attn_qkv.weight", (768, 256), "F32", 16, False) is None
+    assert T("q4_K_M", "blk.2.ffn_down_exps.weight", (4, 256, 512), "F32", 16, False) is None
+    assert T("q4_K_M", "blk.2.ffn_gate_inp.weight", (4, 256), "F32", 16, False) == "F32"
 
 
 @pytest.mark.parametrize("fam", ["qwen2", "qwen3", "mistral"])

@@ -488,11 +488,11 @@ def write_unverified(model, model_dir: Path, path: Path, gguf_type: str, name: s
         return write_gguf(model, model_dir, path, gguf_type, name, tokenizer)
     f32 = path.with_name(path.name + ".f32")  # beside PATH, in the output folder: removed whatever happens
     try:
-        _, tok = write_gguf(model, model_dir, f32, "f32", name, tokenizer)
+        written, tok = write_gguf(model, model_dir, f32, "f32", name, tokenizer)
         gguf_kquant.quantize(f32, path, gguf_type)
     finally:
         f32.unlink(missing_ok=True)
-    return gguf_kquant.read_back(path, model, gguf_type), tok
+    return gguf_kquant.read_back(path, model, gguf_type, written), tok
 
 
 def tensor_types(tensors: list) -> dict[str, int]:

@@ -72,7 +72,15 @@ def _more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def expected_type(gguf_type: str, name: str, shape: tuple[int, ...], stored: str, n_layers: int, tied: bool) -> str:
+# The tensors whose preset type expected_type models: Llama's dense layout. llama.cpp has rules of its own for the
+# others (a fused attn_qkv, stacked experts *_exps): their type is the quantizer's, checked through the weights and
+# logits the file loads back to.
+MODELLED = re.compile(r"(token_embd|output|blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down))"
+                      r"\.weight$")
+
+
+def expected_type(gguf_type: str, name: str, shape: tuple[int, ...], stored: str, n_layers: int,
+                  tied: bool) -> str | None:
     """The GGML type llama.cpp's preset GGUF_TYPE gives tensor NAME (numpy SHAPE, rows last; STORED: its type in
     the f32 source) of a dense model with N_LAYERS layers (llama_tensor_get_type in llama.cpp's src/llama-quant.cpp,
     for the architectures finetune writes: no experts, not a 70B):
@@ -83,11 +91,14 @@ def expected_type(gguf_type: str, name: str, shape: tuple[int, ...], stored: str
     - attn_v and ffn_down under q4_K_M / q5_K_M: Q6_K in the layers use_more_bits picks, the base type elsewhere;
     - everything else: the preset's base type (Q4_K, Q5_K, Q6_K);
     - a row length the type's block does not divide falls back: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16
-      when even that block does not divide it."""
+      when even that block does not divide it;
+    - None for a tensor outside MODELLED."""
     base = PRESETS[gguf_type][1]
     cols = shape[-1]
     if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name or "ffn_gate_inp.weight" in name:
         return stored
+    if not MODELLED.match(name):
+        return None
     layer = re.match(r"blk\.(\d+)\.", name)
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         new = "Q8_0" if cols % _block(base) else "Q6_K"
@@ -103,18 +114,18 @@ def expected_type(gguf_type: str, name: str, shape: tuple[int, ...], stored: str
     return new
 
 
-def read_back(path: Path, model, gguf_type: str) -> list:
-    """[(gguf name, stored data, qtype, HF name)] of the file llama.cpp wrote (the form gguf.py's verify_gguf
-    checks), after checking its file type and that every tensor is stored in the type the preset gives it;
-    VerificationError names the first that is not."""
+def read_back(path: Path, model, gguf_type: str, written: list) -> list:
+    """[(gguf name, stored data, qtype, HF name, shape)] of the file llama.cpp wrote (the form gguf.py's verify_gguf
+    checks), after checking its file type, that it holds the tensors of the f32 file it quantized (WRITTEN: that
+    file's list, in the same form) and that every tensor expected_type models is stored in the type the preset gives
+    it; VerificationError names the first that is not."""
     from gguf import GGUFReader
 
     from finetune.models import families
     from finetune.models.verify import VerificationError
 
-    family = families.family_of(model.config)
-    shape = family.shape(model.config.to_dict())
-    hf_names = {g: h for h, g in family.gguf_names(shape).items()}
+    shape = families.family_of(model.config).shape(model.config.to_dict())
+    parts = {name: (hf_name, part_shape) for name, _, _, hf_name, part_shape in written}
     reader = GGUFReader(str(path))
     file_type = int(reader.fields["general.file_type"].contents())
     if file_type != PRESETS[gguf_type][0]:
@@ -124,11 +135,14 @@ def read_back(path: Path, model, gguf_type: str) -> list:
     for t in reader.tensors:
         numpy_shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         want = expected_type(gguf_type, t.name, numpy_shape, "F32", shape.num_layers, tied)
-        if t.tensor_type.name != want:
+        if want is not None and t.tensor_type.name != want:
             raise VerificationError(f"{t.name} {numpy_shape} is stored as {t.tensor_type.name}; llama.cpp's "
                                     f"{gguf_type} preset gives it {want}")
-        if t.name not in hf_names:
-            raise VerificationError(f"llama.cpp wrote a tensor {t.name} the model does not have")
-        out.append((t.name, t.data, t.tensor_type, hf_names[t.name]))
+        if t.name not in parts or parts[t.name][1] != numpy_shape:
+            raise VerificationError(f"llama.cpp wrote a tensor {t.name} {numpy_shape} the f32 file does not hold")
+        out.append((t.name, t.data, t.tensor_type, *parts[t.name]))
+    if len(out) != len(parts):
+        missing = sorted(set(parts) - {name for name, *_ in out})
+        raise VerificationError(f"llama.cpp's file lacks {', '.join(missing[:3])}")
     return out
 
