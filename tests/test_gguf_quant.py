@@ -7,6 +7,9 @@ model loads (made and checked where it is installed: tests/test_gguf_llamacpp.py
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -203,3 +206,49 @@ def test_low_bit_for_each_family(fam, tmp_path, capsys):
     ref_max = logits_of(model, fixed_input(model.config.vocab_size)).abs().max().item()
     print(f"{fam} q4_0: logit diff {report.logit_diff:.4g} = {report.logit_diff / ref_max:.4f} of max|logit|")
     assert report.weight_diff > 0 and 0 < report.logit_diff <= X.LOGIT_BOUNDS["q4_0"] * ref_max
+
+
+def test_kquant_path_around_a_stand_in_quantizer(tmp_path, monkeypatch, capsys):
+    """The K-quant export path (f32 file, llama.cpp's quantizer, read-back, verification) in CI, where llama.cpp is
+    not built: a model 40 wide, whose rows no K-quant, Q5 or Q8_0 block divides, so llama.cpp's q4_K_M would store
+    every matrix F16; the stand-in quantizer writes that file with the gguf package and marks it q4_K_M. The path
+    once failed for every model for two sessions with nobody seeing it (the read-back's tuples lacked the shape
+    verify_gguf had come to need), because only the opt-in llama.cpp test ran it."""
+    from gguf import GGUFReader
+
+    from finetune.convert.writers import gguf_kquant as K
+
+    src = tiny.build(tmp_path / "h40", "chatml", seed=4, hidden=40, layers=2)
+    model = hf(src)
+    quantized_by = []
+
+    def stand_in(f32, dst, gguf_type, threads=None):
+        quantized_by.append((Path(f32).name, gguf_type))
+        X.write_gguf(model, src, dst, "f16", "model")
+        reader = GGUFReader(str(dst), "r+")
+        reader.fields["general.file_type"].parts[-1][0] = K.PRESETS[gguf_type][0]
+        reader.data.flush()
+
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "quantize", stand_in)
+    out = tmp_path / "out" / "model.gguf"
+    report = X.write_folder(src, out, gguf_type="q4_K_M")
+    assert quantized_by == [(".model.partial-%d.gguf.f32" % os.getpid(), "q4_K_M")]
+    assert report.types == {"F32": 5, "F16": 16}, report.types  # norms F32; 14 matrices, embedding and head F16
+    assert 0 < report.logit_diff <= report.logit_bound
+    assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "model.gguf"]  # the f32 file is gone
+    # A quantized file that lacks a tensor of the f32 file (here: a one-layer model's) is refused by name, and
+    # nothing is left behind.
+    short = tiny.build(tmp_path / "h40-1", "chatml", seed=4, hidden=40, layers=1)
+
+    def lacking(f32, dst, gguf_type, threads=None):
+        X.write_gguf(hf(short), short, dst, "f16", "model")
+        reader = GGUFReader(str(dst), "r+")
+        reader.fields["general.file_type"].parts[-1][0] = K.PRESETS[gguf_type][0]
+        reader.data.flush()
+
+    monkeypatch.setattr(K, "quantize", lacking)
+    other = tmp_path / "other" / "model.gguf"
+    with pytest.raises(Exception, match=r"llama.cpp's file lacks blk\.1\."):
+        X.write_folder(src, other, gguf_type="q4_K_M")
+    assert not other.parent.exists() or not list(other.parent.iterdir())
