@@ -219,18 +219,21 @@ def test_kquant_path_around_a_stand_in_quantizer(tmp_path, monkeypatch, capsys):
     from finetune.convert.writers import gguf_kquant as K
 
     src = tiny.build(tmp_path / "h40", "chatml", seed=4, hidden=40, layers=2)
-    model = hf(src)
     quantized_by = []
 
-    def stand_in(f32, dst, gguf_type, threads=None):
-        quantized_by.append((Path(f32).name, gguf_type))
-        X.write_gguf(model, src, dst, "f16", "model")
-        reader = GGUFReader(str(dst), "r+")
-        reader.fields["general.file_type"].parts[-1][0] = K.PRESETS[gguf_type][0]
-        reader.data.flush()
+    def stand_in(folder):
+        """A quantizer that writes FOLDER's model as f16 (what llama.cpp's q4_K_M makes of 40-wide rows), marked with
+        the preset's file type."""
+        def quantize(f32, dst, gguf_type, threads=None):
+            quantized_by.append((Path(f32).name, gguf_type))
+            X.write_gguf(hf(folder), folder, dst, "f16", "model")
+            reader = GGUFReader(str(dst), "r+")
+            reader.fields["general.file_type"].parts[-1][0] = K.PRESETS[gguf_type][0]
+            reader.data.flush()
+        return quantize
 
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "quantize", stand_in)
+    monkeypatch.setattr(K, "quantize", stand_in(src))
     out = tmp_path / "out" / "model.gguf"
     report = X.write_folder(src, out, gguf_type="q4_K_M")
     assert quantized_by == [(".model.partial-%d.gguf.f32" % os.getpid(), "q4_K_M")]
@@ -240,14 +243,7 @@ def test_kquant_path_around_a_stand_in_quantizer(tmp_path, monkeypatch, capsys):
     # A quantized file that lacks a tensor of the f32 file (here: a one-layer model's) is refused by name, and
     # nothing is left behind.
     short = tiny.build(tmp_path / "h40-1", "chatml", seed=4, hidden=40, layers=1)
-
-    def lacking(f32, dst, gguf_type, threads=None):
-        X.write_gguf(hf(short), short, dst, "f16", "model")
-        reader = GGUFReader(str(dst), "r+")
-        reader.fields["general.file_type"].parts[-1][0] = K.PRESETS[gguf_type][0]
-        reader.data.flush()
-
-    monkeypatch.setattr(K, "quantize", lacking)
+    monkeypatch.setattr(K, "quantize", stand_in(short))
     other = tmp_path / "other" / "model.gguf"
     with pytest.raises(Exception, match=r"llama.cpp's file lacks blk\.1\."):
         X.write_folder(src, other, gguf_type="q4_K_M")

@@ -133,11 +133,11 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def markdown(source: Path, metrics: dict, images: list[str], run: Path | None = None) -> str:
-    """The report's README. SOURCE is named relative to the run folder RUN: the report travels (a Hub push), and
-    this machine's paths mean nothing there."""
-    run = Path(run).resolve() if run is not None else source.parent
-    shown = source.resolve().relative_to(run) if source.resolve().is_relative_to(run) else source
+def markdown(source: Path, metrics: dict, images: list[str], run: Path) -> str:
+    """The report's README. SOURCE (a file find_state found in the run folder RUN) is named relative to RUN: the
+    report travels (a Hub push), and this machine's paths mean nothing there."""
+    run = Path(run).resolve()
+    shown = source.resolve().relative_to(run)
     lines = [f"# Run report: {run.name}",
              "", f"From the run folder's `{shown}` (step {metrics.get('global_step')} of {metrics.get('max_steps')}).",
              ""]
