@@ -9,7 +9,10 @@ number of rows per rank depend on which records it drew.
 
 Records are kept apart by `position_ids` that restart at 0 at every record boundary and NO attention mask:
 transformers derives the per-record causal mask from such position ids (masking_utils'
-`find_packed_sequence_indices` for sdpa/eager; flash-attention's varlen path for a single flattened row).
+`find_packed_sequence_indices` for sdpa/eager). The collator also states the boundaries on the host, under the names
+transformers' flash-attention kwargs and TRL's collator use (`cu_seq_lens_q/k`, int32 over the batch flattened
+row after row; `max_length_q/k`, Python ints): flash kernels (transformers' own and Hub kernels, any batch size) and
+finetune.models.attention's variable-length attention then split the batch without reading device values.
 The first label of each record is set to -100, so no record is trained to predict its first token from
 the previous record's last one. tests/test_packing.py proves logits, per-token losses and gradients equal
 those of the records run one by one.
@@ -23,9 +26,33 @@ from typing import Any, Iterable, Sequence
 
 from finetune.constants import IGNORE_INDEX
 
-# Attention kernels that only split a row by position_ids when the batch is ONE flattened row
-# (transformers' `_is_packed_sequence` requires batch size 1): packed rows are flattened for them.
+# Flash kernels: they take the batch as one flattened sequence, so a padded row only costs them its padding. Flattened
+# for them (no padding at all), like a Hub kernel (`org/repo`, transformers' flash path too).
 FLAT_ONLY_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+# The host-side record boundaries: what the model's forward passes on to the attention function as keyword arguments.
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_bounds")
+
+
+def boundaries(segment_lengths: Sequence[int]) -> dict[str, Any]:
+    """The boundary fields of a batch whose flattened tokens are these segments, in order: `cu_seq_lens_q/k`
+    (int32, [segments + 1]), `max_length_q/k` (the longest, a Python int) and `seq_bounds`, the same offsets as a
+    tuple of ints, which no device move touches (the per-record loop of finetune.models.attention reads it instead
+    of the tensor, on the host)."""
+    import itertools
+
+    import torch
+
+    bounds = tuple(itertools.accumulate(segment_lengths, initial=0))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(segment_lengths, default=0)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+            "seq_bounds": bounds}
+
+
+def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    """A batch on `device`: its tensors moved, its host values (max lengths, bounds) kept as they are."""
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
 
 def bfd_pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -109,7 +136,8 @@ class PackedCollator:
 
     layout "rows": [batch, longest row] (sdpa/eager split each row by its position ids; the tail padding is a
     segment of its own, with labels -100). layout "flat": the whole micro-batch as ONE row without any padding
-    (padding-free batching; the only layout flash-attention splits by position ids).
+    (padding-free batching, and packing for flash kernels). Either way the batch carries its record boundaries
+    (`boundaries`) over the tokens flattened row after row, the padding of a row a segment of its own.
     """
 
     def __init__(self, pad_token_id: int, layout: str = "rows", pad_to_multiple_of: int | None = None):
@@ -120,7 +148,7 @@ class PackedCollator:
     def __call__(self, features: Iterable[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        rows = []
+        rows, lens_of = [], []
         for f in features:
             ids = torch.as_tensor(f["input_ids"], dtype=torch.long)
             labels = torch.as_tensor(f["labels"], dtype=torch.long).clone()
@@ -132,9 +160,11 @@ class PackedCollator:
             labels[starts] = IGNORE_INDEX
             positions = torch.cat([torch.arange(n) for n in lens])
             rows.append((ids, labels, positions))
+            lens_of.append(lens)
         if self.layout == "flat":
             ids, labels, positions = (torch.cat(parts).unsqueeze(0) for parts in zip(*rows))
-            return {"input_ids": ids, "labels": labels, "position_ids": positions}
+            return {"input_ids": ids, "labels": labels, "position_ids": positions,
+                    **boundaries([n for f in lens_of for n in f])}
         length = max(len(r[0]) for r in rows)
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -146,13 +176,15 @@ class PackedCollator:
             n = len(r_ids)
             ids[i, :n], labels[i, :n], positions[i, :n] = r_ids, r_labels, r_pos
             positions[i, n:] -= n
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        segments = [m for r_lens in lens_of for m in (*r_lens, length - sum(r_lens)) if m]
+        return {"input_ids": ids, "labels": labels, "position_ids": positions, **boundaries(segments)}
 
 
 def collator_layout(packing: bool, padding_free: bool, attn_implementation: str | None) -> str | None:
     """None: the padded collator. Otherwise the PackedCollator layout this configuration needs."""
     if not (packing or padding_free):
         return None
-    if padding_free or (attn_implementation or "") in FLAT_ONLY_ATTENTION:
+    name = attn_implementation or ""
+    if padding_free or name in FLAT_ONLY_ATTENTION or "/" in name:
         return "flat"
     return "rows"

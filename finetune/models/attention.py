@@ -1,140 +1,354 @@
-"""sdpa over packed rows, one record at a time.
+"""Variable-length attention over packed rows and padding-free batches: one kernel call per layer.
 
-A packed row (finetune.data.packing, layout "rows") holds several records told apart by position ids that restart
-at 0. transformers' sdpa keeps them apart with a [rows, 1, length, length] block-diagonal mask, so the kernel computes
-the row's whole length x length square and masks most of it away (with several records to a 1,024-token row, most
-of the attention work), and a mask also makes it repeat the key/value heads of grouped-query attention. Here each
-record's queries attend to its own keys with `is_causal` and no mask: the same result (a record never saw another
-one), the work of the records' own causal triangles, and the kernel's grouped-query path.
+A packed row (finetune.data.packing, layout "rows") holds several records; a padding-free batch (layout "flat") is
+one row of records. The collator states where the records are, on the host, in the names transformers' flash path
+and TRL's collator use: `cu_seq_lens_q/k` (int32 offsets into the batch flattened row after row, a row's tail
+padding a segment of its own) and `max_length_q/k` (Python ints), plus `seq_bounds`, the offsets as a tuple of ints.
+The model's forward hands them to this attention function as keyword arguments, so nothing here reads device values
+(no host-device sync) to find the records.
 
-Used for training on packed rows with `--attn_implementation sdpa` (the default); a batch that is not packed rows
-(padded records, evaluation on unpacked data) takes transformers' own sdpa unchanged.
+Each layer makes ONE call of the first kernel in PREFERENCE[device type] that can run it:
+- "varlen": torch's `torch.nn.attention.varlen.varlen_attn` where this torch has it (CUDA flash kernels, bf16/fp16;
+  causal, grouped-query, a sliding window; no soft-capping, no dropout);
+- "flash": transformers' flash-attention-2 varlen path where the flash-attn package is installed (soft-capping too);
+- "flex": FlexAttention with a document mask (records, causality and the window in a BlockMask built once per
+  forward; soft-capping as a score_mod; compiled on CUDA, where its eager form would hold the whole score matrix);
+- "loop": sdpa one record at a time (`is_causal`, the kernel's grouped-query path; a band mask for records longer
+  than the window), host bounds from `seq_bounds`. Kept for the CPU, where it measured fastest (bench/attention.py,
+  numbers in bench/RESULTS.md).
+Soft-capped families (Gemma-2's attn_logit_softcapping) never take "varlen" or "loop": on CUDA they go to "flash",
+else "flex". A batch without boundaries (padded records, evaluation on unpacked data, generation) takes transformers'
+sdpa unchanged (eager for a soft-capped family, which sdpa cannot soft-cap).
+
+Used for training with `--packing` or `--padding_free` and `--attn_implementation sdpa` (the default; `eager` for a
+soft-capped family, whose sdpa transformers refuses), without `--torch_compile`.
 """
 
 from __future__ import annotations
 
-PACKED_SDPA = "finetune_sdpa_packed"
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+VARLEN = "finetune_varlen"
+
+# Per device type, the kernels in order of preference (bench/attention.py measured the CPU's; RESULTS.md).
+PREFERENCE: dict[str, tuple[str, ...]] = {"cuda": ("varlen", "flash", "flex", "loop"), "cpu": ("loop", "flex")}
+OTHER_DEVICES = ("flex", "loop")
+
+FLASH_DTYPES = ("float16", "bfloat16")  # what the CUDA flash kernels take
 
 
 def register() -> None:
-    """Make PACKED_SDPA a name transformers knows: this attention function, and sdpa's masks (for the unpacked
-    batches that fall back to sdpa, which need their padding mask)."""
+    """Make VARLEN a name transformers knows: this attention function, and a mask function for the batches that fall
+    back to transformers' sdpa or eager (which need their padding mask)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, _fallback_mask)
+
+
+def softcapped(config) -> bool:
+    return getattr(config, "attn_logit_softcapping", None) is not None
 
 
 def unsupported(config) -> str | None:
-    """Why a model's attention is not plain causal attention that per-record sdpa reproduces (None: it is)."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping"
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return "sliding-window layers"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return "a sliding window"
+    """Why a model's attention is not causal attention over records that the kernels here compute (None: it is)."""
     if not getattr(config, "is_causal", True):
         return "bidirectional attention"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
     return None
 
 
 def applies(cfg, model_config) -> bool:
     """Whether a run of `cfg` on a model of `model_config` (a transformers config, or any object with its
-    attributes) trains with PACKED_SDPA: packed rows, --attn_implementation sdpa, no --torch_compile (a loop over
-    records whose lengths change every batch would recompile or break the graph), plain causal attention."""
+    attributes) trains with VARLEN: packed rows or padding-free batches (the collator states their boundaries),
+    --attn_implementation sdpa (eager for a soft-capped family), no --torch_compile (kept on transformers' own
+    kernels), causal attention without dropout."""
     data, margs, args = cfg.data, cfg.model, cfg.training
-    # Packed rows: sdpa is none of the kernels that need one flattened row, so --packing without --padding_free
-    # (finetune.data.packing.collator_layout says "rows" exactly then; tests/test_packing.py holds the two together).
-    return (margs.attn_implementation == "sdpa" and not getattr(args, "torch_compile", False)
-            and data.packing and not data.padding_free and unsupported(model_config) is None)
+    name = margs.attn_implementation
+    kernel = name == "sdpa" or (name == "eager" and softcapped(model_config))
+    return (kernel and not getattr(args, "torch_compile", False) and bool(data.packing or data.padding_free)
+            and unsupported(model_config) is None)
 
 
 def enable(model, cfg) -> bool:
-    """Switch the model's sdpa to PACKED_SDPA where `applies` (True if it did)."""
+    """Switch the model's attention to VARLEN where `applies` (True if it did)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not applies(cfg, base.config):
         return False
     register()
-    base.set_attn_implementation(PACKED_SDPA)
+    base.set_attn_implementation(VARLEN)
     return True
 
 
-def segments(position_ids, length: int) -> list[list[tuple[int, int]]] | None:
-    """Per row, the (start, end) of each record: where the position ids restart at 0 and count up by one.
+def describe(device_type: str, config) -> str:
+    """The start line: which kernel a packed batch takes on this device."""
+    names = [k for k in preference(device_type) if _kernel_can(k, softcap=softcapped(config))]
+    return (f"attention: packed records through one variable-length kernel call per layer "
+            f"({names[0] if names else 'none'}; records never attend to each other)")
 
-    None when the ids are not packed rows of `length` (no restart anywhere, or a run that does not start at 0, as
-    the left padding of generation gives): such a batch is not split."""
+
+def preference(device_type: str) -> tuple[str, ...]:
+    return PREFERENCE.get(device_type, OTHER_DEVICES)
+
+
+# ---- the kernels -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one layer's attention asks for, all of it known on the host."""
+
+    batch: int
+    length: int
+    heads: int
+    kv_heads: int
+    scaling: float | None
+    window: int | None  # the number of positions a query sees, itself included (transformers' sliding_window)
+    softcap: float | None
+    dropout: float
+    dtype: Any
+    device_type: str
+    grad: bool  # whether autograd records this call (FlexAttention has no backward on CPU)
+    cu: Any  # cu_seq_lens, on the device
+    longest: int
+    bounds: tuple[int, ...] | None  # the same offsets as host ints (seq_bounds), where the collator gave them
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads != self.kv_heads
+
+
+def torch_varlen() -> Callable | None:
+    """torch's varlen_attn where this torch has it (a feature test: torch 2.13 has it; older ones may not)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+# name -> the function a kernel calls; a test registers a stand-in here, where the real one is looked up.
+KERNELS: dict[str, Callable | None] = {}
+
+
+def kernel_fn(name: str) -> Callable | None:
+    if name not in KERNELS:
+        KERNELS[name] = _find(name)
+    return KERNELS[name]
+
+
+def _find(name: str) -> Callable | None:
+    if name == "varlen":
+        return torch_varlen()
+    if name == "flash":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            return None
+        from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+        return _flash_attention_forward
+    if name == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+    if name == "loop":
+        import torch
+
+        return torch.nn.functional.scaled_dot_product_attention
+    raise KeyError(name)
+
+
+def _kernel_can(name: str, call: Call | None = None, softcap: bool = False) -> bool:
+    """Whether kernel NAME runs CALL (or, without one, any call of a model with or without soft-capping)."""
+    import inspect
+
+    fn = kernel_fn(name)
+    if fn is None:
+        return False
+    softcap = softcap or (call is not None and call.softcap is not None)
+    if name == "varlen" and softcap:
+        return False
+    if call is None:
+        return True
+    if name in ("varlen", "flash") and str(call.dtype).removeprefix("torch.") not in FLASH_DTYPES:
+        return False
+    if name == "varlen":
+        params = inspect.signature(fn).parameters
+        if call.dropout or (call.window is not None and "window_size" not in params) or (
+                call.gqa and "enable_gqa" not in params):
+            return False
+    if name == "flex" and (call.dropout or (call.grad and call.device_type in ("cpu", "mps"))):
+        return False
+    if name == "loop" and call.bounds is None:
+        return False
+    return True
+
+
+def _run_varlen(fn, q, k, v, call: Call):
+    """torch's varlen_attn on the batch flattened to [tokens, heads, dim]."""
+    import inspect
+
+    flat = [t.transpose(1, 2).reshape(call.batch * call.length, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    params = inspect.signature(fn).parameters
+    kw: dict[str, Any] = {"scale": call.scaling}
+    if "window_size" in params:
+        kw["window_size"] = (call.window - 1, 0) if call.window is not None else (-1, 0)
+    else:  # a torch whose varlen_attn takes is_causal instead (its calls with a window are not routed here)
+        kw["is_causal"] = True
+    if call.gqa:
+        kw["enable_gqa"] = True
+    out = fn(*flat, call.cu, call.cu, call.longest, call.longest, **kw)
+    return out.view(call.batch, call.length, call.heads, -1)
+
+
+def _run_flash(fn, q, k, v, call: Call):
+    """transformers' flash-attention-2 varlen path: it flattens the batch itself when given the boundaries."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return fn(q, k, v, None, query_length=call.length, is_causal=True, dropout=call.dropout,
+              softmax_scale=call.scaling, sliding_window=call.window, softcap=call.softcap,
+              cu_seq_lens_q=call.cu, cu_seq_lens_k=call.cu, max_length_q=call.longest, max_length_k=call.longest,
+              attn_implementation="flash_attention_2")
+
+
+_masks: dict = {"cu": None, "masks": {}}  # the BlockMasks of the forward in flight, by window
+
+
+def _block_mask(call: Call, device):
+    """The document mask of this batch (records, causality, the window), built once per forward: every layer gets
+    the same cu_seq_lens tensor."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ref = _masks["cu"]
+    if ref is None or ref() is not call.cu:
+        _masks["cu"], _masks["masks"] = weakref.ref(call.cu), {}
+    key = (call.window, call.batch, call.length)
+    if key not in _masks["masks"]:
+        tokens = torch.arange(call.batch * call.length, device=device, dtype=call.cu.dtype)
+        # A token's record: the number of record ends at or before it (no host value needed).
+        doc = torch.searchsorted(call.cu[1:].contiguous(), tokens, right=True).view(call.batch, call.length)
+        window = call.window
+
+        def records(b, h, q_idx, kv_idx):
+            same = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+            return same & (q_idx - kv_idx < window) if window is not None else same
+
+        _masks["masks"][key] = create_block_mask(records, call.batch, None, call.length, call.length, device=device)
+    return _masks["masks"][key]
+
+
+_compiled_flex: dict = {}
+
+
+def _run_flex(fn, q, k, v, call: Call):
     import torch
 
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] != length or length < 2:
-        return None
-    ids = position_ids.detach()
-    step = torch.diff(ids, dim=-1)
-    breaks = step != 1
-    if not bool(breaks.any()):
-        return None
-    # Every run (the first, and each one after a break) must start at 0: a record, or the tail padding.
-    starts = torch.cat([torch.ones_like(breaks[:, :1]), breaks], dim=-1)
-    if bool((ids[starts] != 0).any()):
-        return None
-    out = []
-    for row in starts.cpu():
-        at = row.nonzero().flatten().tolist() + [length]
-        out.append(list(zip(at[:-1], at[1:])))
-    return out
+    if q.device.type == "cuda":  # eager FlexAttention materializes the scores; compiled, it is a fused kernel
+        if "fn" not in _compiled_flex:
+            _compiled_flex["fn"] = torch.compile(fn)
+        fn = _compiled_flex["fn"]
+    score_mod = None
+    if call.softcap is not None:
+        cap = call.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+    out = fn(q, k, v, score_mod=score_mod, block_mask=_block_mask(call, q.device), scale=call.scaling,
+             enable_gqa=call.gqa)
+    return out.transpose(1, 2)
 
 
-_last: tuple = (None, -1, None)  # (weak reference to position_ids, its version, their segments)
-
-
-def _segments_once(position_ids, length: int):
-    """segments() computed once per forward: every layer gets the same position_ids tensor (on a GPU each
-    computation would wait for the device)."""
-    import weakref
-
-    global _last
-    ref, version, runs = _last
-    if position_ids is not None and ref is not None and ref() is position_ids and version == position_ids._version:
-        return runs
-    runs = segments(position_ids, length)
-    if position_ids is not None:
-        _last = (weakref.ref(position_ids), position_ids._version, runs)
-    return runs
-
-
-def _kernels(query):
-    """The sdpa kernels for per-record calls. On CUDA, not cuDNN's: it builds an execution plan for every new
-    sequence length (measured on an H100, torch 2.11: 1.8 ms of CPU per call for 6 us on the GPU, so a SmolLM2-shape
-    step of 8 packed 1,024-token rows took 3.3 s instead of 0.17 s); flash attention takes any length as it comes."""
-    import contextlib
-
-    if query.device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                        is_causal=None, **kwargs):
-    """transformers' attention-function signature; query [B, heads, L, d], key/value [B, kv heads, L, d]."""
+def _run_loop(fn, q, k, v, call: Call):
+    """sdpa per record, the records' offsets read from host ints; soft-capped logits by the eager computation, per
+    record (sdpa cannot soft-cap)."""
     import torch
+
+    parts = []
+    b = call.bounds
+    for s, e in zip(b[:-1], b[1:]):
+        row, at, n = s // call.length, s % call.length, e - s
+        mask = None
+        if (call.window is not None and n > call.window) or call.softcap is not None:
+            i = torch.arange(n, device=q.device)
+            mask = i[:, None] >= i[None, :]
+            if call.window is not None:
+                mask = mask & (i[:, None] - i[None, :] < call.window)
+        qr, kr, vr = (t[row:row + 1, :, at:at + n] for t in (q, k, v))
+        if call.softcap is not None:
+            parts.append(_softcapped(qr, kr, vr, mask, call))
+            continue
+        parts.append(fn(qr, kr, vr, attn_mask=mask, dropout_p=call.dropout, is_causal=mask is None,
+                        scale=call.scaling, enable_gqa=call.gqa))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, heads, batch * length, dim]
+    return out[0].transpose(0, 1).reshape(call.batch, call.length, call.heads, -1)
+
+
+def _softcapped(q, k, v, mask, call: Call):
+    """Soft-capped attention of one record as transformers' eager Gemma-2 computes it (softmax in fp32)."""
+    import torch
+
+    if call.gqa:
+        k, v = (t.repeat_interleave(call.heads // call.kv_heads, dim=1) for t in (k, v))
+    scale = call.scaling if call.scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / call.softcap) * call.softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = torch.nn.functional.dropout(weights, p=call.dropout, training=call.dropout > 0)
+    return weights @ v
+
+
+RUN = {"varlen": _run_varlen, "flash": _run_flash, "flex": _run_flex, "loop": _run_loop}
+
+
+def choose(call: Call, device_type: str) -> str | None:
+    return next((name for name in preference(device_type) if _kernel_can(name, call)), None)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             is_causal=None, **kwargs):
+    """transformers' attention-function signature; query [B, heads, L, d], key/value [B, kv heads, L, d]; returns
+    [B, L, heads, d]."""
+    import torch
+
+    cu = kwargs.get("cu_seq_lens_q")
+    call = None
+    if (cu is not None and kwargs.get("cu_seq_lens_k") is not None and key.shape[2] == query.shape[2]
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
+            and getattr(module, "is_causal", True) and is_causal is not False):
+        bounds, longest = kwargs.get("seq_bounds"), kwargs.get("max_length_q")
+        batch, heads, length, _ = query.shape
+        call = Call(batch=batch, length=length, heads=heads, kv_heads=key.shape[1], scaling=scaling,
+                    window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), dropout=dropout,
+                    dtype=query.dtype, device_type=query.device.type,
+                    grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)), cu=cu, longest=longest if isinstance(longest, int) else length,
+                    bounds=tuple(bounds) if bounds is not None and bounds[-1] == batch * length else None)
+    name = choose(call, query.device.type) if call is not None else None
+    if name is None:
+        return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
+    return RUN[name](kernel_fn(name), query, key, value, call).contiguous(), None
+
+
+def _fallback(module, query, key, value, attention_mask, **kwargs):
+    """A batch without record boundaries: transformers' sdpa, or the model's eager attention where it soft-caps."""
+    if kwargs.get("softcap") is not None:
+        import sys
+
+        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value,
+                                                                           attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    runs = None
-    if key.shape[2] == query.shape[2] and kwargs.get("position_bias") is None and not kwargs.get("output_attentions"):
-        runs = _segments_once(kwargs.get("position_ids"), query.shape[2])
-    if runs is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    gqa = query.shape[1] != key.shape[1]
-    rows = []
-    with _kernels(query):
-        for b, row in enumerate(runs):
-            parts = [torch.nn.functional.scaled_dot_product_attention(
-                query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], dropout_p=dropout,
-                is_causal=True, scale=scaling, enable_gqa=gqa) for s, e in row]
-            rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
-    return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _fallback_mask(*args, config=None, **kwargs):
+    """The mask of the fallback's kernel: eager's (a float mask, never skipped) for a soft-capped model, else sdpa's."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    return (eager_mask if softcapped(config) else sdpa_mask)(*args, config=config, **kwargs)

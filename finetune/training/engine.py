@@ -23,6 +23,7 @@ import copy
 from functools import partial
 
 from finetune import methods
+from finetune.data.packing import to_device
 from finetune.training import checkpoint, core, evaluate, examples
 from finetune.process import exit_with
 from finetune.training.lifecycle import finish_run, resume_or_exit
@@ -164,7 +165,7 @@ def train_step(engine, session, world: int, chunk: list[dict], n_items):
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for i, batch in enumerate(chunk):
         engine.set_gradient_accumulation_boundary(i == len(chunk) - 1)
-        loss = session.loss(engine, {k: v.to(engine.device) for k, v in batch.items()}, n_items)
+        loss = session.loss(engine, to_device(batch, engine.device), n_items)
         engine.backward(loss * world, scale_wrt_gas=False)
         total += loss.detach().float()
     # The learning rate this step uses (the Trainer logs it too), read before engine.step() advances the schedule.

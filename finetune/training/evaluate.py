@@ -23,6 +23,7 @@ from typing import Callable
 
 from finetune import compat
 from finetune.constants import IGNORE_INDEX
+from finetune.data.packing import to_device
 from finetune.data.prepare import Collator
 from finetune.training import checkpoint, core
 
@@ -71,7 +72,7 @@ def rank_sums(forward: Callable, es: EvalSet, device, world: int, rank: int):
     for b in range(batches):
         chunk = mine[b * es.batch_size:(b + 1) * es.batch_size]
         batch = es.collator([es.dataset[i] for i in (chunk or [0])])  # a rank out of samples: a forward for nothing
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = to_device(batch, device)  # the record boundaries' host ints stay where they are
         loss = forward(batch).double().cpu()
         if chunk:
             tokens = (batch["labels"][..., 1:] != IGNORE_INDEX).sum().double().cpu()

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from finetune.models.attention import PACKED_SDPA
+from finetune.models import attention
 from finetune.process import exit_with
 
 # Written last when moving a finished save into place: its presence marks a complete model folder.
@@ -301,8 +301,13 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
         f"parameters: {trainable:,} trainable of {total:,}",
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
         else "weights: a full copy on every rank",
-    ] + (["attention: sdpa, each packed record attending to itself only (no work across records)"]
-         if getattr(getattr(model, "config", None), "_attn_implementation", None) == PACKED_SDPA else []))
+    ] + ([attention.describe(_device_type(args), model.config)]
+         if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.VARLEN else []))
+
+
+def _device_type(args) -> str:
+    device = getattr(args, "device", "cpu")
+    return getattr(device, "type", str(device).split(":")[0])
 
 
 def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:
