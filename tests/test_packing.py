@@ -66,7 +66,7 @@ def tok_model(tiny_chatml):
     tok = load_tokenizer(SimpleNamespace(model_name_or_path=str(tiny_chatml), trust_remote_code=False))
     attention.register()
     models = {impl: AutoModelForCausalLM.from_pretrained(tiny_chatml, dtype=torch.float32, attn_implementation=impl)
-              for impl in ("sdpa", "eager", attention.PACKED_SDPA)}
+              for impl in ("sdpa", "eager", attention.VARLEN)}
     return tok, models
 
 
@@ -90,7 +90,7 @@ def alone(model, rec):
     return model(input_ids=ids, use_cache=False).logits[0]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager", attention.PACKED_SDPA])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", attention.VARLEN])
 @pytest.mark.parametrize("layout", ["rows", "flat"])
 def test_packed_logits_losses_and_gradients_equal_one_by_one(tok_model, impl, layout, one_thread):
     tok, models = tok_model
@@ -136,25 +136,7 @@ def test_packed_logits_losses_and_gradients_equal_one_by_one(tok_model, impl, la
         torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-5)
 
 
-def test_per_record_sdpa_splits_only_packed_rows():
-    """Runs where position ids restart at 0; anything else (no restart, generation's left padding) is not split."""
-    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1, 0, 1]])
-    assert attention.segments(pos, 10) == [[(0, 3), (3, 5), (5, 9), (9, 10)], [(0, 6), (6, 8), (8, 10)]]
-    assert attention.segments(torch.arange(10)[None], 10) is None
-    assert attention.segments(torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4]]), 8) is None  # left padding, generate()
-    assert attention.segments(torch.tensor([[0, 1, 2, 5, 6, 7]]), 6) is None  # a jump, not a restart at 0
-    assert attention.segments(pos, 12) is None and attention.segments(None, 10) is None
-    # Computed once per forward (the same tensor in every layer), never reused for other position ids.
-    first = attention._segments_once(pos, 10)
-    assert attention._segments_once(pos, 10) is first
-    other = pos.clone()
-    other[0, 3:5] = torch.tensor([3, 4])
-    assert attention._segments_once(other, 10)[0] == [(0, 5), (5, 9), (9, 10)]
-    pos[1, 6:8] = torch.tensor([6, 7])  # changed in place: its version moved on
-    assert attention._segments_once(pos, 10)[1] == [(0, 8), (8, 10)]
-
-
-def test_per_record_sdpa_falls_back_to_sdpa_where_it_must(tok_model, one_thread):
+def test_varlen_falls_back_to_sdpa_where_it_must(tok_model, one_thread):
     """A padded batch (attention mask, plain positions) gives sdpa's own logits; a sliding window is never split."""
     tok, models = tok_model
     recs = records(tok, n=2)
@@ -162,12 +144,14 @@ def test_per_record_sdpa_falls_back_to_sdpa_where_it_must(tok_model, one_thread)
     ids = torch.tensor([r["input_ids"] + [tok.pad_token_id] * (n - len(r["input_ids"])) for r in recs])
     mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in recs])
     a = models["sdpa"](input_ids=ids, attention_mask=mask, use_cache=False).logits
-    b = models[attention.PACKED_SDPA](input_ids=ids, attention_mask=mask, use_cache=False).logits
+    b = models[attention.VARLEN](input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(a * mask[..., None], b * mask[..., None])
     from transformers import MistralConfig
 
-    assert attention.unsupported(MistralConfig(sliding_window=4096)) == "a sliding window"
-    assert attention.unsupported(MistralConfig(sliding_window=None)) is None
+    # A sliding window is computed now (tests/test_attention.py); attention dropout and bidirectional attention
+    # keep transformers' own kernels.
+    assert attention.unsupported(MistralConfig(sliding_window=4096)) is None
+    assert attention.unsupported(MistralConfig(attention_dropout=0.1)) == "attention dropout"
     assert attention.unsupported(models["sdpa"].config) is None
 
 
@@ -220,17 +204,19 @@ def test_layout_choice():
     assert collator_layout(False, False, "sdpa") is None
     assert collator_layout(True, False, "sdpa") == "rows"
     assert collator_layout(True, False, "eager") == "rows"
-    # flash-attention splits by position_ids only for ONE flattened row.
+    # Flash kernels (transformers' and a Hub kernel org/repo) take the batch flattened: no padding at all.
     assert collator_layout(True, False, "flash_attention_2") == "flat"
+    assert collator_layout(True, False, "kernels-community/flash-attn3") == "flat"
     assert collator_layout(False, True, "sdpa") == "flat"
 
 
 @pytest.mark.parametrize("packing,padding_free", [(False, False), (True, False), (False, True), (True, True)])
-def test_packed_sdpa_exactly_on_packed_rows(packing, padding_free):
-    # models.attention cannot import data (independent layers): it states the "rows" rule for sdpa itself.
+def test_varlen_exactly_where_the_collator_gives_boundaries(packing, padding_free):
+    # models.attention cannot import data (independent layers): it states the rule for sdpa itself. Both layouts
+    # carry the record boundaries.
     cfg = SimpleNamespace(data=SimpleNamespace(packing=packing, padding_free=padding_free),
                           model=SimpleNamespace(attn_implementation="sdpa"), training=SimpleNamespace())
-    assert attention.applies(cfg, SimpleNamespace()) == (collator_layout(packing, padding_free, "sdpa") == "rows")
+    assert attention.applies(cfg, SimpleNamespace()) == (collator_layout(packing, padding_free, "sdpa") is not None)
 
 
 def test_prepare_dataset_packs_and_reports(tiny_chatml, tmp_path, cache_dir):

@@ -143,12 +143,14 @@ def test_activation_bytes_equal_saved_tensors(method, ckpt, padded):
 
 
 @pytest.mark.parametrize("method", ["full", "lora", "lora-no-dropout"])
-def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_path):
-    """Packed rows train with per-record sdpa: no mask reaches the kernel and its key/value heads stay unrepeated;
+def test_packed_rows_under_varlen_attention_save_what_the_plan_says(method, tmp_path):
+    """Packed rows train with variable-length attention (on CPU the per-record loop, from the collator's
+    boundaries): no mask reaches the kernel and its key/value heads stay unrepeated;
     `finetune plan` plans a packed run that way, and the saved tensors of a real packed batch are those bytes."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from finetune.data.packing import boundaries
     from finetune.models import attention
 
     torch.manual_seed(0)
@@ -157,7 +159,7 @@ def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_p
     dropout = 0.0 if method == "lora-no-dropout" else 0.05
     attention.register()
     model = LlamaForCausalLM(LlamaConfig(**d, tie_word_embeddings=False))
-    model.set_attn_implementation(attention.PACKED_SDPA)
+    model.set_attn_implementation(attention.VARLEN)
     model.config.use_cache = False
     if method != "full":
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear",
@@ -165,7 +167,7 @@ def test_packed_rows_under_per_record_sdpa_save_what_the_plan_says(method, tmp_p
     model.train()
     ids = torch.randint(0, d["vocab_size"], (b, s))
     positions = torch.cat([torch.arange(20), torch.arange(28)]).repeat(b, 1)
-    saved = _saved_bytes(model, ids, position_ids=positions)
+    saved = _saved_bytes(model, ids, position_ids=positions, **boundaries([20, 28] * b))
     folder = write_config(tmp_path / "gqa", **d, tie_word_embeddings=False)
     flags = ["--model_name_or_path", str(folder), "--max_seq_length", str(s), "--per_device_train_batch_size", str(b),
              "--packing", "--lora_r", "4", "--lora_dropout", str(dropout), "--loss_chunk_size", "0"] + (["--use_peft"] if method != "full" else [])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 VARLEN = "finetune_varlen"
+PACKED_SDPA = VARLEN  # its name when it was per-record sdpa alone (bench/gpu.py's)
 
 # Per device type, the kernels in order of preference (bench/attention.py measured the CPU's; RESULTS.md).
 PREFERENCE: dict[str, tuple[str, ...]] = {"cuda": ("varlen", "flash", "flex", "loop"), "cpu": ("loop", "flex")}
