@@ -327,7 +327,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         call = Call(batch=batch, length=length, heads=heads, kv_heads=key.shape[1], scaling=scaling,
                     window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), dropout=dropout,
                     dtype=query.dtype, device_type=query.device.type,
-                    grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)), cu=cu, longest=longest if isinstance(longest, int) else length,
+                    grad=any(t.requires_grad for t in (query, key, value)), cu=cu, longest=longest if isinstance(longest, int) else length,
                     bounds=tuple(bounds) if bounds is not None and bounds[-1] == batch * length else None)
     name = choose(call, query.device.type) if call is not None else None
     if name is None:
