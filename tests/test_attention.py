@@ -355,6 +355,39 @@ def test_hub_flash_kernel_flattens_packed_rows(hub_kernel, one_thread):
     assert (mixed[0, 7:10] - alone).abs().max() > 1e-2
 
 
+def test_no_mask_built_for_a_batch_with_boundaries(monkeypatch, one_thread):
+    """enable()'s hook: with the collator's bounds no mask is built, so transformers' packed-sequence detection (a
+    device read) never runs; a batch without them (padded evaluation) still gets its mask and sdpa's logits."""
+    import transformers.masking_utils as mu
+    from types import SimpleNamespace
+
+    detections = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda p: detections.append(p) or real(p))
+    for family in ("llama", "gemma2"):
+        ref, _ = models(family)
+        model = ref.__class__(ref.config).eval()
+        model.load_state_dict(ref.state_dict())
+        kernel = "eager" if family == "gemma2" else "sdpa"
+        cfg = SimpleNamespace(data=SimpleNamespace(packing=True, padding_free=False),
+                              model=SimpleNamespace(attn_implementation=kernel), training=SimpleNamespace())
+        assert attention.enable(model, cfg) and model.config._attn_implementation == attention.VARLEN
+        feats = features()
+        batch = PackedCollator(0, layout="rows")(feats)
+        detections.clear()
+        out = model(**batch, use_cache=False)
+        assert detections == []
+        check_equals_alone(ref, out.logits, out.loss, batch, feats, "rows")
+        without = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}  # transformers' mask and kernel
+        detections.clear()
+        torch.testing.assert_close(model(**without, use_cache=False).logits, out.logits, rtol=0, atol=1e-5)
+        assert detections  # one per kind of mask the family builds
+        mask = torch.tensor([[1] * 20 + [0] * 3, [1] * 23])
+        torch.testing.assert_close(model(input_ids=batch["input_ids"], attention_mask=mask).logits * mask[..., None],
+                                   ref(input_ids=batch["input_ids"], attention_mask=mask).logits * mask[..., None],
+                                   rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # No host sync in the attention function.
 

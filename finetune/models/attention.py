@@ -82,7 +82,29 @@ def enable(model, cfg) -> bool:
         return False
     register()
     base.set_attn_implementation(VARLEN)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+    if not getattr(decoder, "_finetune_no_mask_hook", None):
+        decoder._finetune_no_mask_hook = decoder.register_forward_pre_hook(no_mask_for_boundaries, with_kwargs=True)
     return True
+
+
+def no_mask_for_boundaries(module, args, kwargs):
+    """Forward pre-hook of the decoder: a batch that carries the collator's host bounds (`seq_bounds`, covering the
+    batch) gets no attention mask built. Its attention reads the boundaries, and a mask would cost a [batch, 1,
+    length, length] tensor per forward and, before it, transformers' packed-sequence detection, which reads the
+    position ids back from the device (masking_utils.find_packed_sequence_indices: a sync). Handed a prepared
+    (4-D) mask, transformers builds none: this one is a single value expanded, that no kernel here reads."""
+    import torch
+
+    bounds, ids = kwargs.get("seq_bounds"), kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    shaped = ids if ids is not None else embeds
+    if (bounds is None or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None
+            or shaped is None or bounds[-1] != shaped.shape[0] * shaped.shape[1]):
+        return None
+    batch, length = shaped.shape[:2]
+    kwargs["attention_mask"] = torch.ones((), dtype=torch.bool, device=shaped.device).expand(batch, 1, length, length)
+    return args, kwargs
 
 
 def describe(device_type: str, config) -> str:
@@ -330,6 +352,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                     grad=any(t.requires_grad for t in (query, key, value)), cu=cu, longest=longest if isinstance(longest, int) else length,
                     bounds=tuple(bounds) if bounds is not None and bounds[-1] == batch * length else None)
     name = choose(call, query.device.type) if call is not None else None
+    if name is None and call is not None and call.bounds is not None:
+        name = "loop"  # runs any call given host bounds; no_mask_for_boundaries left the fallback no mask
     if name is None:
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
