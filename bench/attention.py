@@ -88,7 +88,8 @@ def measure(a, longest: int) -> dict:
     batch = PackedCollator(0, layout="rows")([{"input_ids": [1] * sum(r), "labels": [1] * sum(r), "seq_lens": r}
                                               for r in rows])
     b, length = batch["input_ids"].shape
-    call = attention.Call(batch=b, length=length, heads=heads, kv_heads=kv_heads, scaling=dim ** -0.5, window=None,
+    call = attention.Call(batch=b, length=length, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                          scaling=dim ** -0.5, window=None,
                           softcap=None, dropout=0.0, dtype=torch.float32, device_type="cpu", grad=True,
                           cu=batch["cu_seq_lens_q"], longest=batch["max_length_q"], bounds=batch["seq_bounds"])
     q = torch.randn(b, heads, length, dim, requires_grad=True)

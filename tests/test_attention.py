@@ -109,6 +109,7 @@ def test_collator_states_boundaries_on_the_host():
     assert moved["seq_bounds"] == rows["seq_bounds"] and moved["max_length_q"] == 13
 
 
+@pytest.mark.slow  # TRL's import alone: about 20 s on a loaded 2-core machine
 def test_flat_boundaries_equal_trl_padding_free():
     """TRL's collator (padding_free) on the same records gives the same cu_seq_lens, max lengths and positions."""
     trl = pytest.importorskip("trl.trainer.sft_trainer")
@@ -216,6 +217,41 @@ def test_windows_and_boundaries_matter(varlen_stand_in, one_thread):
     assert (model(**merged, use_cache=False).logits[0, 7:10] - out[0, 7:10]).abs().max() > 1e-3
 
 
+class Torch210(VarlenStandIn):
+    """torch 2.10's varlen_attn: is_causal, no scale, no window, no grouped-query heads."""
+
+    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        assert is_causal and key.shape[1] == query.shape[1]
+        return super().__call__(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0))
+
+
+class Torch211(VarlenStandIn):
+    """torch 2.11's: a scale and a window, no grouped-query heads."""
+
+    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)):
+        assert key.shape[1] == query.shape[1]
+        return super().__call__(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                window_size=window_size)
+
+
+@pytest.mark.parametrize("older", [Torch210, Torch211])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_older_varlen_signatures(varlen_stand_in, monkeypatch, older, family, one_thread):
+    """The GPU machines' torch may be older: its varlen_attn is used by what its signature offers (key/value heads
+    repeated where it has no enable_gqa); a window it cannot take goes to the next kernel."""
+    fake = older()
+    monkeypatch.setitem(attention.KERNELS, "varlen", fake)
+    ref, model = models(family)
+    feats = features()
+    batch = PackedCollator(0, layout="rows")(feats)
+    out = model(**batch, use_cache=False)
+    check_equals_alone(ref, out.logits, out.loss, batch, feats, "rows")
+    takes_it = family == "llama" or older is Torch211
+    assert len(fake.calls) == (model.config.num_hidden_layers if takes_it else 0)
+    assert all(c["kv_heads"] == 4 for c in fake.calls)
+
+
 def test_soft_capped_family_never_takes_varlen(varlen_stand_in, one_thread):
     """torch's varlen_attn cannot soft-cap: Gemma-2 goes to the next kernel (the per-record loop on CPU), whose
     soft-capped logits equal eager Gemma-2's on each record alone, window included."""
@@ -232,8 +268,8 @@ def test_cuda_choice():
     """What a CUDA batch takes, decided on the host from shapes and dtypes: torch's varlen_attn where this torch has
     it, unless the logits are soft-capped (then flash-attn where installed, else FlexAttention)."""
     def call(**kw):
-        base = dict(batch=2, length=64, heads=4, kv_heads=2, scaling=None, window=None, softcap=None, dropout=0.0,
-                    dtype=torch.bfloat16, device_type="cuda", grad=True, cu=torch.zeros(3, dtype=torch.int32),
+        base = dict(batch=2, length=64, heads=4, kv_heads=2, head_dim=16, scaling=None, window=None, softcap=None,
+                    dropout=0.0, dtype=torch.bfloat16, device_type="cuda", grad=True, cu=torch.zeros(3, dtype=torch.int32),
                     longest=64, bounds=None)
         return attention.Call(**{**base, **kw})
 
@@ -262,7 +298,7 @@ def test_flex_equals_per_record_loop(case, layout, one_thread):
     batch, length = b["input_ids"].shape
     q = torch.randn(batch, 6, length, 16)
     k, v = torch.randn(2, batch, 2, length, 16)
-    call = attention.Call(batch=batch, length=length, heads=6, kv_heads=2, scaling=0.3,
+    call = attention.Call(batch=batch, length=length, heads=6, kv_heads=2, head_dim=16, scaling=0.3,
                           window=8 if "window" in case else None, softcap=5.0 if "softcap" in case else None,
                           dropout=0.0, dtype=q.dtype, device_type="cpu", grad=False, cu=b["cu_seq_lens_q"],
                           longest=b["max_length_q"], bounds=b["seq_bounds"])

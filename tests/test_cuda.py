@@ -175,8 +175,8 @@ def test_packed_rows_take_one_varlen_call_without_a_sync(window):
     k = torch.randn(2, kv, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, kv, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     module = SimpleNamespace(is_causal=True, training=True)
-    chosen = attention.choose(attention.Call(batch=2, length=length, heads=heads, kv_heads=kv, scaling=None,
-                                             window=window, softcap=None, dropout=0.0, dtype=q.dtype,
+    chosen = attention.choose(attention.Call(batch=2, length=length, heads=heads, kv_heads=kv, head_dim=d,
+                                             scaling=None, window=window, softcap=None, dropout=0.0, dtype=q.dtype,
                                              device_type="cuda", grad=True, cu=kwargs["cu_seq_lens_q"],
                                              longest=b["max_length_q"], bounds=b["seq_bounds"]), "cuda")
     if chosen == "flex":  # compiled on first use: outside the counted, sync-checked call

@@ -129,6 +129,7 @@ class Call:
     length: int
     heads: int
     kv_heads: int
+    head_dim: int
     scaling: float | None
     window: int | None  # the number of positions a query sees, itself included (transformers' sliding_window)
     softcap: float | None
@@ -200,10 +201,10 @@ def _kernel_can(name: str, call: Call | None = None, softcap: bool = False) -> b
         return True
     if name in ("varlen", "flash") and str(call.dtype).removeprefix("torch.") not in FLASH_DTYPES:
         return False
-    if name == "varlen":
+    if name == "varlen":  # torch 2.10's takes is_causal and no scale; 2.11's a window; 2.12's grouped-query heads
         params = inspect.signature(fn).parameters
         if call.dropout or (call.window is not None and "window_size" not in params) or (
-                call.gqa and "enable_gqa" not in params):
+                "scale" not in params and call.scaling is not None and call.scaling != call.head_dim ** -0.5):
             return False
     if name == "flex" and (call.dropout or (call.grad and call.device_type in ("cpu", "mps"))):
         return False
@@ -216,14 +217,16 @@ def _run_varlen(fn, q, k, v, call: Call):
     """torch's varlen_attn on the batch flattened to [tokens, heads, dim]."""
     import inspect
 
-    flat = [t.transpose(1, 2).reshape(call.batch * call.length, t.shape[1], t.shape[3]) for t in (q, k, v)]
     params = inspect.signature(fn).parameters
-    kw: dict[str, Any] = {"scale": call.scaling}
+    if call.gqa and "enable_gqa" not in params:  # an older varlen_attn: the key/value heads repeated for it
+        k, v = (t.repeat_interleave(call.heads // call.kv_heads, dim=1) for t in (k, v))
+    flat = [t.transpose(1, 2).reshape(call.batch * call.length, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    kw: dict[str, Any] = {"scale": call.scaling} if "scale" in params else {}
     if "window_size" in params:
         kw["window_size"] = (call.window - 1, 0) if call.window is not None else (-1, 0)
     else:  # a torch whose varlen_attn takes is_causal instead (its calls with a window are not routed here)
         kw["is_causal"] = True
-    if call.gqa:
+    if call.gqa and "enable_gqa" in params:
         kw["enable_gqa"] = True
     out = fn(*flat, call.cu, call.cu, call.longest, call.longest, **kw)
     return out.view(call.batch, call.length, call.heads, -1)
@@ -346,7 +349,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
             and getattr(module, "is_causal", True) and is_causal is not False):
         bounds, longest = kwargs.get("seq_bounds"), kwargs.get("max_length_q")
         batch, heads, length, _ = query.shape
-        call = Call(batch=batch, length=length, heads=heads, kv_heads=key.shape[1], scaling=scaling,
+        call = Call(batch=batch, length=length, heads=heads, kv_heads=key.shape[1], head_dim=query.shape[3],
+                    scaling=scaling,
                     window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), dropout=dropout,
                     dtype=query.dtype, device_type=query.device.type,
                     grad=any(t.requires_grad for t in (query, key, value)), cu=cu, longest=longest if isinstance(longest, int) else length,
