@@ -283,6 +283,14 @@ def test_cuda_choice():
     assert attention.choose(call(device_type="cpu", bounds=(0, 64, 128)), "cpu") == "loop"
     assert attention.choose(call(device_type="cpu", grad=False, bounds=None), "cpu") == "flex"
     assert attention.choose(call(device_type="cpu", bounds=None), "cpu") is None  # then transformers' sdpa
+    # The start line names the kernel of the model's dtype and device.
+    line = "attention: packed records through one variable-length kernel call per layer ({};"
+    varlen = "varlen" if attention.torch_varlen() is not None else ("flash" if flash else "flex")
+    assert attention.describe("cuda", config("llama"), torch.bfloat16).startswith(line.format(varlen))
+    assert attention.describe("cuda", config("llama"), torch.float32).startswith(line.format("flex"))
+    assert attention.describe("cuda", config("gemma2"), torch.bfloat16).startswith(
+        line.format("flash" if flash else "flex"))
+    assert attention.describe("cpu", config("gemma2"), torch.float32).startswith(line.format("loop"))
 
 
 # ----------------------------------------------------------------------------------------------

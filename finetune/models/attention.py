@@ -107,11 +107,15 @@ def no_mask_for_boundaries(module, args, kwargs):
     return args, kwargs
 
 
-def describe(device_type: str, config) -> str:
-    """The start line: which kernel a packed batch takes on this device."""
-    names = [k for k in preference(device_type) if _kernel_can(k, softcap=softcapped(config))]
+def describe(device_type: str, config, dtype) -> str:
+    """The start line: the kernel a packed training batch of this model takes on this device."""
+    heads = getattr(config, "num_attention_heads", 1)
+    probe = Call(batch=1, length=2, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                 head_dim=getattr(config, "head_dim", None) or 1, scaling=None, window=None,
+                 softcap=getattr(config, "attn_logit_softcapping", None), dropout=0.0, dtype=dtype,
+                 device_type=device_type, grad=True, cu=None, longest=2, bounds=(0, 2))
     return (f"attention: packed records through one variable-length kernel call per layer "
-            f"({names[0] if names else 'none'}; records never attend to each other)")
+            f"({choose(probe, device_type) or 'loop'}; records never attend to each other)")
 
 
 def preference(device_type: str) -> tuple[str, ...]:
@@ -187,18 +191,13 @@ def _find(name: str) -> Callable | None:
     raise KeyError(name)
 
 
-def _kernel_can(name: str, call: Call | None = None, softcap: bool = False) -> bool:
-    """Whether kernel NAME runs CALL (or, without one, any call of a model with or without soft-capping)."""
+def _kernel_can(name: str, call: Call) -> bool:
+    """Whether kernel NAME runs CALL (all of it known on the host)."""
     import inspect
 
     fn = kernel_fn(name)
-    if fn is None:
+    if fn is None or (name == "varlen" and call.softcap is not None):
         return False
-    softcap = softcap or (call is not None and call.softcap is not None)
-    if name == "varlen" and softcap:
-        return False
-    if call is None:
-        return True
     if name in ("varlen", "flash") and str(call.dtype).removeprefix("torch.") not in FLASH_DTYPES:
         return False
     if name == "varlen":  # torch 2.10's takes is_causal and no scale; 2.11's a window; 2.12's grouped-query heads

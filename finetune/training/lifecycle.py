@@ -301,7 +301,7 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
         f"parameters: {trainable:,} trainable of {total:,}",
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
         else "weights: a full copy on every rank",
-    ] + ([attention.describe(_device_type(args), model.config)]
+    ] + ([attention.describe(_device_type(args), model.config, getattr(model, "dtype", None))]
          if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.VARLEN else []))
 
 
