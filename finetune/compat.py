@@ -11,7 +11,12 @@ changes nothing.
 Also relied on, outside this module: finetune.training.hf_trainer overrides transformers.Trainer's private
 `_save_checkpoint`, `_save` and `_load_optimizer_and_scheduler` (covered by the transformers range); and
 finetune.training.loss relies on a causal LM's forward calling its output embeddings once on the final hidden
-states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss).
+states and computing the loss only when `labels` is given (tests/test_loss.py holds it to transformers' loss); and
+finetune.models.attention relies on a model's forward passing the batch's keyword arguments (the collator's
+`cu_seq_lens_q/k`, `max_length_q/k`, `seq_bounds`) down to its attention function, on `create_causal_mask` returning
+a 4-D mask it is given as it is (its hook skips the mask of a batch with boundaries), and calls transformers' private
+`_flash_attention_forward` where flash-attn is installed (all covered by the transformers range; tests/test_attention.py
+holds them).
 
 Worked around outside this module, which every entry point's end needs below the compat layer: torch 2.13.0's gloo
 worker threads abort a finished rank in CPython 3.11's shutdown (a worker drops the last collective's work, whose
