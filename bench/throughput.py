@@ -348,6 +348,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
     import torch
 
     from finetune import config as C
+    from finetune.data.packing import to_device
     from finetune.data.pipeline import prepare_dataset
     from finetune.data.prepare import make_collator
     from finetune.models import attention
@@ -435,7 +436,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         ends = [_now()]
         batches = _forever(loader)
         while True:
-            batch = {k: v.to(device) for k, v in next(batches).items()}
+            batch = to_device(next(batches), device)  # the record boundaries' host ints stay on the host
             with autocast:
                 loss = model(**batch).loss
             loss.backward()
