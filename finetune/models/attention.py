@@ -14,11 +14,11 @@ Each layer makes ONE call of the first kernel in PREFERENCE[device type] that ca
 - "flex": FlexAttention with a document mask (records, causality and the window in a BlockMask built once per
   forward; soft-capping as a score_mod; compiled on CUDA, where its eager form would hold the whole score matrix);
 - "loop": sdpa one record at a time (`is_causal`, the kernel's grouped-query path; a band mask for records longer
-  than the window), host bounds from `seq_bounds`. Kept for the CPU, where it measured fastest (bench/attention.py,
-  numbers in bench/RESULTS.md).
-Soft-capped families (Gemma-2's attn_logit_softcapping) never take "varlen" or "loop": on CUDA they go to "flash",
-else "flex". A batch without boundaries (padded records, evaluation on unpacked data, generation) takes transformers'
-sdpa unchanged (eager for a soft-capped family, which sdpa cannot soft-cap).
+  than the window; soft-capped records computed as eager attention does), host bounds from `seq_bounds`. First on
+  the CPU, where it measured fastest and FlexAttention has no backward (bench/attention.py, bench/RESULTS.md).
+Soft-capped families (Gemma-2's attn_logit_softcapping) never take "varlen": on CUDA they go to "flash", else
+"flex". A batch without boundaries (padded records, evaluation on unpacked data, generation) takes transformers'
+sdpa unchanged (eager for a soft-capped family, which sdpa cannot soft-cap), with its mask.
 
 Used for training with `--packing` or `--padding_free` and `--attn_implementation sdpa` (the default; `eager` for a
 soft-capped family, whose sdpa transformers refuses), without `--torch_compile`.
