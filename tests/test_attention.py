@@ -140,9 +140,13 @@ class VarlenStandIn:
                  scale: float | None = None, window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
                  seqused_k: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                  num_splits: int | None = None) -> torch.Tensor:
+        return self.attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa)
+
+    def attend(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+               softcap=0.0):
         self.calls.append(dict(shape=tuple(query.shape), kv_heads=key.shape[1], cu=cu_seq_q.clone(),
                                cu_k=cu_seq_k.clone(), max_q=max_q, max_k=max_k, scale=scale, window=window_size,
-                               gqa=enable_gqa))
+                               gqa=enable_gqa, softcap=softcap))
         if enable_gqa:
             key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
         left, right = window_size
@@ -151,6 +155,8 @@ class VarlenStandIn:
         for s, e in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
             q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))  # [heads, n, d]
             scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             i = torch.arange(e - s)
             allowed = i[:, None] >= i[None, :]
             if left >= 0:
@@ -336,13 +342,16 @@ def test_flex_through_the_model_equals_alone(family, monkeypatch, one_thread):
 HUB = "kernels-community/stand-in-flash"
 
 
+FLASH_CALLS = VarlenStandIn()  # every call of the flash stand-ins below
+
+
 def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                   deterministic=False, return_attn_probs=False, block_table=None):
     """flash_attn_varlen_func's signature; [tokens, heads, dim] in and out."""
     assert causal
-    return VarlenStandIn()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                           window_size=(window_size[0], 0), enable_gqa=q.shape[1] != k.shape[1])
+    return FLASH_CALLS.attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              (window_size[0], 0), q.shape[1] != k.shape[1], softcap)
 
 
 def _flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -351,8 +360,45 @@ def _flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size
     b, n = q.shape[:2]
     cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32)
     out = _flash_varlen(*(t.reshape(b * n, *t.shape[2:]) for t in (q, k, v)), cu, cu, n, n,
-                        softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+                        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     return out.view(b, n, *out.shape[1:])
+
+
+def _stand_in_flash(monkeypatch, name: str) -> None:
+    """The stand-ins where transformers keeps the flash functions of implementation NAME once it loaded them."""
+    import transformers.modeling_flash_attention_utils as fa
+
+    FLASH_CALLS.calls.clear()
+    for attr, value in dict(_loaded_implementation=name, _flash_fn=_flash, _flash_varlen_fn=_flash_varlen,
+                            _flash_with_kvcache_fn=None, _pad_fn=fa._pad_input, _unpad_fn=fa._unpad_input,
+                            _process_flash_kwargs_fn=fa._lazy_define_process_function(_flash_varlen),
+                            _process_with_kvcache_kwargs_fn=dict).items():
+        monkeypatch.setattr(fa, attr, value, raising=False)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_flash_kernel_called_once_per_layer(monkeypatch, family, one_thread):
+    """transformers' flash-attention-2 path (the "flash" kernel, CUDA's choice for soft-capped families where
+    flash-attn is installed), its flash functions stood in: one varlen call per layer with the boundaries, the
+    window and the soft-cap, logits equal to each record alone."""
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    _stand_in_flash(monkeypatch, "flash_attention_2")
+    monkeypatch.setitem(attention.KERNELS, "flash", _flash_attention_forward)
+    monkeypatch.setitem(attention.PREFERENCE, "cpu", ("flash",))
+    monkeypatch.setattr(attention, "FLASH_DTYPES", ("float32",))
+    ref, model = models(family)
+    feats = features()
+    batch = PackedCollator(0, layout="rows")(feats)
+    out = model(**batch, use_cache=False)
+    check_equals_alone(ref, out.logits, out.loss, batch, feats, "rows")
+    calls = FLASH_CALLS.calls
+    assert len(calls) == model.config.num_hidden_layers
+    for layer, c in enumerate(calls):
+        assert torch.equal(c["cu"], batch["cu_seq_lens_q"]) and c["max_q"] == 13 and c["kv_heads"] == 2
+        sliding = family == "mistral" or model.config.layer_types[layer] == "sliding_attention"
+        assert c["window"] == ((model.config.sliding_window - 1, 0) if sliding else (-1, 0))
+        assert c["softcap"] == (model.config.attn_logit_softcapping if family == "gemma2" else 0.0)
 
 
 @pytest.fixture
@@ -363,13 +409,8 @@ def hub_kernel(monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
-    import transformers.modeling_flash_attention_utils as fa
 
-    for name, value in dict(_loaded_implementation=HUB, _flash_fn=_flash, _flash_varlen_fn=_flash_varlen,
-                            _flash_with_kvcache_fn=None, _pad_fn=fa._pad_input, _unpad_fn=fa._unpad_input,
-                            _process_flash_kwargs_fn=fa._lazy_define_process_function(_flash_varlen),
-                            _process_with_kvcache_kwargs_fn=dict).items():
-        monkeypatch.setattr(fa, name, value, raising=False)
+    _stand_in_flash(monkeypatch, HUB)
     AttentionInterface.register(HUB, flash_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(HUB, flash_attention_mask)
 
