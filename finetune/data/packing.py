@@ -26,12 +26,10 @@ from typing import Any, Iterable, Sequence
 
 from finetune.constants import IGNORE_INDEX
 
-# Flash kernels: they take the batch as one flattened sequence, so a padded row only costs them its padding. Flattened
-# for them (no padding at all), like a Hub kernel (`org/repo`, transformers' flash path too).
+# Flash kernels take the batch flattened into one sequence; given the boundaries, a padded row would only cost them its
+# padding. The micro-batch is flattened for them (layout "flat": no padding at all), as for a Hub kernel (`org/repo`,
+# which goes through transformers' flash path too).
 FLAT_ONLY_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-
-# The host-side record boundaries: what the model's forward passes on to the attention function as keyword arguments.
-BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_bounds")
 
 
 def boundaries(segment_lengths: Sequence[int]) -> dict[str, Any]:
