@@ -26,6 +26,7 @@ soft-capped family, whose sdpa transformers refuses), without `--torch_compile`.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -191,17 +192,23 @@ def _find(name: str) -> Callable | None:
     raise KeyError(name)
 
 
-def _kernel_can(name: str, call: Call) -> bool:
-    """Whether kernel NAME runs CALL (all of it known on the host)."""
+@functools.lru_cache(maxsize=16)
+def _params(fn) -> frozenset[str]:
+    """The keyword names a kernel takes (read once: every layer asks)."""
     import inspect
 
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _kernel_can(name: str, call: Call) -> bool:
+    """Whether kernel NAME runs CALL (all of it known on the host)."""
     fn = kernel_fn(name)
     if fn is None or (name == "varlen" and call.softcap is not None):
         return False
     if name in ("varlen", "flash") and str(call.dtype).removeprefix("torch.") not in FLASH_DTYPES:
         return False
     if name == "varlen":  # torch 2.10's takes is_causal and no scale; 2.11's a window; 2.12's grouped-query heads
-        params = inspect.signature(fn).parameters
+        params = _params(fn)
         if call.dropout or (call.window is not None and "window_size" not in params) or (
                 "scale" not in params and call.scaling is not None and call.scaling != call.head_dim ** -0.5):
             return False
@@ -214,9 +221,7 @@ def _kernel_can(name: str, call: Call) -> bool:
 
 def _run_varlen(fn, q, k, v, call: Call):
     """torch's varlen_attn on the batch flattened to [tokens, heads, dim]."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
+    params = _params(fn)
     if call.gqa and "enable_gqa" not in params:  # an older varlen_attn: the key/value heads repeated for it
         k, v = (t.repeat_interleave(call.heads // call.kv_heads, dim=1) for t in (k, v))
     flat = [t.transpose(1, 2).reshape(call.batch * call.length, t.shape[1], t.shape[3]) for t in (q, k, v)]
