@@ -734,7 +734,29 @@ def family_problems(model: ModelConfig) -> list[str]:
         return []  # the load reports an unreadable config.json itself
     family = families.find(d if isinstance(d, dict) else {})
     problem = family.attention_problem(model.attn_implementation) if family is not None else None
-    return [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    problems = [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    return problems + lora_target_problems(model, family, d)
+
+
+def lora_target_problems(model: ModelConfig, family, d: dict) -> list[str]:
+    """--lora_target_modules naming no module of the family's model (its parameter tensors' paths, read from
+    config.json, as models/load.py's check_lora_targets finds them on the built model, later): the same line, before
+    the data or the model loads. A config the family cannot shape (a vision tower's modules) is left to that check."""
+    targets = list(model.lora_target_modules or [])
+    if not model.use_peft or family is None or not targets or targets == ["all-linear"]:
+        return []
+    try:
+        tensors = family.shape(d).tensors()
+    except Exception:  # noqa: BLE001 - an unusual config.json: the load-time check on the built model decides
+        return []
+    modules = {"lm_head"} | {t.name.rsplit(".", i)[0] for t in tensors for i in range(1, t.name.count(".") + 1)}
+    linear = sorted({t.name.split(".")[-2] for t in tensors if t.kind == "linear"} | {"lm_head"})
+    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    if not missing or "vision_config" in d:
+        return []
+    hints = "; ".join(f"'{t}'{did_you_mean(t, linear)}" for t in missing)
+    return [f"--lora_target_modules: {hints}: no such module in {model.model_name_or_path} (its linear layers: "
+            f"{', '.join(linear)}; or all-linear)"]
 
 
 def check_model_folder(path: str, allow_pickle: bool, *, trust_remote_code: bool = False) -> list[str]:
