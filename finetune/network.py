@@ -9,7 +9,7 @@ The Hub: `bound_hub()` installs the bounded client in huggingface_hub (its `set_
 downloads use too); every function of finetune that calls the Hub calls it first (tests/test_network.py reads the
 source for it). A server's Retry-After (or RateLimit reset) above MAX_WAIT_S is cut to it: a retry waits seconds, not
 the hour a throttled Hub may ask for. The trackers: `bound_trackers()` gives MLflow's HTTP client the same timeout and
-2 retries, and W&B's start the same wait, where the environment does not set them; `probe()` asks a tracking server
+tries where the environment does not set them (W&B bounds its own: 90 s to start); `probe()` asks a tracking server
 once, within seconds, before anything loads (finetune/config/ship.py).
 
 FINETUNE_NETWORK_TIMEOUT (seconds) and FINETUNE_NETWORK_TRIES set the bound (docs/network.md)."""
@@ -184,12 +184,11 @@ def hub_endpoint() -> str:
 
 def bound_trackers(environ: MutableMapping[str, str] = os.environ) -> None:
     """MLflow's HTTP client (a timeout of 120 s and 7 retries by default: minutes on a server that does not answer)
-    and W&B's start (90 s) get the bound, unless the environment sets them itself."""
-    limit = str(int(max(1, round(timeout(environ)))))
-    environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", limit)
-    environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tries(environ)))
+    gets the bound, unless the environment sets it itself. W&B bounds its own calls (its start waits 90 s at most,
+    WANDB_INIT_TIMEOUT)."""
+    environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, round(timeout(environ))))))
+    environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tries(environ) - 1))  # tries in all, as for the Hub
     environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    environ.setdefault("WANDB_INIT_TIMEOUT", limit)
 
 
 def probe(url: str, path: str = "/", wait: float = PROBE_TIMEOUT_S) -> str | None:
