@@ -71,8 +71,8 @@ def columns_of(record: dict, answer: str | None) -> dict:
 
 
 def prompt_rows(tokenizer, records: list[dict], where: list[str], fmt: str | None, max_len: int) -> tuple[list[dict], PromptStats]:
-    """One row per record: {prompt (text), prompt_ids, columns (JSON text)}; a prompt longer than `max_len` tokens
-    is dropped (counted). A bad record raises DataError naming its file and line."""
+    """One row per record: {prompt (text), prompt_ids, columns (JSON text), where (file:line)}; a prompt longer than
+    `max_len` tokens is dropped (counted). A bad record raises DataError naming its file and line."""
     renderer = P.ChatRenderer(tokenizer) if tokenizer.chat_template else None
     stats, rows = PromptStats(records=len(records)), []
     for record, loc in zip(records, where):
@@ -91,7 +91,7 @@ def prompt_rows(tokenizer, records: list[dict], where: list[str], fmt: str | Non
             columns = json.dumps(columns_of(record, answer))
         except TypeError as e:
             raise DataError(f"{loc}: a column is not JSON ({e})") from None
-        rows.append({"prompt": text, "prompt_ids": ids, "columns": columns})
+        rows.append({"prompt": text, "prompt_ids": ids, "columns": columns, "where": loc})  # where: a reward's error
     stats.kept = len(rows)
     if not rows:
         raise DataError(f"{where[0] if where else 'data'}: no prompt is left (every one longer than --max_seq_length)")
