@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from finetune.data import formats
 from finetune.data import prepare as P
+from finetune.data import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_INPUT
 from finetune.data.formats.base import record_tools
@@ -45,7 +46,8 @@ def prompt_of(tokenizer, record: dict, fmt: str, where: str, renderer=None) -> t
     f.validate(record, where)
     if not f.prompted:
         raise DataError(f"{where}: a '{fmt}' record has no prompt to generate from; give messages, sharegpt or alpaca "
-                        "records (the prompt is the conversation before its last assistant turn)")
+                        "records (the prompt is the conversation before its last assistant turn)"
+                        f"{shapes.hint(record, 'grpo')}")
     if not f.uses_template(tokenizer):  # alpaca without a chat template: the Alpaca prompt, as SFT trains it
         template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
         return template.format(**{"input": "", **record}), record.get("output")
