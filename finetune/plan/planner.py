@@ -1119,6 +1119,11 @@ def parse_plan_args(argv: list[str]):
         problems += C.training.resolve_model_or_problems(model, config_only=True)
     if model.model_name_or_path and not problems:
         problems += C.training.family_problems(model)  # train's checks of the family (attention, LoRA targets)
+    if model.use_peft and model.model_name_or_path and not problems:
+        try:  # a module train adapts but the plan cannot count (the LM head, the embeddings): said before torch loads
+            families.family_of(read_config(model.model_name_or_path)).lora_targets(list(model.lora_target_modules))
+        except (ValueError, families.FamilyError) as e:
+            problems.append(str(e))
     if flags.accelerator not in (None, "gpu", "cpu"):
         problems.append(f"--accelerator: '{flags.accelerator}' is not gpu or cpu")
     for key in ("devices_per_node", "num_nodes"):
