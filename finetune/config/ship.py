@@ -20,7 +20,7 @@ from finetune.errors import did_you_mean
 TRACKERS = {"wandb": ("wandb", "pip install wandb"), "mlflow": ("mlflow", "pip install mlflow-skinny")}
 EXTRA = "pip install 'finetune[trackers]'"
 # --report_to's values: transformers' integrations (INTEGRATION_TO_CALLBACK in transformers/integrations/
-# integration_utils.py, 5.24; tests/test_trackers.py compares), "all" and "none". Read here without importing
+# integration_utils.py, 5.24; tests/test_fail_fast.py compares), "all" and "none". Read here without importing
 # transformers (seconds), so that a misspelt tracker is one line before anything loads.
 INTEGRATIONS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow", "mlflow",
                 "neptune", "swanlab", "tensorboard", "trackio", "wandb")
@@ -153,6 +153,7 @@ def hub_problems(training: Mapping[str, Any], sources: Mapping[str, str], enviro
         if given:
             problems.append(f"{prefix}{given[0]}: goes with --push_to_hub (add it, or drop --{given[0]})")
         return problems
+    problems += [f"{prefix}push_to_hub: {p}" for p in network.env_problems(environ)]
     if environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         problems.append(f"{prefix}push_to_hub: HF_HUB_OFFLINE={environ['HF_HUB_OFFLINE']} forbids the upload; unset "
                         "HF_HUB_OFFLINE to push")
