@@ -742,8 +742,8 @@ def lora_target_problems(model: ModelConfig, family, d: dict) -> list[str]:
     """--lora_target_modules naming no module of the family's model (its parameter tensors' paths, read from
     config.json, as models/load.py's check_lora_targets finds them on the built model, later): the same line, before
     the data or the model loads. A config the family cannot shape (a vision tower's modules) is left to that check."""
-    targets = list(model.lora_target_modules or [])
-    if not model.use_peft or family is None or not targets or targets == ["all-linear"]:
+    targets = list(getattr(model, "lora_target_modules", None) or [])  # (generate's flags have none)
+    if not getattr(model, "use_peft", False) or family is None or not targets or targets == ["all-linear"]:
         return []
     try:
         tensors = family.shape(d).tensors()
