@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -242,3 +243,30 @@ def test_export_push_to_a_hub_that_never_answers_keeps_the_export(stalled, tmp_p
     reader = gguf.GGUFReader(str(out))
     assert reader.tensors and (out.parent / "Modelfile").is_file()
     print(f"\nexport --push_to_hub to a Hub that never answers: exit 1 after {seconds:.1f} s (export included)")
+
+
+@pytest.mark.slow
+def test_a_tracker_failing_mid_run_does_not_hide_the_result(fake, tiny_chatml, tmp_path, isolated, one_thread,
+                                                            capsys, monkeypatch):
+    """MLflow's server answers (the check before anything loads passes) and then refuses every call (500): the run
+    starts its tracker, which fails; one warning line, the run trains and saves as usual, its losses in
+    trainer_state.json. Before, the failure in the first callback ended the run after the model had loaded."""
+    from finetune.training import trainer
+
+    fake.reset(fail=True)  # GET answers 404, POST 500
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fake.url)
+    monkeypatch.setenv(network.TIMEOUT_ENV, str(TIMEOUT_S))
+    for key in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.delenv(key, raising=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join('{"text": "hello world %d"}\n' % i for i in range(8)))
+    out = tmp_path / "out"
+    trainer.main(["--model_name_or_path", str(tiny_chatml), "--dataset", str(data), "--output_dir", str(out),
+                  "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "mlflow"])
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("finetune: warning: report_to mlflow")]
+    assert len(warnings) == 1 and "on_train_begin failed (" in warnings[0], err[-3000:]
+    assert any(method == "GET" for method, _, _ in fake.requests)  # MLflow did ask the server
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2] and (out / "model.safetensors").is_file()
+    print(f"\n{warnings[0]}")
