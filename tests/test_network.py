@@ -270,3 +270,28 @@ def test_a_tracker_failing_mid_run_does_not_hide_the_result(fake, tiny_chatml, t
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
     assert [e["step"] for e in logged] == [1, 2] and (out / "model.safetensors").is_file()
     print(f"\n{warnings[0]}")
+
+
+def test_every_tracker_is_bounded_and_guarded():
+    """Trackers run as transformers' callbacks: every place finetune/ makes them (the loop and engine's Reporters,
+    the Trainer's own list) passes them through evaluate.guard_trackers; finetune's own calls into wandb or mlflow
+    (the runs ended after the final save) sit in a try; and the check every training command runs first
+    (config/ship.py's tracker_problems) gives MLflow's client the bound (test_mlflow_gets_the_bound)."""
+    guarded, made, direct = set(), [], []
+    for path in sorted((REPO / "finetune").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node) == "guard_trackers":
+                guarded |= {id(n) for n in ast.walk(node) if n is not node}
+                if "callback_handler" in ast.unparse(node):
+                    guarded.add(("handler", path.name))
+        tries = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for n in ast.walk(t)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node) == "get_reporting_integration_callbacks":
+                made.append((path.name, node.lineno, id(node) in guarded))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id in ("wandb", "mlflow"):
+                direct.append((path.name, node.lineno, ast.unparse(node), id(node) in tries))
+    assert made and all(ok for *_, ok in made), made
+    assert ("handler", "trainer.py") in guarded  # the Trainer's callbacks, trackers among them
+    assert direct and all(ok for *_, ok in direct), direct
