@@ -84,7 +84,8 @@ def wandb_problems(environ: Mapping[str, str]) -> list[str]:
     if mode in ("offline", "dryrun"):
         folder = Path(environ.get("WANDB_DIR") or ".")
         if not _writable(folder):
-            where = f"WANDB_DIR={environ['WANDB_DIR']}" if environ.get("WANDB_DIR") else f"the working folder {Path.cwd()}"
+            where = (f"WANDB_DIR={environ['WANDB_DIR']}" if environ.get("WANDB_DIR")
+                     else f"the working folder {Path.cwd()}")
             return [f"report_to wandb: WANDB_MODE={mode} writes the run under {where}, which cannot be written; set "
                     "WANDB_DIR to a writable folder"]
         return []
@@ -95,8 +96,8 @@ def wandb_problems(environ: Mapping[str, str]) -> list[str]:
     why = network.probe(host)
     if why is None:
         return []
-    return [f"report_to wandb: {host} did not answer ({why}); check the network or WANDB_BASE_URL, or WANDB_MODE=offline "
-            "to keep the run in ./wandb (`wandb sync` later)"]
+    return [f"report_to wandb: {host} did not answer ({why}); check the network or WANDB_BASE_URL, or "
+            "WANDB_MODE=offline to keep the run in ./wandb (`wandb sync` later)"]
 
 
 def _netrc_key(host: str, environ: Mapping[str, str]) -> bool:

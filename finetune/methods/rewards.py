@@ -203,6 +203,6 @@ class Rewards:
             self.skipped[self.specs.index(spec)] += 1
             return math.nan  # not scored: out of its group's baseline, advantage 0
         record = f" (record {where[i]})" if where else ""
-        raise RewardError(f"reward {spec} returned {value} for completion {i + 1} of {n}{record}: not a finite number; "
-                          "return None for a completion it cannot score, or pass --nonfinite_rewards skip to leave such "
-                          "values out (counted in the logs: rewards/<name>/nonfinite)")
+        raise RewardError(f"reward {spec} returned {value} for completion {i + 1} of {n}{record}: not a finite "
+                          "number; return None for a completion it cannot score, or pass --nonfinite_rewards skip to "
+                          "leave such values out (counted in the logs: rewards/<name>/nonfinite)")
