@@ -7,6 +7,7 @@ Retry-After is cut; and every Hub call in finetune/ goes through the bound (read
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -153,6 +154,7 @@ def test_a_model_look_up_on_a_hub_that_never_answers(stalled, tmp_path):
             "check the network, HF_ENDPOINT and any proxy") in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_mlflow_gets_the_bound(stalled, monkeypatch):
     """The config check gives MLflow's client the bound (2 tries of TIMEOUT_S), unless the environment sets its own;
     MLflow itself then stops within it on a server that never answers (its defaults: 120 s x 8 tries, and waits)."""
@@ -193,6 +195,11 @@ HUB_CALLS = {"HfApi", "hf_hub_download", "snapshot_download", "load_dataset", "c
              "HfFileSystem", "get_hf_file_metadata", "whoami", "repo_exists", "file_exists"}
 
 
+@functools.cache
+def _trees() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text(), str(path))) for path in sorted((REPO / "finetune").rglob("*.py"))]
+
+
 def _name(call: ast.Call) -> str | None:
     f = call.func
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
@@ -200,8 +207,7 @@ def _name(call: ast.Call) -> str | None:
 
 def test_every_hub_call_is_bounded():
     found, unbounded = [], []
-    for path in sorted((REPO / "finetune").rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
+    for path, tree in _trees():
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -278,8 +284,7 @@ def test_every_tracker_is_bounded_and_guarded():
     (the runs ended after the final save) sit in a try; and the check every training command runs first
     (config/ship.py's tracker_problems) gives MLflow's client the bound (test_mlflow_gets_the_bound)."""
     guarded, made, direct = set(), [], []
-    for path in sorted((REPO / "finetune").rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
+    for path, tree in _trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _name(node) == "guard_trackers":
                 guarded |= {id(n) for n in ast.walk(node) if n is not node}
