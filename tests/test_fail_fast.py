@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetune import cli, methods
-from finetune.data import shapes
+from finetune.data.formats import shapes
 from tests.hub_server import silent
 from tests.test_fast_errors import LIBRARIES, run_timed_imports
 
@@ -209,6 +209,7 @@ def test_every_method_names_the_method_of_the_data_it_is_given(method, tiny_chat
         shape = shapes.shape_of(record)
         path = tmp_path / f"{name}.jsonl"
         path.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+        early = shapes.first_record_problem(str(path), method)  # the flag check's, before anything loads
         try:
             m.prepare(DataConfig(dataset=str(path), max_seq_length=512), tokenizer, local_rank=0, log=lambda *a: None)
         except DataError as e:
@@ -216,11 +217,14 @@ def test_every_method_names_the_method_of_the_data_it_is_given(method, tiny_chat
             assert method not in shapes.SHAPES[shape][1], (method, name, text)
             assert text.startswith(f"{path}:1: ") and "\n" not in text, text
             assert shapes.methods_phrase(shape) in text and shapes.SHAPES[shape][0] in text, (method, name, text)
+            assert early == (f"dataset: {path}:1: {shapes.SHAPES[shape][0]}, which --method {method} does not train "
+                             f"on; {shapes.methods_phrase(shape)} does"), early
             print(f"\n--method {method}, {name}: {text}")
         else:
             assert method in shapes.SHAPES[shape][1], (method, name, "read, but the table says it does not")
+            assert early is None, early
             read.append(name)
-    assert read, f"--method {method} reads none of the shapes: add its shape to finetune/data/shapes.py"
+    assert read, f"--method {method} reads none of the shapes: add its shape to finetune/data/formats/shapes.py"
 
 
 def test_every_method_is_in_the_shape_table():
@@ -228,3 +232,17 @@ def test_every_method_is_in_the_shape_table():
     # DPO given KTO's data: the case the issue names.
     assert shapes.hint(RECORDS["unpaired"], "dpo") == " (an unpaired example (prompt, completion, label): --method kto)"
     assert re.search(r"--method dpo, simpo, orpo, cpo or reward\)$", shapes.hint(RECORDS["pairs"], "kto"))
+
+
+def test_data_of_another_method_is_refused_before_torch(tiny_chatml, tmp_path):
+    """DPO given KTO's unpaired examples: one line naming --method kto, with the flag problems (the first record
+    read), before the model or the data load."""
+    data = tmp_path / "kto.jsonl"
+    data.write_text(json.dumps(RECORDS["unpaired"]) + "\n")
+    proc, imported, seconds = timed([*FINETUNE, "train", "--method", "dpo", "--model_name_or_path", str(tiny_chatml),
+                                     "--dataset", str(data), "--output_dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"  - dataset: {data}:1: an unpaired example (prompt, completion, label), which --method dpo does not " \
+           "train on; --method kto does\n" in proc.stderr, proc.stderr
+    assert not imported & set(LIBRARIES), sorted(imported & set(LIBRARIES))
+    print(f"\nfinetune train --method dpo on KTO's data: exit 2 in {seconds:.2f} s, no torch")

@@ -25,6 +25,7 @@ from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Pre
 from finetune.config.preset import value_problems
 from finetune.config import ship
 from finetune.data import formats
+from finetune.data.formats import shapes
 from finetune.data.sources import looks_like_dataset_id
 from finetune import methods
 from finetune.methods import ObjectiveConfig
@@ -441,7 +442,12 @@ def validate_method(options: MethodConfig, data: DataConfig, training: dict[str,
     """The method's own checks (finetune.methods): its flags, and what it does not support, refused by name. An
     unknown method is reported by method_options."""
     method = methods.get(options.method)
-    return method.validate(options, data, training, evaluation) if method is not None else []
+    if method is None:
+        return []
+    # Data of another method's shape, from its first record: before the model loads (finetune.data.formats.shapes).
+    shape = [p for name in (data.datasets() if data.dataset else [])
+             if (p := shapes.first_record_problem(name, method.name, data.dataset_format))]
+    return method.validate(options, data, training, evaluation) + shape[:1]
 
 
 def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from finetune.data import formats
 from finetune.data import prepare as P
-from finetune.data import shapes
+from finetune.data.formats import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_INPUT
 from finetune.data.formats.base import record_tools

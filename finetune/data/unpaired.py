@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data import prepare as P
-from finetune.data import shapes
+from finetune.data.formats import shapes
 from finetune.data import preference as PR
 from finetune.data.preference import padded_rows
 from finetune.data.formats.base import record_tools

@@ -6,7 +6,7 @@ its place in DETECTION (most specific keys first: the first format whose keys a 
 
 from __future__ import annotations
 
-from finetune.data import shapes
+from finetune.data.formats import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import Alpaca
 from finetune.data.formats.base import Format

@@ -44,3 +44,29 @@ def hint(record, method: str) -> str:
     if shape is None or method in SHAPES[shape][1]:
         return ""
     return f" ({SHAPES[shape][0]}: {methods_phrase(shape)})"
+
+
+def first_record_problem(path: str, method: str, dataset_format: str | None = None) -> str | None:
+    """A local JSONL file whose first record is of a shape `method` does not train on: the problem in one line,
+    found with the other flag problems (reading one line), before the model and the data load. None when the first
+    record says nothing against it, the file is not JSONL, or --dataset_format says how to read it."""
+    from pathlib import Path
+    import json
+
+    if dataset_format not in (None, "", "auto") or not str(path).endswith(".jsonl") or not Path(path).is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    break
+            else:
+                return None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # reading the data reports it, naming the line
+    shape = shape_of(record)
+    if shape is None or method in SHAPES[shape][1]:
+        return None
+    return (f"dataset: {path}:{number}: {SHAPES[shape][0]}, which --method {method} does not train on; "
+            f"{methods_phrase(shape)} does")
