@@ -104,8 +104,9 @@ def test_a_push_to_a_hub_that_never_answers_ends_in_one_line(stalled, tmp_path):
     # (a 3 s timeout of its own, here the bound's 2 s): 2 unanswered requests, then no more.
     assert TIMEOUT_S <= seconds <= 2 * TIMEOUT_S + 3, seconds
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before
-    print(f"\npush to a Hub that never answers: exit 1 after {seconds:.1f} s (bound {network.total_bound():.0f} s "
-          f"at {TIMEOUT_S} s a request)")
+    bound = network.total_bound({network.TIMEOUT_ENV: str(TIMEOUT_S)})
+    print(f"\npush to a Hub that never answers: exit 1 after {seconds:.1f} s (the bound at {TIMEOUT_S} s a request: "
+          f"{bound:.0f} s; the default's: {network.total_bound({}):.0f} s)")
 
 
 def test_retries_stop_after_the_tries(fake, bounded):
