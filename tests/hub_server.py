@@ -22,8 +22,11 @@ tests/test_hub.py's server does: huggingface_hub then uses its cache.
 The client takes this LFS path where hf_xet is not installed or HF_HUB_DISABLE_XET=1; with hf_xet it uploads the
 LFS files to the Hub's Xet storage instead, which this server does not answer (the tests set HF_HUB_DISABLE_XET=1).
 
-Faults: `fail` answers 500 to every POST; `lfs_fault="500"` answers the storage PUTs (whole or part) 500 (with
-Retry-After: 0, so that the client's retries do not wait seconds each); `lfs_fault="short"` keeps only the first
+Faults: `hang` (a piece of a path) reads such a request and never answers it (until the server shuts down), as a
+Hub that accepts connections and then stalls; `silent()` is a server that accepts connections and never answers
+anything; `fail` answers 500 to every POST (with `retry_after`, a Retry-After header of that many seconds);
+`lfs_fault="500"` answers the storage PUTs (whole or part) 500 (with Retry-After: 0, so that the client's retries
+do not wait seconds each); `lfs_fault="short"` keeps only the first
 half of each upload (or of each part: a cut transfer) and answers 200, which the verify call then finds."""
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import hmac
 import json
 import math
 import os
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,6 +71,8 @@ class Commit:
 class FakeHub:
     url: str = ""
     fail: bool = False
+    hang: str | None = None  # requests whose path holds this get no answer
+    retry_after: int | None = None  # with `fail`: the Retry-After (seconds) each 500 asks for
     lfs_fault: str | None = None  # None, "500" or "short" (see the module's docstring)
     lfs_threshold: int = LFS_THRESHOLD
     lfs_multipart: int | None = None  # part size: larger objects are uploaded in parts of this many bytes
@@ -79,8 +85,8 @@ class FakeHub:
     secret: bytes = field(default_factory=lambda: os.urandom(16))  # signs the storage hrefs
 
     def reset(self, fail: bool = False, lfs_fault: str | None = None, lfs_threshold: int = LFS_THRESHOLD,
-              lfs_multipart: int | None = None) -> None:
-        self.fail, self.lfs_fault = fail, lfs_fault
+              lfs_multipart: int | None = None, hang: str | None = None, retry_after: int | None = None) -> None:
+        self.fail, self.lfs_fault, self.hang, self.retry_after = fail, lfs_fault, hang, retry_after
         self.lfs_threshold, self.lfs_multipart = lfs_threshold, lfs_multipart
         for records in (self.created, self.commits, self.requests, self.batches, self.objects, self.parts):
             records.clear()
@@ -97,9 +103,39 @@ class FakeHub:
         return data is not None and len(data) == size and hashlib.sha256(data).hexdigest() == oid
 
 
+def silent() -> tuple[str, "callable"]:
+    """A server on 127.0.0.1 that accepts every connection and never answers: (its URL, the function that stops it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    held, stopped = [], threading.Event()
+
+    def accept():
+        while not stopped.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            held.append(conn)  # kept open, unread and unanswered
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+
+    def stop():
+        stopped.set()
+        thread.join(10)
+        listener.close()
+        for conn in held:
+            conn.close()
+
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", stop
+
+
 def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
     hub = FakeHub()
     lock = threading.Lock()
+    stopped = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def send(self, status: int, payload: dict, error_code: str | None = None,
@@ -132,6 +168,8 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
             path = self.path.split("?", 1)[0]
             with lock:
                 hub.requests.append((self.command, path, auth))
+            if hub.hang and hub.hang in path:
+                stopped.wait(600)  # no answer; the server's shutdown ends the wait
             return path, auth
 
         def do_GET(self):
@@ -182,7 +220,8 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
             data = self.body()
             path, auth = self.record()
             if hub.fail:
-                self.send(500, {"error": "Internal Error"})
+                wait = {"Retry-After": str(hub.retry_after)} if hub.retry_after is not None else None
+                self.send(500, {"error": "Internal Error"}, headers=wait)
                 return
             if path.startswith(STORE):
                 self.complete(path, json.loads(data))
@@ -261,7 +300,14 @@ def serve() -> tuple[FakeHub, ThreadingHTTPServer, threading.Thread]:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def shutdown(self):
+            stopped.set()  # a hung request ends
+            super().shutdown()
+
+    server = Server(("127.0.0.1", 0), Handler)
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -106,8 +106,9 @@ def _pairs(t: Path, role: str = "user") -> Path:
 def test_preference_data_given_to_sft_names_the_method(tiny_chatml, tmp_path, monkeypatch, capfd, isolated,
                                                        one_thread):
     code, err = cli(train_args(tiny_chatml, _pairs(tmp_path), tmp_path / "out"), tmp_path, monkeypatch, capfd)
-    assert_clear(code, err, "pairs.jsonl:1: the keys (prompt, chosen, rejected) are preference data",
-                 "choose a preference method with --method")
+    # Found from the first record with the flag problems, before anything loads (finetune/data/formats/shapes.py).
+    assert_clear(code, err, "pairs.jsonl:1: a preference pair (prompt, chosen, rejected), which --method sft does not "
+                 "train on", "--method dpo, simpo, orpo, cpo or reward does")
     assert "--dataset_format" not in err
     assert_no_debris(tmp_path)
 

@@ -104,7 +104,8 @@ def plan(argv: list[str], timeout: float) -> Plan:
 
         args = get_args_parser().parse_args(argv[1:])
         if args.rdzv_backend == "static" and not args.rdzv_endpoint:
-            addr, port, rank, key = args.master_addr, int(args.master_port or 29500), args.node_rank, "timeout"
+            port = 29500 if args.master_port is None else int(args.master_port)
+            addr, rank, key = args.master_addr, args.node_rank, "timeout"
         else:
             host, _, port_ = (args.rdzv_endpoint or "").rpartition(":")
             addr, port = host or args.rdzv_endpoint, int(port_ or 29400)
@@ -119,8 +120,9 @@ def plan(argv: list[str], timeout: float) -> Plan:
             raise Refused("finetune nodes: give accelerate's --num_machines, --machine_rank, --main_process_ip and "
                           "--main_process_port on the line (as docs/multi-node.md does), not in a config file")
         key = "timeout" if args.rdzv_backend == "static" else "join_timeout"
-        return Plan(int(args.num_machines), int(args.machine_rank or 0), args.main_process_ip or "127.0.0.1",
-                    int(args.main_process_port or 29500), _with_rendezvous_timeout(argv, 2, key, timeout))
+        port = 29500 if args.main_process_port is None else int(args.main_process_port)
+        return Plan(int(args.num_machines), int(args.machine_rank or 0), args.main_process_ip or "127.0.0.1", port,
+                    _with_rendezvous_timeout(argv, 2, key, timeout))
     if name == "deepspeed":
         args = _deepspeed_args(argv[1:])
         hosts = _hostfile(args.hostfile)
@@ -134,6 +136,68 @@ def plan(argv: list[str], timeout: float) -> Plan:
         # DeepSpeed has no rendezvous bound of its own to set: its ranks meet in torch's init_process_group.
         return Plan(nnodes, args.node_rank, args.master_addr or hosts[0], int(args.master_port), argv)
     raise Refused(f"finetune nodes: unknown launcher {argv[0]!r} (one of: {', '.join(LAUNCHERS)})")
+
+
+# Each launcher's spelling of what the line says about the nodes (flag names with "-" read as "_"): (node count,
+# node rank, node 0's address, its port). torchrun's c10d rendezvous names HOST:PORT in --rdzv_endpoint instead.
+LINE_FLAGS = {"torchrun": ("--nnodes", "--node_rank", "--master_addr", "--master_port"),
+              "accelerate": ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port"),
+              "deepspeed": ("--num_nodes", "--node_rank", "--master_addr", "--master_port")}
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    """The last value the line gives `flag` (--flag V or --flag=V; "-" and "_" alike), up to the training script."""
+    found = None
+    for i, a in enumerate(argv):
+        if not a.startswith("--") and a.endswith(".py"):
+            break
+        key, eq, value = a.partition("=")
+        if key.replace("-", "_") == flag.replace("-", "_"):
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return found
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None  # the launcher's own parser says what is wrong with it
+
+
+def check(argv: list[str], p: Plan | None = None) -> None:
+    """The line's numbers, before anything listens (and, without `p`, before the launcher's parser is imported:
+    torchrun's and accelerate's import torch): a port the OS can bind, a node rank below the node count, node 0's
+    address given on a multi-node line (each launcher's default, 127.0.0.1 or the hostfile's first host, names every
+    node itself, so the nodes never meet). `p`: the line as its launcher read it, for what the flags leave to
+    defaults."""
+    name = os.path.basename(argv[0])
+    count, rank_flag, addr_flag, port_flag = LINE_FLAGS[name]
+    endpoint = _value(argv, "--rdzv_endpoint") if name == "torchrun" else None
+    ports = [(port_flag, _value(argv, port_flag))]
+    if endpoint is not None:
+        ports.append(("--rdzv_endpoint", endpoint.rpartition(":")[2] if ":" in endpoint else None))
+    if p is not None:
+        ports.append((ports[-1][0], str(p.port)))
+    for flag, text in ports:
+        port = _int(text)
+        if port is not None and not 1 <= port <= 65535:
+            raise Refused(f"finetune nodes: {name} {flag} {port}: not a port; give one from 1 to 65535 (the same on "
+                          "every node's line)")
+    nnodes = p.nnodes if p is not None else _int((_value(argv, count) or "").split(":")[0])
+    rank = p.rank if p is not None else _int(_value(argv, rank_flag))
+    if nnodes is not None and nnodes < 1:
+        raise Refused(f"finetune nodes: {name} {count} {nnodes}: give the number of nodes, 1 or more")
+    if nnodes is not None and rank is not None and not 0 <= rank < nnodes:
+        raise Refused(f"finetune nodes: {name} {rank_flag} {rank}: not a node of the {nnodes}; give this node's "
+                      f"rank, 0 to {nnodes - 1}")
+    if nnodes is None or nnodes < 2 or endpoint is not None:
+        return
+    if name == "torchrun" and (_value(argv, "--rdzv_backend") or "static") != "static":
+        raise Refused(f"finetune nodes: torchrun --rdzv_endpoint: missing on a {nnodes}-node line; give node 0's "
+                      "HOST:PORT (the same on every node's line), as docs/multi-node.md does")
+    if _value(argv, addr_flag) is None and not (name == "torchrun" and "PET_MASTER_ADDR" in os.environ):
+        raise Refused(f"finetune nodes: {name} {addr_flag}: missing on a {nnodes}-node line; give node 0's address "
+                      "(the same on every node's line), as docs/multi-node.md does")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +447,9 @@ def main(argv: list[str]) -> None:
         if problems:
             raise Refused(f"finetune nodes: {len(problems)} configuration problem(s): " + "; ".join(problems)
                           + f" ({USAGE.split('   ')[0].removeprefix('usage: ')})")
+        check(argv)  # what the line itself says, before torchrun's or accelerate's parser imports torch
         p = plan(argv, timeout)
+        check(argv, p)
         if p.nnodes > 1:
             meet(p, Clock(timeout))  # the bound counts from here (reading the line imports the launcher: seconds)
     except Refused as e:

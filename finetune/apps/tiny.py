@@ -35,6 +35,8 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--hidden: must be a positive multiple of 8, got {args.hidden}")
     if args.layers < 1:
         problems.append(f"--layers: must be at least 1, got {args.layers}")
+    if args.out_dir is None:
+        return problems  # the parser says OUT_DIR is required
     out = Path(args.out_dir)
     if out.is_file():
         problems.append(f"OUT_DIR {out}: is a file; give a folder")

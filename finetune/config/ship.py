@@ -1,16 +1,30 @@
-"""What ships a run, checked with the other flags before anything loads: --report_to's trackers (installed, and
-MLflow's store usable) and --push_to_hub (the Trainer's hub flags). Without this a missing tracker fails at the
-Trainer's first callback, after the model has loaded, and a push fails after the whole run."""
+"""What ships a run, checked with the other flags before anything loads: --report_to's trackers (known names,
+installed, W&B's key or offline folder, MLflow's store usable, a tracking server that answers within seconds) and
+--push_to_hub (the Trainer's hub flags). Without this a missing tracker fails at the Trainer's first callback, after
+the model has loaded, a tracking server that does not answer costs minutes of retries there, and a push fails after
+the whole run. A tracker that cannot be used stops the run here, before anything loads (docs/network.md)."""
 
 from __future__ import annotations
 
 import importlib.util
+import netrc
 import os
+from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from finetune import network
+from finetune.errors import did_you_mean
 
 # The trackers tested here (docs/training.md 'Trackers'): the module --report_to X needs and how to get it.
 TRACKERS = {"wandb": ("wandb", "pip install wandb"), "mlflow": ("mlflow", "pip install mlflow-skinny")}
 EXTRA = "pip install 'finetune[trackers]'"
+# --report_to's values: transformers' integrations (INTEGRATION_TO_CALLBACK in transformers/integrations/
+# integration_utils.py, 5.24; tests/test_fail_fast.py compares), "all" and "none". Read here without importing
+# transformers (seconds), so that a misspelt tracker is one line before anything loads.
+INTEGRATIONS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow", "mlflow",
+                "neptune", "swanlab", "tensorboard", "trackio", "wandb")
+WANDB_HOST = "https://api.wandb.ai"
 # Hub flags that only mean something with --push_to_hub (TrainingArguments' names). --hub_token is not among them:
 # a token in a shared recipe is not a mistake (and is never saved: finetune.config.training's resolved()).
 HUB_FLAGS = ("hub_model_id", "hub_private_repo")
@@ -26,15 +40,91 @@ def report_to(value: Any) -> list[str]:
 
 
 def tracker_problems(value: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """--report_to's trackers, each usable before anything loads; their network calls get finetune.network's bound
+    (MLflow's timeout and retries, unless the environment sets them)."""
     names = report_to(value)
     problems = []
     for name in names:
-        if name in TRACKERS and importlib.util.find_spec(TRACKERS[name][0]) is None:
+        if name not in (*INTEGRATIONS, "all", "none"):
+            problems.append(f"report_to: '{name}' is not a tracker{did_you_mean(name, [*INTEGRATIONS, 'all', 'none'])} "
+                            f"(one of: {', '.join(INTEGRATIONS)}, all, none)")
+        elif name in TRACKERS and importlib.util.find_spec(TRACKERS[name][0]) is None:
             problems.append(f"report_to: {name} is not installed; {TRACKERS[name][1]} (or {EXTRA})")
-    # "all" is every installed integration, MLflow among them when it is installed.
+    if problems or not names:
+        return problems
+    problems += network.env_problems(environ)
+    if environ is os.environ:
+        network.bound_trackers(os.environ)
+    # "all" is every installed integration, MLflow and W&B among them when they are installed.
     if ("mlflow" in names or "all" in names) and importlib.util.find_spec("mlflow") is not None:
-        problems += mlflow_store_problems(environ)
+        problems += mlflow_store_problems(environ) or mlflow_server_problems(environ)
+    if ("wandb" in names or "all" in names) and importlib.util.find_spec("wandb") is not None:
+        problems += wandb_problems(environ)
     return problems
+
+
+def mlflow_server_problems(environ: Mapping[str, str]) -> list[str]:
+    """An http(s) tracking URI asked once, within seconds: MLflow's own client would retry for minutes inside the
+    first callback, after the model loaded, and end in a chain of tracebacks."""
+    uri = environ.get("MLFLOW_TRACKING_URI", "")
+    if urlparse(uri).scheme not in ("http", "https"):
+        return []
+    why = network.probe(uri, "/health")
+    if why is None:
+        return []
+    return [f"report_to mlflow: MLFLOW_TRACKING_URI={uri} did not answer ({why}); start the tracking server or fix the "
+            "URI (or MLFLOW_TRACKING_URI=file:./mlruns with MLFLOW_ALLOW_FILE_STORE=true, a local store)"]
+
+
+def wandb_problems(environ: Mapping[str, str]) -> list[str]:
+    """W&B: offline, a folder its run files can be written to; online, an API key and a server that answers."""
+    mode = environ.get("WANDB_MODE", "").lower()
+    if mode == "disabled" or environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return []
+    if mode in ("offline", "dryrun"):
+        folder = Path(environ.get("WANDB_DIR") or ".")
+        if not _writable(folder):
+            where = (f"WANDB_DIR={environ['WANDB_DIR']}" if environ.get("WANDB_DIR")
+                     else f"the working folder {Path.cwd()}")
+            return [f"report_to wandb: WANDB_MODE={mode} writes the run under {where}, which cannot be written; set "
+                    "WANDB_DIR to a writable folder"]
+        return []
+    host = environ.get("WANDB_BASE_URL") or WANDB_HOST
+    if not (environ.get("WANDB_API_KEY") or _netrc_key(host, environ)):
+        return ["report_to wandb: no W&B API key; set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline to "
+                "keep the run in ./wandb (`wandb sync` later)"]
+    why = network.probe(host)
+    if why is None:
+        return []
+    return [f"report_to wandb: {host} did not answer ({why}); check the network or WANDB_BASE_URL, or "
+            "WANDB_MODE=offline to keep the run in ./wandb (`wandb sync` later)"]
+
+
+def _netrc_key(host: str, environ: Mapping[str, str]) -> bool:
+    """`wandb login` keeps the key in ~/.netrc (NETRC names another file), under the server's host name."""
+    path = environ.get("NETRC") or str(Path(environ.get("HOME", str(Path.home()))) / ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(urlparse(host).hostname or host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _writable(folder: Path) -> bool:
+    """The folder, or the nearest one above it that exists, takes a new file (a path under a regular file does not)."""
+    folder = folder.absolute()
+    while not folder.exists():
+        if folder.parent == folder:
+            return False
+        folder = folder.parent
+    if not folder.is_dir():
+        return False
+    try:
+        probe = folder / f".finetune-write-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return True
+    except OSError:
+        return False
 
 
 def mlflow_store_problems(environ: Mapping[str, str]) -> list[str]:
@@ -64,6 +154,7 @@ def hub_problems(training: Mapping[str, Any], sources: Mapping[str, str], enviro
         if given:
             problems.append(f"{prefix}{given[0]}: goes with --push_to_hub (add it, or drop --{given[0]})")
         return problems
+    problems += [f"{prefix}push_to_hub: {p}" for p in network.env_problems(environ)]
     if environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         problems.append(f"{prefix}push_to_hub: HF_HUB_OFFLINE={environ['HF_HUB_OFFLINE']} forbids the upload; unset "
                         "HF_HUB_OFFLINE to push")

@@ -25,6 +25,7 @@ from finetune.config.preset import DS_CONFIG_DIR, NVME_PLACEHOLDER, PRESETS, Pre
 from finetune.config.preset import value_problems
 from finetune.config import ship
 from finetune.data import formats
+from finetune.data.formats import shapes
 from finetune.data.sources import looks_like_dataset_id
 from finetune import methods
 from finetune.methods import ObjectiveConfig
@@ -441,7 +442,12 @@ def validate_method(options: MethodConfig, data: DataConfig, training: dict[str,
     """The method's own checks (finetune.methods): its flags, and what it does not support, refused by name. An
     unknown method is reported by method_options."""
     method = methods.get(options.method)
-    return method.validate(options, data, training, evaluation) if method is not None else []
+    if method is None:
+        return []
+    # Data of another method's shape, from its first record: before the model loads (finetune.data.formats.shapes).
+    shape = [p for name in (data.datasets() if data.dataset else [])
+             if (p := shapes.first_record_problem(name, method.name, data.dataset_format))]
+    return method.validate(options, data, training, evaluation) + shape[:1]
 
 
 def validate_evaluation(data: DataConfig, ev: EvalConfig, training: dict[str, Any], *, check_paths: bool,
@@ -734,7 +740,29 @@ def family_problems(model: ModelConfig) -> list[str]:
         return []  # the load reports an unreadable config.json itself
     family = families.find(d if isinstance(d, dict) else {})
     problem = family.attention_problem(model.attn_implementation) if family is not None else None
-    return [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    problems = [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    return problems + lora_target_problems(model, family, d)
+
+
+def lora_target_problems(model: ModelConfig, family, d: dict) -> list[str]:
+    """--lora_target_modules naming no module of the family's model (its parameter tensors' paths, read from
+    config.json, as models/load.py's check_lora_targets finds them on the built model, later): the same line, before
+    the data or the model loads. A config the family cannot shape (a vision tower's modules) is left to that check."""
+    targets = list(getattr(model, "lora_target_modules", None) or [])  # (generate's flags have none)
+    if not getattr(model, "use_peft", False) or family is None or not targets or targets == ["all-linear"]:
+        return []
+    try:
+        tensors = family.shape(d).tensors()
+    except Exception:  # noqa: BLE001 - an unusual config.json: the load-time check on the built model decides
+        return []
+    modules = {"lm_head"} | {t.name.rsplit(".", i)[0] for t in tensors for i in range(1, t.name.count(".") + 1)}
+    linear = sorted({t.name.split(".")[-2] for t in tensors if t.kind == "linear"} | {"lm_head"})
+    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    if not missing or "vision_config" in d:
+        return []
+    hints = "; ".join(f"'{t}'{did_you_mean(t, linear)}" for t in missing)
+    return [f"--lora_target_modules: {hints}: no such module in {model.model_name_or_path} (its linear layers: "
+            f"{', '.join(linear)}; or all-linear)"]
 
 
 def check_model_folder(path: str, allow_pickle: bool, *, trust_remote_code: bool = False) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data import prepare as P
+from finetune.data.formats import shapes
 from finetune.data.formats.base import record_tools
 from finetune.data.formats.messages import check_role
 from finetune.data.prepare import IGNORE_INDEX, DataError
@@ -58,8 +59,8 @@ def pair_of(record: dict, where: str, chat: bool) -> tuple:
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] is None:
-            hint = "" if record.get("messages") is None else " (an SFT record: the preference methods, --method dpo and others, train on prompt/chosen/rejected pairs)"
-            raise DataError(f"{where}: missing field '{key}' (format preference: prompt, chosen, rejected){hint}")
+            raise DataError(f"{where}: missing field '{key}' (format preference: prompt, chosen, rejected)"
+                            f"{shapes.hint(record, 'dpo')}")
     prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
     full = isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) and chosen[0].get("role") != "assistant"
     if not full and prompt is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from finetune.data import formats
 from finetune.data import prepare as P
+from finetune.data.formats import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_INPUT
 from finetune.data.formats.base import record_tools
@@ -45,7 +46,8 @@ def prompt_of(tokenizer, record: dict, fmt: str, where: str, renderer=None) -> t
     f.validate(record, where)
     if not f.prompted:
         raise DataError(f"{where}: a '{fmt}' record has no prompt to generate from; give messages, sharegpt or alpaca "
-                        "records (the prompt is the conversation before its last assistant turn)")
+                        "records (the prompt is the conversation before its last assistant turn)"
+                        f"{shapes.hint(record, 'grpo')}")
     if not f.uses_template(tokenizer):  # alpaca without a chat template: the Alpaca prompt, as SFT trains it
         template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
         return template.format(**{"input": "", **record}), record.get("output")
@@ -71,8 +73,8 @@ def columns_of(record: dict, answer: str | None) -> dict:
 
 
 def prompt_rows(tokenizer, records: list[dict], where: list[str], fmt: str | None, max_len: int) -> tuple[list[dict], PromptStats]:
-    """One row per record: {prompt (text), prompt_ids, columns (JSON text)}; a prompt longer than `max_len` tokens
-    is dropped (counted). A bad record raises DataError naming its file and line."""
+    """One row per record: {prompt (text), prompt_ids, columns (JSON text), where (file:line)}; a prompt longer than
+    `max_len` tokens is dropped (counted). A bad record raises DataError naming its file and line."""
     renderer = P.ChatRenderer(tokenizer) if tokenizer.chat_template else None
     stats, rows = PromptStats(records=len(records)), []
     for record, loc in zip(records, where):
@@ -91,7 +93,7 @@ def prompt_rows(tokenizer, records: list[dict], where: list[str], fmt: str | Non
             columns = json.dumps(columns_of(record, answer))
         except TypeError as e:
             raise DataError(f"{loc}: a column is not JSON ({e})") from None
-        rows.append({"prompt": text, "prompt_ids": ids, "columns": columns})
+        rows.append({"prompt": text, "prompt_ids": ids, "columns": columns, "where": loc})  # where: a reward's error
     stats.kept = len(rows)
     if not rows:
         raise DataError(f"{where[0] if where else 'data'}: no prompt is left (every one longer than --max_seq_length)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import network
 from finetune.constants import COMMIT, REPO_ID
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -46,6 +47,7 @@ def load_hub(cfg) -> HubData:
 
     repo_id, split, revision = cfg.dataset, cfg.dataset_split or "train", cfg.dataset_revision
     cache = datasets.config.HF_DATASETS_CACHE
+    network.bound_hub()
     try:
         ds = datasets.load_dataset(repo_id, cfg.dataset_config, split=split, revision=revision)
     except DatasetNotFoundError as e:
@@ -55,6 +57,9 @@ def load_hub(cfg) -> HubData:
                else "check the spelling; if it is private, set HF_TOKEN")
         raise HubDataError(f"--dataset {repo_id}: {msg} ({fix})") from None
     except ConnectionError as e:
+        if not constants.HF_HUB_OFFLINE and (endpoint := network.stalled(e)):
+            raise HubDataError(f"--dataset {repo_id}: "
+                               + network.describe(endpoint, "the network, HF_ENDPOINT and any proxy")) from None
         if constants.HF_HUB_OFFLINE:
             raise HubDataError(
                 f"--dataset {repo_id}: not in the datasets cache ({cache}) and HF_HUB_OFFLINE=1 forbids downloading; "

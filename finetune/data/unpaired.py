@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data import prepare as P
+from finetune.data.formats import shapes
 from finetune.data import preference as PR
 from finetune.data.preference import padded_rows
 from finetune.data.formats.base import record_tools
@@ -42,8 +43,8 @@ def example_of(record: dict, where: str, chat: bool, form: str | None = None) ->
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
     for key in KEYS:
         if key not in record or record[key] is None:
-            hint = (" (paired records: --method dpo, simpo or orpo)" if "chosen" in record
-                    else " (true: a desirable completion, false: an undesirable one)" if key == "label" else "")
+            hint = shapes.hint(record, "kto") or (" (true: a desirable completion, false: an undesirable one)"
+                                                   if key == "label" else "")
             raise DataError(f"{where}: missing field '{key}' (format {FORMAT}: prompt, completion, label){hint}")
     label = record["label"]
     if not isinstance(label, bool):

@@ -138,9 +138,10 @@ class Metrics(Window):
     """The logging window: sums per completion of the method's metrics and of each reward function's values (and
     their squares, for the stds), reduced over ranks and averaged when popped."""
 
-    def __init__(self, base: tuple[str, ...], reward_names: list[str]):
+    def __init__(self, base: tuple[str, ...], reward_names: list[str], nonfinite: bool = False):
         self.base, self.reward_names = base, reward_names
-        super().__init__(base + ("reward_sq",) + tuple(f"rewards/{r}/{s}" for r in reward_names for s in ("mean", "sq")))
+        stats = ("mean", "sq", "nonfinite") if nonfinite else ("mean", "sq")
+        super().__init__(base + ("reward_sq",) + tuple(f"rewards/{r}/{s}" for r in reward_names for s in stats))
 
     def row(self, **values) -> torch.Tensor:
         import torch
@@ -206,14 +207,14 @@ class RolloutSession(Session):
         self.method, self.options, self.tokenizer, self.context = method, options, tokenizer, context
         self.train_set = sets[0]
         try:
-            self.rewards = rewards.Rewards.of(options.reward_funcs, options.reward_weights)
+            self.rewards = rewards.Rewards.of(options.reward_funcs, options.reward_weights, options.nonfinite_rewards)
         except rewards.RewardError as e:
             context.fail(str(e))
         self.weights = torch.tensor(self.rewards.weights, dtype=torch.float64)
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.reference = Reference(context, model) if options.beta > 0 else None
-        self.window = Metrics(method.metrics, self.rewards.names)
+        self.window = Metrics(method.metrics, self.rewards.names, nonfinite=options.nonfinite_rewards == "skip")
         self.columns_cache: dict[int, dict] = {}
         self.kept = None  # (the step that generated them, [(prompt_index, tensors, metrics row)]): --num_iterations
         self.timing = {"generation_s": 0.0, "training_s": 0.0}
@@ -255,10 +256,12 @@ class RolloutSession(Session):
         rows = [examples.dataset[int(i)] for i in batch["prompt_index"].tolist()]
         prompts = [r["prompt"] for r in rows for _ in range(generations)]
         columns = [json.loads(r["columns"]) for r in rows for _ in range(generations)]
+        where = [r.get("where") or f"prompt {int(i)}" for r, i in zip(rows, batch["prompt_index"].tolist())
+                 for _ in range(generations)]
         ids = [row[m.bool()].tolist() for row, m in zip(completion_ids.cpu(), completion_mask.cpu())]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         try:
-            table = self.rewards.score(prompts, completions, columns, completion_ids=ids,
+            table = self.rewards.score(prompts, completions, columns, where=where, completion_ids=ids,
                                        max_completion_length=self.options.max_completion_length)
         except RewardError as e:
             self.context.fail(str(e))
@@ -328,6 +331,7 @@ class RolloutSession(Session):
         g = o.num_generations
         completion, cmask = self.generate(module, batch, g, o.temperature, now)
         per_func, _, _ = self.score(self.train_set, batch, completion, cmask, g)
+        skipped = list(self.rewards.skipped or [])
         ids, mask = sequences(batch["prompt_ids"].repeat_interleave(g, dim=0).to(completion.device),
                               batch["prompt_mask"].repeat_interleave(g, dim=0).to(completion.device), completion, cmask)
         args = (ids, mask, completion)
@@ -347,7 +351,7 @@ class RolloutSession(Session):
             tensors["ref_logps"] = ref.float()
         if old is not None and o.num_iterations > 1:
             tensors["old_logps"] = old.float()
-        return {"per_func": per_func, "kl": kl, "tensors": tensors}
+        return {"per_func": per_func, "kl": kl, "tensors": tensors, "skipped": skipped}
 
     def row(self, made: dict, per_func, std, kl):
         """The logging window's row of one micro-batch's completions."""
@@ -367,6 +371,8 @@ class RolloutSession(Session):
             col = per_func[:, j]
             values[f"rewards/{name}/mean"] = torch.nansum(col).item()
             values[f"rewards/{name}/sq"] = torch.nansum(col ** 2).item()
+            if made.get("skipped"):  # --nonfinite_rewards skip: the share of completions whose value was left out
+                values[f"rewards/{name}/nonfinite"] = float(made["skipped"][j])
         return self.window.row(**values)
 
     def normalizer(self, batch: dict) -> int:

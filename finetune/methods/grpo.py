@@ -30,8 +30,10 @@ or a frozen copy of full fine-tuning.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from finetune.errors import did_you_mean
 from finetune.methods.base import (
     Context,
     Examples,
@@ -78,6 +80,9 @@ class GRPOConfig(MethodConfig):
         "help": "GRPO: advantages over the group's reward std (group), the whole step's, every process's (batch), or "
                 "unscaled (none)."})
     loss_type: str = field(default="dapo", metadata={"help": "GRPO: the loss aggregation: grpo, dr_grpo, dapo, bnpo."})
+    nonfinite_rewards: str = field(default="stop", metadata={
+        "help": "GRPO/RLOO: a reward of NaN or ±inf: stop the run naming the reward and the record (stop), or leave "
+                "it out as not scored and report the share at every logging step, rewards/<name>/nonfinite (skip)."})
 
 
 def generation_problems(method: str, options, data, training: dict, evaluation) -> list[str]:
@@ -96,6 +101,12 @@ def generation_problems(method: str, options, data, training: dict, evaluation) 
     if options.reward_weights is not None and len(options.reward_weights) != len(options.reward_funcs):
         problems.append(f"reward_weights: {len(options.reward_weights)} weights for {len(options.reward_funcs)} "
                         "reward functions; give one per function")
+    elif options.reward_weights is not None and not all(math.isfinite(w) for w in options.reward_weights):
+        problems.append(f"reward_weights: every weight must be a finite number, got "
+                        f"{', '.join(f'{w:g}' for w in options.reward_weights)}")
+    if options.nonfinite_rewards not in rewards.NONFINITE:
+        problems.append(f"nonfinite_rewards: one of {', '.join(rewards.NONFINITE)}, got '{options.nonfinite_rewards}'"
+                        f"{did_you_mean(options.nonfinite_rewards, list(rewards.NONFINITE))}")
     if options.num_generations < 2:
         problems.append(f"num_generations: at least 2 (a group's baseline needs two completions), got "
                         f"{options.num_generations}")

@@ -135,29 +135,40 @@ def short_name(spec: str) -> str:
     return spec.rpartition(":")[2] if is_user_spec(spec) else spec
 
 
+# --nonfinite_rewards: what a reward's NaN or ±inf does (None is "not scored", as TRL; a NaN is not: trained on, it
+# would zero the group's advantages and the run would go on learning nothing, reward 0, grad_norm 0).
+NONFINITE = ("stop", "skip")
+
+
 @dataclass
 class Rewards:
-    """The run's reward functions and weights (--reward_funcs, --reward_weights)."""
+    """The run's reward functions and weights (--reward_funcs, --reward_weights); `nonfinite`: --nonfinite_rewards
+    (stop: RewardError naming the function and the record; skip: left out as not scored, and counted)."""
 
     specs: list[str]
     weights: list[float]
     funcs: list[Callable]
+    nonfinite: str = "stop"
+    skipped: list[int] | None = None  # skip: per function, the non-finite values of the last score()
 
     @classmethod
-    def of(cls, specs: list[str], weights: list[float] | None) -> Rewards:
+    def of(cls, specs: list[str], weights: list[float] | None, nonfinite: str = "stop") -> Rewards:
         funcs = [load(s) for s in specs]
-        return cls(list(specs), list(weights) if weights else [1.0] * len(specs), funcs)
+        return cls(list(specs), list(weights) if weights else [1.0] * len(specs), funcs, nonfinite)
 
     @property
     def names(self) -> list[str]:
         names = [short_name(s) for s in self.specs]
         return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
-    def score(self, prompts: list[str], completions: list[str], columns: list[dict], **extra) -> list[list[float]]:
+    def score(self, prompts: list[str], completions: list[str], columns: list[dict], *, where: list[str] | None = None,
+              **extra) -> list[list[float]]:
         """[completion][function] rewards (NaN where a function returned None). RewardError, one line naming the
         function, when one raises, returns another number of values than completions, or a value that is not a
-        number."""
+        number; and, unless --nonfinite_rewards skip, NaN or ±inf, naming the record too (`where`: each completion's
+        record, file:line)."""
         n = len(completions)
+        self.skipped = [0] * len(self.specs)
         keys = {k for row in columns for k in row}
         by_column = {k: [row.get(k) for row in columns] for k in keys}
         table = []
@@ -175,12 +186,23 @@ class Rewards:
             if len(values) != n:
                 raise RewardError(f"reward {spec} returned {len(values)} values for {n} completions")
             row = []
-            for v in values:
+            for i, v in enumerate(values):
                 if v is None:
                     row.append(math.nan)
                 elif isinstance(v, (int, float)) and not isinstance(v, bool) or hasattr(v, "__float__"):
-                    row.append(float(v))
+                    row.append(self._finite(spec, float(v), i, n, where))
                 else:
                     raise RewardError(f"reward {spec} returned a {type(v).__name__} ({v!r:.40}), not a number")
             table.append(row)
         return [list(r) for r in zip(*table)]
+
+    def _finite(self, spec: str, value: float, i: int, n: int, where: list[str] | None) -> float:
+        if math.isfinite(value):
+            return value
+        if self.nonfinite == "skip":
+            self.skipped[self.specs.index(spec)] += 1
+            return math.nan  # not scored: out of its group's baseline, advantage 0
+        record = f" (record {where[i]})" if where else ""
+        raise RewardError(f"reward {spec} returned {value} for completion {i + 1} of {n}{record}: not a finite "
+                          "number; return None for a completion it cannot score, or pass --nonfinite_rewards skip to "
+                          "leave such values out (counted in the logs: rewards/<name>/nonfinite)")

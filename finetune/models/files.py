@@ -86,6 +86,12 @@ def folder_problems(folder: str | Path, *, weights: bool = True, tokenizer: bool
 
 
 def _model_type_problems(folder: Path, config: dict, trust_remote_code: bool = False) -> list[str]:
+    from finetune.models.families import FAMILIES
+
+    # A family's model_type is a causal LM of transformers (tests/test_fail_fast.py checks it): known without
+    # importing transformers, which takes seconds (torch) before a flag check could answer.
+    if config.get("model_type") and any(config["model_type"] in f.model_types for f in FAMILIES):
+        return []
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

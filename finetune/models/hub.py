@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import network
 from finetune.constants import COMMIT, REPO_ID
 
 # What a training / inference job needs from a model repository; *.bin only with --allow_pickle.
@@ -96,6 +97,8 @@ def explain(error: BaseException, repo_id: str, revision: str, flag: str = "--mo
     if isinstance(error, IncompleteSnapshotError):
         return (f"{flag} {repo_id}: the cached snapshot at {revision} is incomplete ({error.snapshot_path}; an "
                 "interrupted download?); go online (unset HF_HUB_OFFLINE) to complete it")
+    if not offline() and (endpoint := network.stalled(error)):
+        return f"{flag} {repo_id}: {network.describe(endpoint, 'the network, HF_ENDPOINT and any proxy')}"
     if isinstance(error, LocalEntryNotFoundError):
         cached = cached_revisions(repo_id, repo_type)
         where = _repo_folder(repo_id, repo_type)
@@ -129,6 +132,7 @@ def resolve_model(repo_id: str, revision: str | None = "main", *, allow_pickle: 
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     revision = revision or "main"
+    network.bound_hub()
     try:
         if config_only:
             path = hf_hub_download(repo_id, "config.json", revision=revision)

@@ -1117,6 +1117,13 @@ def parse_plan_args(argv: list[str]):
     elif looks_like_repo_id(model.model_name_or_path):
         # A Hub model: only its config.json is fetched (hf_hub_download), which is all a plan reads.
         problems += C.training.resolve_model_or_problems(model, config_only=True)
+    if model.model_name_or_path and not problems:
+        problems += C.training.family_problems(model)  # train's checks of the family (attention, LoRA targets)
+    if model.use_peft and model.model_name_or_path and not problems:
+        try:  # a module train adapts but the plan cannot count (the LM head, the embeddings): said before torch loads
+            families.family_of(read_config(model.model_name_or_path)).lora_targets(list(model.lora_target_modules))
+        except (ValueError, families.FamilyError) as e:
+            problems.append(str(e))
     if flags.accelerator not in (None, "gpu", "cpu"):
         problems.append(f"--accelerator: '{flags.accelerator}' is not gpu or cpu")
     for key in ("devices_per_node", "num_nodes"):
@@ -1189,6 +1196,8 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
     if terms.head_outputs:  # the method's model has another head than the LM head (a reward model's score)
         shape = dataclasses.replace(shape, head_outputs=terms.head_outputs)
     per_record = attention.applies(cfg, SimpleNamespace(**config))
+    if model.use_peft:
+        shape.family.lora_targets(list(model.lora_target_modules))  # ValueError: a target the plan cannot count
     return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length + terms.completion_length,

@@ -3,7 +3,7 @@
 huggingface_hub does the work (HfApi.create_repo, then create_commit with every file and README.md), and honours
 HF_TOKEN (or `hf auth login`'s saved token) and HF_ENDPOINT itself. The push comes after the local save is
 verified and committed, from the main process only; a failed push leaves the local result as it is and says so in
-one line (exit 1). The flags are the Trainer's (--push_to_hub, --hub_model_id, --hub_private_repo, --hub_token):
+one line (exit 1). Every call is bounded (finetune.network): a Hub that never answers ends the push in minutes. The flags are the Trainer's (--push_to_hub, --hub_model_id, --hub_private_repo, --hub_token):
 the training commands take them from TrainingArguments, `finetune export` from HubFlags."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import network
 from finetune.ship import report
 from finetune.ship.card import model_card
 
@@ -74,6 +75,7 @@ def push(repo_id: str, files: dict[str, Path], card: str, *, private: bool | Non
     """Create the repo (kept if it exists) and add every file and README.md in one commit: (commit url, files)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
+    network.bound_hub()
     api = HfApi(token=token)  # None: HF_TOKEN, else the saved login (huggingface_hub.get_token)
     url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted(files.items())]
@@ -105,7 +107,9 @@ def push_or_exit(local: Path, files: dict[str, Path], *, run_folder: Path | None
     try:
         url, n = push(repo, files, card, private=private, token=token, message=f"finetune: {what}")
     except Exception as e:  # HTTP errors, a refused connection, a bad token: the push failed, the local result stands
-        print(f"finetune: --push_to_hub: the push to {repo} failed ({_reason(e)}); the local {what} in {local} is "
+        endpoint = network.stalled(e)
+        reason = network.describe(endpoint, "the network, HF_ENDPOINT and any proxy") if endpoint else _reason(e)
+        print(f"finetune: --push_to_hub: the push to {repo} failed ({reason}); the local {what} in {local} is "
               f"intact; push it again with `hf upload {repo} {local}`", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     print(f"pushed {n} files to {repo} in one commit: {url}", flush=True)

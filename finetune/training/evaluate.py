@@ -276,13 +276,53 @@ def method_evaluator(cfg, method, session, tokenizer, held_out, model, module, d
 # report_to for the paths without a Trainer: transformers' own integration callbacks, fed the same log entries.
 
 
+# A tracker's callback events: the ones a failure of the tracker's own (its server gone, a key it refuses) is kept
+# inside of (docs/network.md: a tracker never hides the training result).
+TRACKER_EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+                  "on_substep_end", "on_step_end", "on_pre_optimizer_step", "on_optimizer_step", "on_evaluate",
+                  "on_predict", "on_save", "on_log", "on_prediction_step", "on_push_begin")
+
+
+def guard_trackers(callbacks: list) -> list:
+    """transformers' tracker callbacks among `callbacks` (W&B, MLflow, TensorBoard, ...) made to fail alone: the first
+    error of one prints one warning line and leaves that tracker out for the rest of the run, which goes on (its
+    log stays in trainer_state.json). The callbacks keep their type (the Trainer finds them by it)."""
+    import sys
+
+    for cb in callbacks:
+        if not type(cb).__module__.startswith("transformers.integrations"):
+            continue
+        name, failed = type(cb).__name__.removesuffix("Callback"), []
+
+        def guarded(event, fn, name=name, failed=failed):
+            def call(*args, **kwargs):
+                if failed:
+                    return None
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - the tracker's own failure, whatever it raises
+                    failed.append(e)
+                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                    print(f"finetune: warning: report_to {name.lower()}: {event} failed ({first}); this tracker is left "
+                          "out for the rest of the run, which goes on (its log: trainer_state.json)",
+                          file=sys.stderr, flush=True)
+                    return None
+            return call
+
+        for event in TRACKER_EVENTS:
+            fn = getattr(cb, event, None)
+            if fn is not None:
+                setattr(cb, event, guarded(event, fn))
+    return callbacks
+
+
 class Reporters:
     def __init__(self, args, max_steps: int, model=None):
         from transformers import TrainerControl, TrainerState
         from transformers.integrations import get_reporting_integration_callbacks
 
         self.args = args
-        self.callbacks = [cls() for cls in get_reporting_integration_callbacks(args.report_to)]
+        self.callbacks = guard_trackers([cls() for cls in get_reporting_integration_callbacks(args.report_to)])
         self.state = TrainerState(max_steps=max_steps, is_world_process_zero=core.rank() == 0,
                                   is_local_process_zero=args.local_process_index == 0)
         self.control = TrainerControl()

@@ -417,12 +417,24 @@ def end_tracker_runs() -> None:
     """End the trackers' open runs. A training process ends without the interpreter's shutdown (finetune.process),
     which is where wandb would finish its run: unfinished, its offline run file holds nothing. MLflow's callback ends
     its run at on_train_end already; ending it here too covers a run it left open."""
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and getattr(wandb, "run", None) is not None:
-        wandb.finish()
-    mlflow = sys.modules.get("mlflow")
-    if mlflow is not None and hasattr(mlflow, "active_run") and mlflow.active_run() is not None:
-        mlflow.end_run()
+    wandb, mlflow = sys.modules.get("wandb"), sys.modules.get("mlflow")
+    # The model is saved and verified: a tracker that fails now says so in one line and does not hide it.
+    try:
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            wandb.finish()
+    except Exception as e:  # noqa: BLE001 - any tracker's error; the run's result stands
+        _tracker_warning("wandb", e)
+    try:
+        if mlflow is not None and hasattr(mlflow, "active_run") and mlflow.active_run() is not None:
+            mlflow.end_run()
+    except Exception as e:  # noqa: BLE001
+        _tracker_warning("mlflow", e)
+
+
+def _tracker_warning(name: str, e: Exception) -> None:
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    print(f"finetune: warning: report_to {name}: ending its run failed ({first}); the trained model is saved as usual",
+          file=sys.stderr, flush=True)
 
 
 def finish_run(cfg) -> None:

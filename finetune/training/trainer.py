@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
         callbacks.append(StopPoint())
     trainer = make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resume, callbacks)
     trainer.fingerprint = cfg.fingerprint
+    evaluate.guard_trackers(trainer.callback_handler.callbacks)  # a tracker's failure is a warning, not the run's
     trainer.eval_set = evaluate.eval_set(cfg, tokenizer, None if method.own_evaluation or held_out is None
                                          else held_out.dataset)
 

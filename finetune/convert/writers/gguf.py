@@ -31,7 +31,6 @@ from finetune.convert.writers.base import ExportArgs, Writer
 from finetune.convert.writers.hf import hf_folder
 from finetune.errors import did_you_mean
 from finetune.models import families
-from finetune.models.load import WeightsError, check_loading_info
 from finetune.models.verify import VerificationError, fixed_input, logits_of
 
 # --gguf_type values. Written here with the gguf package's own encoders and quantizers (no compiler):
@@ -574,6 +573,8 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     family = _writable_family(config, model_dir)
     tokenizer = load_tokenizer(model_dir)
     check_tokenizer(model_dir, tokenizer[1])
+    from finetune.models.load import WeightsError, check_loading_info  # torch: after the flags are checked
+
     model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
     try:  # weights from_pretrained did not find would be written as random values, and verified against themselves
         check_loading_info(info, model_dir, flag="finetune export")

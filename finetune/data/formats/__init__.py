@@ -6,6 +6,7 @@ its place in DETECTION (most specific keys first: the first format whose keys a 
 
 from __future__ import annotations
 
+from finetune.data.formats import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import Alpaca
 from finetune.data.formats.base import Format
@@ -40,8 +41,10 @@ def detect(record: dict, where: str) -> Format:
     keys = f"{', '.join(keys[:-1])} or {keys[-1]}"
     if PREFERENCE_KEYS & set(record):
         # Preference data given to supervised fine-tuning: the fix is the method, not --dataset_format.
+        shape = shapes.shape_of(record)
+        named = f": {shapes.SHAPES[shape][0]}: {shapes.methods_phrase(shape)}" if shape in ("pairs", "unpaired") else \
+            " (finetune train --help lists them)"
         raise DataError(f"{where}: the keys ({', '.join(record)}) are preference data, which supervised "
-                        "fine-tuning does not read; choose a preference method with --method (finetune train --help "
-                        "lists them)")
+                        f"fine-tuning does not read; choose a preference method with --method{named}")
     raise DataError(f"{where}: cannot tell the record format from its keys ({', '.join(record) or 'none'}); "
                     f"expected {keys}; or pass --dataset_format")
