@@ -45,10 +45,13 @@ def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: s
     return out
 
 
-def quantization_config(cfg: Any, dtype):
+def quantization_config(cfg: Any, dtype, *, sharded: bool = False):
     """The BitsAndBytesConfig for --load_in_8bit / --load_in_4bit, or None; ValueError on a bad combination.
 
     4-bit compute dtype: `bnb_4bit_compute_dtype` (float32, bfloat16, float16; "auto" or unset = the model dtype).
+    sharded (FSDP2): the packed 4-bit weights are stored in the compute dtype (bnb_4bit_quant_storage), so that
+    fully_shard can shard them like the float parameters around them (with the default uint8 storage accelerate
+    leaves them out of sharding, and every rank holds the whole quantized base).
     """
     if not is_quantized(cfg):
         return None
@@ -62,11 +65,13 @@ def quantization_config(cfg: Any, dtype):
     import torch
 
     compute = _compute_dtype_name(cfg)
+    compute_dtype = dtype if compute == "auto" else getattr(torch, compute)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=bool(getattr(cfg, "use_bnb_nested_quant", False)),
-        bnb_4bit_compute_dtype=dtype if compute == "auto" else getattr(torch, compute),
+        bnb_4bit_compute_dtype=compute_dtype,
+        **({"bnb_4bit_quant_storage": compute_dtype} if sharded else {}),
     )
 
 
