@@ -923,7 +923,8 @@ def shm_buffer_path(rank: int, addr: str | None = None, port: str | None = None)
 
 # ----------------------------------------------------------------------------------------------
 # accelerate 1.15: AcceleratorState takes an fsdp_plugin only on a GPU-type distributed type (MULTI_GPU, MULTI_XPU,
-# ...); on CPU processes (MULTI_CPU, gloo) it silently drops the plugin and trains plain DDP. torch's fully_shard
+# ...); on CPU processes (MULTI_CPU, gloo) it silently drops the plugin and trains plain DDP; and its CPU offload
+# policy pins memory, which fails without a GPU ("Cannot access accelerator device"). torch's fully_shard
 # itself runs on CPU with gloo (a 2-process run equals one process to 1e-6: tests/test_fsdp.py). fsdp_on_cpu makes
 # a state built with an FSDP plugin on MULTI_CPU an FSDP state, in both shared states (PartialState's is copied
 # into every AcceleratorState built later, and accelerate reads the type from either).
@@ -943,6 +944,11 @@ def fsdp_on_cpu() -> None:
         return
 
     def patched(self, *args, fsdp_plugin=None, **kwargs):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if isinstance(getattr(fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy) and fsdp_plugin.cpu_offload.pin_memory:
+            # torch pins the offloaded shards (page-locked for GPU copies), which needs a GPU: unpinned on CPU.
+            fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
