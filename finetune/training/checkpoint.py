@@ -266,18 +266,22 @@ def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: in
         raise ResumeError(f"{folder} was saved under {saved}, this run uses {this}: the checkpoint formats differ. "
                           + ("Resume with --config fsdp2 (or fsdp2_offload), " if saved_fsdp else
                              "Resume with the checkpoint's preset, ")
-                          + f"or export it (finetune export {folder} --output_dir DIR) and start a new run from DIR")
+                          + f"or export it ({export_command(folder)}) and start a new run from DIR")
     if saved_fsdp and saved_world != world_size:
         raise ResumeError(f"{folder} holds FSDP{saved_fsdp} shards (and each rank's data position) for {saved_world} "
                           f"processes, this run has {world_size}: rerun with {saved_world} processes "
-                          f"(--num_processes {saved_world}), or export it (finetune export {folder} --output_dir DIR: "
-                          "one consolidated HF folder) and start a new run from DIR without --resume_from_checkpoint")
+                          f"(--num_processes {saved_world}), or export it ({export_command(folder)}: one consolidated HF "
+                          "folder) and start a new run from DIR without --resume_from_checkpoint")
     if saved_stage != zero_stage:
         raise ResumeError(f"{folder} was saved under ZeRO stage {saved_stage}, this run uses stage {zero_stage}: "
                           f"use the checkpoint's preset, or {conversion_hint(folder)}")
     if saved_stage > 0 and saved_world != world_size:
         raise ResumeError(f"{folder} holds ZeRO-{saved_stage} partitions for {saved_world} processes, this run has "
                           f"{world_size}: rerun with {saved_world} processes, or {conversion_hint(folder)}")
+
+
+def export_command(folder: Path) -> str:
+    return f"finetune export --zero_checkpoint {folder} --model_name_or_path MODEL --output_dir DIR"
 
 
 def _plain(stage: int) -> str:
