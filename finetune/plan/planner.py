@@ -561,6 +561,12 @@ def _fsdp_states(job: Workload, s: StateBytes, prec: Precision, trainable: list[
         # (counted with the gradients) are copied into the reduce-scatter's input buffer: one more of the largest.
         s.gathered = max(map(unit_bytes, units)) + max(layers, default=0)
         s.backward_buffers = max((grad_elt * sum(t.numel for t in u) for u in _fsdp_units(job, trainable)), default=0)
+        if job.use_peft:
+            # LoRA: peft's wrap policy (transformers' update_fsdp_plugin_peft, which both paths apply) makes each
+            # adapter a unit of its own, so a decoder layer's unit holds only frozen weights; gathered again for the
+            # backward, it gets no gradient hook to reshard it, and stays whole until the backward ends. Counted at
+            # the backward's peak as every layer whole (measured: -1.3% of the peak RSS, 2 ranks, bench model).
+            s.backward_buffers += sum(layers) - max(layers, default=0)
     return s
 
 

@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = schedule(optimizer)
     if deepspeed:  # a multimodal checkpoint's sizes are in its text_config, which accelerate does not read
         compat.fill_zero_sizes(accelerator.state.deepspeed_plugin, model)
+    if cfg.preset.is_fsdp and cfg.model.use_peft:
+        # What the Trainer does under FSDP for a PEFT model: each adapter its own unit, and a 4-bit base's storage
+        # dtype as the units' compute dtype.
+        from transformers.distributed.fsdp import update_fsdp_plugin_peft
+
+        update_fsdp_plugin_peft(model, accelerator)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     rank0_print(f"engine: {accelerator.distributed_type.value}")
 
