@@ -100,6 +100,15 @@ def test_engine_path_and_other_methods_refuse_it_by_name(tmp_path):
     assert problem.startswith("--config fsdp2: method dpo is not supported under FSDP2 (only sft")
 
 
+def test_8bit_base_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError) as e:
+        C.parse(["--config", "fsdp2", "--use_peft", "--load_in_8bit", "--output_dir", str(tmp_path / "o")],
+                check_paths=False, before_arguments=None)
+    assert e.value.problems == ["--config fsdp2: load_in_8bit: bitsandbytes' 8-bit weights cannot be sharded by FSDP2 "
+                                "(fully_shard replaces them with plain parameters, losing their scales); use "
+                                "--load_in_4bit (QLoRA, sharded), or --config ddp or zero2 for 8-bit"]
+
+
 def test_qlora_base_is_stored_in_the_compute_dtype_for_sharding():
     from types import SimpleNamespace
 

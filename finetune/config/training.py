@@ -561,7 +561,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     from finetune.models import quant
 
     zero3 = quant.is_quantized(model) and preset is not None and preset.zero3
-    problems += quant.problems(model, training=True, zero3=zero3, config=launch.config)
+    problems += quant.problems(model, training=True, zero3=zero3, config=launch.config,
+                               fsdp=preset is not None and preset.is_fsdp)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if key in training and training[key] < 1:
             problems.append(f"{key}: must be at least 1, got {training[key]}")

@@ -15,6 +15,11 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 NEEDS_LORA = "load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)"
 NOT_UNDER_ZERO3 = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
+# Measured (bitsandbytes 0.50, accelerate 1.15, torch 2.13): fully_shard turns Int8Params into plain parameters, and
+# the first forward fails with "'Parameter' object has no attribute 'CB'".
+NOT_8BIT_UNDER_FSDP = ("load_in_8bit: bitsandbytes' 8-bit weights cannot be sharded by FSDP2 (fully_shard replaces them "
+                       "with plain parameters, losing their scales); use --load_in_4bit (QLoRA, sharded), or --config "
+                       "ddp or zero2 for 8-bit")
 
 
 def is_quantized(cfg: Any) -> bool:
@@ -26,7 +31,8 @@ def _compute_dtype_name(cfg: Any) -> str:
     return "auto" if value in (None, "") else value
 
 
-def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: str | None = None) -> list[str]:
+def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: str | None = None,
+             fsdp: bool = False) -> list[str]:
     """Every quantization problem of `cfg`. training: the weights will be trained (needs LoRA); zero3: the run is
     partitioned by ZeRO-3 (config: the --config value that says so, for the message)."""
     out = []
@@ -42,6 +48,8 @@ def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: s
         out.append(NEEDS_LORA)
     if zero3 and is_quantized(cfg):
         out.append(f"--config {config}: {NOT_UNDER_ZERO3}" if config else NOT_UNDER_ZERO3)
+    if fsdp and getattr(cfg, "load_in_8bit", False):
+        out.append(f"--config {config}: {NOT_8BIT_UNDER_FSDP}" if config else NOT_8BIT_UNDER_FSDP)
     return out
 
 

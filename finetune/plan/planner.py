@@ -1129,6 +1129,9 @@ def recommend(job: Workload, limits: Limits, candidates: tuple[str, ...] | None 
         if job.quant and strategy.stage == 3:
             rejected[name] = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3"
             continue
+        if job.quant == "8bit" and strategy.fsdp:
+            rejected[name] = "bitsandbytes' 8-bit weights cannot be sharded by FSDP2 (4-bit can)"
+            continue
         base = job.replace(strategy=strategy)
         options = []
         for micro in _halvings(job.micro_batch):
