@@ -316,3 +316,17 @@ def test_plan_peak_within_5_percent_of_rss_on_the_bench_model(method, tmp_path):
         print(f"fsdp2 {method} rank {rank}: peak RSS predicted {pred.device_total / 1e6:,.0f} MB, measured "
               f"{result['maxrss'] / 1e6:,.0f} MB ({error * 100:+.1f}%)")
         assert abs(error) <= 0.05, (pred.device, result["phase_peaks"])
+
+
+def test_the_engine_path_refuses_it_at_start(tmp_path, tiny_chatml, capsys):
+    """`finetune engine --config fsdp2` (scripts/sft.py): exit 2 with the one message, before any model loads."""
+    from finetune.training import engine
+
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.synthetic_records(4))
+    with pytest.raises(SystemExit) as e:
+        engine.main(["--config", "fsdp2", "--model_name_or_path", str(tiny_chatml), "--dataset", str(data),
+                     "--output_dir", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--config fsdp2: FSDP2 runs on the Trainer path" in err and "ZeRO preset (--config zero3)" in err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
