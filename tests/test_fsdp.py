@@ -235,11 +235,12 @@ def test_two_processes_equal_one(path, config, method, runs):
 
 
 @pytest.mark.slow
-def test_kill_one_rank_then_resume_gives_the_same_losses(setup, runs):
+@pytest.mark.parametrize("path", matrix(["trainer", "loop"], ["trainer"]))  # CI: the Trainer's DCP checkpoint
+def test_kill_one_rank_then_resume_gives_the_same_losses(path, setup, runs):
     """Sharded (DCP) checkpoint, mid-epoch: a kill -9 of rank 1 after step 4, then resume from checkpoint-3."""
-    ref_out, _ = runs("trainer", "fsdp2", "full")
-    out = setup[0] / "resumed"
-    cmd = command(setup, "trainer", "fsdp2", "full", out, 2, "--resume_from_checkpoint", "latest")
+    ref_out, _ = runs(path, "fsdp2", "full")
+    out = setup[0] / f"resumed-{path}"
+    cmd = command(setup, path, "fsdp2", "full", out, 2, "--resume_from_checkpoint", "latest")
     killed = run_and_kill_rank(cmd, out / f"checkpoint-{SAVE}" / checkpoint.MARKER, stop_at=(4, 0.0), timeout=600)
     assert killed.returncode != 0 and not killed.survivors, killed.output[-3000:]
     assert not (out / "config.json").exists()
@@ -251,7 +252,7 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(setup, runs):
         assert abs(a - b) <= 1e-6, f"step {step}: resumed {b} vs uninterrupted {a}"
     # The same checkpoint on one process: refused with the fix, before anything loads.
     with pytest.raises(checkpoint.ResumeError, match="holds FSDP2 shards .* for 2 processes, this run has 1"):
-        checkpoint.resolve("latest", ref_out, path="trainer", world_size=1, zero_stage=0, fsdp=2)
+        checkpoint.resolve("latest", ref_out, path=path, world_size=1, zero_stage=0, fsdp=2)
 
 
 @pytest.mark.slow
