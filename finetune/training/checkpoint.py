@@ -263,10 +263,12 @@ def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: in
     saved_stage, saved_world, saved_fsdp = meta["zero_stage"], meta["world_size"], meta.get("fsdp", 0)
     if saved_fsdp != fsdp:
         saved, this = (f"FSDP{saved_fsdp}" if saved_fsdp else _plain(saved_stage)), (f"FSDP{fsdp}" if fsdp else _plain(zero_stage))
+        other = (f"Resume with --config fsdp2 (or fsdp2_offload), or export it ({export_command(folder)}) and start "
+                 "a new run from DIR" if saved_fsdp else
+                 f"Resume with the checkpoint's preset, or {conversion_hint(folder)}" if saved_stage else
+                 f"Resume with --config ddp, or start a new run from its weights (--model_name_or_path {folder})")
         raise ResumeError(f"{folder} was saved under {saved}, this run uses {this}: the checkpoint formats differ. "
-                          + ("Resume with --config fsdp2 (or fsdp2_offload), " if saved_fsdp else
-                             "Resume with the checkpoint's preset, ")
-                          + f"or export it ({export_command(folder)}) and start a new run from DIR")
+                          + other)
     if saved_fsdp and saved_world != world_size:
         raise ResumeError(f"{folder} holds FSDP{saved_fsdp} shards (and each rank's data position) for {saved_world} "
                           f"processes, this run has {world_size}: rerun with {saved_world} processes "
