@@ -1,16 +1,19 @@
 """FSDP2 (`--config fsdp2`, `fsdp2_offload`): accelerate's fully_shard on the Trainer and loop paths.
 
 The fast tests hold what the preset resolves to, the flags it sets, the launcher agreement, the refusals (the engine
-path, the other methods, a checkpoint of another world size or format) and QLoRA's 4-bit storage dtype.
+path, the other methods, an 8-bit base, a checkpoint of another world size or format) and QLoRA's 4-bit storage
+dtype.
 
-The slow ones train the same 6-step job with non-default flags (gradient accumulation 2, cosine schedule, weight
+The slow ones train the same 6-step job (the Trainer launched with `--multi_gpu`, the loop with the preset's
+accelerate_configs/*.yaml) with non-default flags (gradient accumulation 2, cosine schedule, weight
 decay, clipping at 0.5, Adam beta2 0.99) as one process and as 2 processes under FSDP2 (gloo on CPU), full
 fine-tuning, LoRA and QLoRA, and hold every step's loss to the one-process run within 1e-4 (relative), and the saved
 weights (or adapter) within 1e-4; each 2-process run's checkpoint holds one shard file per rank (the weights really
 were sharded). Then on the Trainer's full run: a kill -9 of rank 1 after step 4 and `--resume_from_checkpoint latest`
 give the uninterrupted losses within 1e-6 (sharded DCP checkpoint: weights, optimizer, schedule, data position,
 RNG); the same checkpoint is refused on 1 process; and `finetune export` consolidates its step-6 checkpoint into an
-HF folder whose weights equal the final save's.
+HF folder whose weights equal the final save's. Last, `finetune plan` against measured FSDP2 runs: each rank's
+shards to the byte, and (full matrix) the peak RSS within 5% on the bench model.
 """
 
 from __future__ import annotations
@@ -179,7 +182,9 @@ def setup(tmp_path_factory):
 def command(setup, path: str, config: str, method: str, out: Path, nproc: int, *extra: str) -> list[str]:
     root, model, data = setup
     script = TRAIN if path == "trainer" else LOOP
-    head = launcher("python", 1, script=script) if nproc == 1 else launcher("accelerate", nproc, script=script)
+    # The Trainer under the flags form, the loop under the preset's own accelerate file (accelerate_configs/NAME.yaml).
+    config_file = f"accelerate_configs/{config}.yaml" if path == "loop" else None
+    head = launcher("python", 1, script=script) if nproc == 1 else launcher("accelerate", nproc, config_file, script)
     return head + ["--config", config, "--model_name_or_path", str(model), "--dataset", str(data),
                    "--output_dir", str(out), "--dataset_cache_dir", str(root / "cache"),
                    "--per_device_train_batch_size", str(8 // (2 * nproc)), *COMMON, *METHODS[method], *extra]
