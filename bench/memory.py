@@ -507,6 +507,7 @@ def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int,
 # The grid.
 
 PRESETS = ("ddp", "zero2", "zero3_no_offload", "zero3")
+FSDP_PRESETS = ("fsdp2", "fsdp2_offload")  # measured with --presets fsdp2 fsdp2_offload (not in the default grid)
 MICRO, SEQ = 2, 256
 
 
@@ -546,7 +547,7 @@ def compare(work: Path) -> list[dict]:
     model = work / "model"
     rows = []
     for method in ("full", "lora", "full-ckpt", "lora-ckpt"):
-        for preset in PRESETS:
+        for preset in PRESETS + FSDP_PRESETS:
             for n in (1, 2, 4):
                 cell = work / f"{method}-{preset}-{n}"
                 if (cell / "error.txt").is_file():

@@ -541,7 +541,7 @@ def _fsdp_states(job: Workload, s: StateBytes, prec: Precision, trainable: list[
     s.grads = grad_elt * sum(held[t.name][1] for t in trainable)
     # torch's AdamW: exp_avg and exp_avg_sq like the local (unpadded) shard, and a 4-byte step per parameter.
     s.optim = prec.optim * sum(held[t.name][0] for t in trainable) + 4 * len(trainable)
-    if job.strategy.offload_param:
+    if job.strategy.offload_param and job.accelerator != "cpu":  # on a CPU run the shards stay where they are
         s.host_params, s.host_grads, s.host_optim, s.params, s.grads, s.optim = s.params, s.grads, s.optim, 0, 0, 0
         s.notes.append("FSDP2 CPU offload: sharded parameters, gradients and Adam states live in host memory; "
                        "the optimizer steps on the CPU")
