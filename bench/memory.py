@@ -104,6 +104,12 @@ class _Counter:
         if depth > 6 or obj is None:
             return
         if isinstance(obj, torch.Tensor):
+            if hasattr(obj, "to_local"):  # an FSDP2 DTensor: this rank's shard is what it holds
+                grad = obj.grad
+                obj = obj.to_local()
+                if grads_to and grad is not None:
+                    self.add(grad, grads_to, where + ".grad", depth + 1)
+                grads_to = None
             if obj.device.type == "meta":
                 return
             storage = obj.untyped_storage()
@@ -196,6 +202,10 @@ def worker(argv: list[str]) -> None:
     cfg = C.parse(argv + ["--max_steps", str(steps), "--disable_tqdm", "true", "--save_strategy", "no"], check_paths=False,
                   before_arguments=core.process_group_for)
     args = cfg.training
+    if cfg.preset.is_fsdp:
+        from finetune import compat
+
+        compat.fsdp_on_cpu()  # as core.start does for every training path
     timeline.append(("imported", _rss(), _maxrss()))
     sampler.phase = "load"
     model = load_model(cfg.model, args)
@@ -274,7 +284,10 @@ def worker(argv: list[str]) -> None:
         """Bytes autograd saves for backward in the measured step's forward (SavedTensors)."""
 
         def begin(self, model):
-            self.saved = SavedTensors({p.untyped_storage().data_ptr() for p in model.parameters()})
+            # (An FSDP2 parameter is a DTensor: its shard's storage. The gathered weights autograd saves under FSDP2
+            # are not parameters and count as saved tensors.)
+            self.saved = SavedTensors({getattr(p, "to_local", lambda: p)().untyped_storage().data_ptr()
+                                       for p in model.parameters()})
             self.ctx = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, lambda t: t)
             self.ctx.__enter__()
             return None
@@ -494,6 +507,7 @@ def job_for(model: str | Path, preset: str, nproc: int, *, micro: int, seq: int,
 # The grid.
 
 PRESETS = ("ddp", "zero2", "zero3_no_offload", "zero3")
+FSDP_PRESETS = ("fsdp2", "fsdp2_offload")  # measured with --presets fsdp2 fsdp2_offload (not in the default grid)
 MICRO, SEQ = 2, 256
 
 
@@ -533,7 +547,7 @@ def compare(work: Path) -> list[dict]:
     model = work / "model"
     rows = []
     for method in ("full", "lora", "full-ckpt", "lora-ckpt"):
-        for preset in PRESETS:
+        for preset in PRESETS + FSDP_PRESETS:
             for n in (1, 2, 4):
                 cell = work / f"{method}-{preset}-{n}"
                 if (cell / "error.txt").is_file():

@@ -68,7 +68,8 @@ TESTED: dict[str, Tested] = {
     ),
     "accelerate": Tested(
         ">=1.15,<1.16",
-        "`finetune generate --adapter` on a model with offloaded layers (it rewires accelerate's offload hooks)",
+        "`finetune generate --adapter` on a model with offloaded layers (it rewires accelerate's offload hooks), and "
+        "the FSDP2 presets on a machine without GPU (fsdp_on_cpu sets accelerate's distributed type)",
     ),
 }
 
@@ -923,6 +924,44 @@ def shm_buffer_path(rank: int, addr: str | None = None, port: str | None = None)
     addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
     port = os.environ.get("MASTER_PORT", "") if port is None else port
     return SHM_DIR / f"{SHM_BUFFER}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+# ----------------------------------------------------------------------------------------------
+# accelerate 1.15: AcceleratorState takes an fsdp_plugin only on a GPU-type distributed type (MULTI_GPU, MULTI_XPU,
+# ...); on CPU processes (MULTI_CPU, gloo) it silently drops the plugin and trains plain DDP; and its CPU offload
+# policy pins memory, which fails without a GPU ("Cannot access accelerator device"). torch's fully_shard
+# itself runs on CPU with gloo (a 2-process run equals one process to 1e-6: tests/test_fsdp.py). fsdp_on_cpu makes
+# a state built with an FSDP plugin on MULTI_CPU an FSDP state, in both shared states (PartialState's is copied
+# into every AcceleratorState built later, and accelerate reads the type from either).
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate's FSDP (fully_shard) run on CPU processes. Idempotent; a no-op where CUDA is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+    if getattr(init, "finetune_fsdp_on_cpu", False):
+        return
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if isinstance(getattr(fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy) and fsdp_plugin.cpu_offload.pin_memory:
+            # torch pins the offloaded shards (page-locked for GPU copies), which needs a GPU: unpinned on CPU.
+            fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    patched.finetune_fsdp_on_cpu = True
+    state.AcceleratorState.__init__ = patched
 
 
 # ----------------------------------------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_recipe_file_problems(tmp_path):
         (["--max_seq_length"], "--max_seq_length: needs a value"),
         (["--lora_r", "4", "8"], "--lora_r takes one value, got 2: 4 8"),
         (["model_dir"], "unexpected argument 'model_dir': options look like --key value"),
-        (["--fsdp", "full_shard"], "--fsdp: 'fsdp' is set by finetune; use --config (FSDP is not a preset yet)"),
+        (["--fsdp", "full_shard"], "--fsdp: 'fsdp' is set by finetune; use --config fsdp2 (or fsdp2_offload): FSDP2 is a preset"),
         (["--max_seq_length", "1"], "max_seq_length: must be at least 2, got 1"),
         (["--lora_r", "0"], "lora_r: must be positive, got 0"),
         (["--lora_dropout", "1"], "lora_dropout: must be in [0, 1), got 1.0"),

@@ -149,7 +149,7 @@ def test_a_new_export_type_runs_through_the_command(npz, model, tmp_path, capsys
     assert code == 2 and "--to: 'nzp' is not one of hf, gguf, npz; did you mean 'npz'?" in err, err
     code, _, err = run(capsys, "--to", "npz", str(out))
     assert code == 2 and ("--model_name_or_path, --adapter and --zero_checkpoint: give exactly one (a model folder, "
-                          "a LoRA adapter to merge, or a ZeRO checkpoint)") in err, err
+                          "a LoRA adapter to merge, or a ZeRO or FSDP2 checkpoint)") in err, err
     code, stdout, _ = run(capsys, "--help")
     assert code == 0 and "--npz_compressed" in stdout and "NPZFlags flags: With --to npz:" in stdout
 

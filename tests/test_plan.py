@@ -532,3 +532,23 @@ def test_plan_refuses_the_method_flags_train_refuses(tmp_path):
     assert len(method) == 2, t.value.problems
     assert all(p in e.value.problems for p in method), (e.value.problems, method)
     assert any("did you mean" in p for p in method), method
+
+
+def test_70b_on_4_nodes_recommends_fsdp2(tmp_path):
+    """FSDP2 shards every model state as ZeRO-3 does and is tried before it: on 4 x 8 x 80 GB a 70B full fine-tune
+    fits under fsdp2 (ZeRO-2's whole bf16 weight copy per device does not)."""
+    model = write_config(tmp_path / "llama-70b", **LLAMA_70B)
+    data = plan.make_plan(["--model_name_or_path", str(model), "--devices_per_node", "8", "--num_nodes", "4",
+                           "--device_memory", "80GB", "--host_memory", "2TB", "--max_seq_length", "4096",
+                           "--per_device_train_batch_size", "1", "--bf16"])
+    rec = data["recommendation"]
+    assert rec["config"] == "fsdp2", (rec, data["rejected"])
+    assert rec["reason"].startswith("FSDP2 (parameters, gradients and optimizer states sharded per parameter)")
+    assert "does not fit" in data["rejected"]["zero2"]
+    assert data["rejected"]["zero3_no_offload"].startswith("not needed: fsdp2 fits")
+    # Its model states: fp32 shards of weights, gradients and Adam's two moments (16 bytes a parameter over 32).
+    job = plan.workload_from_config(plan.parse_plan_args(["--model_name_or_path", str(model), "--config", "fsdp2",
+                                                          "--bf16"])[0], world_size=32, devices_per_node=8,
+                                    accelerator="gpu")
+    states = plan.rank_state_bytes(job, 0)
+    assert abs(sum(states.values()) / (16 * job.shape.num_params / 32) - 1) < 0.01, states

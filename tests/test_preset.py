@@ -37,6 +37,9 @@ SHIPPED = {
     "zero3": ("zero3_offload.json", 3, "cpu", "cpu", True, "zero3.yaml"),
     "zero3_no_offload": ("zero3_no_offload.json", 3, None, None, False, None),
     "zero3_nvme": ("zero3_nvme.json", 3, "nvme", "nvme", True, None),
+    # FSDP2: no DeepSpeed JSON; the accelerate file's fsdp_config is the preset (tests/test_fsdp.py)
+    "fsdp2": (None, 0, None, None, False, "fsdp2.yaml"),
+    "fsdp2_offload": (None, 0, "cpu", "cpu", False, "fsdp2_offload.yaml"),
 }
 
 
@@ -51,6 +54,7 @@ def test_shipped_preset(name):
     assert (p.name, p.stage, p.offload_optimizer, p.offload_param, p.own_optimizer) == (name, stage, opt, param,
                                                                                          own_optimizer)
     assert p.is_deepspeed == (file is not None) and p.zero3 == (stage == 3) and p.uses_nvme == (opt == "nvme")
+    assert p.is_fsdp == name.startswith("fsdp")
     assert p.own_scheduler is False  # no shipped preset brings a scheduler: the Trainer's schedule runs
     assert p.accelerate_config == (C.preset.ACCELERATE_CONFIG_DIR / accelerate if accelerate else None)
     if file is None:

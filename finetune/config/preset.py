@@ -1,9 +1,12 @@
-"""A parallelism preset as one value: the DeepSpeed configuration a run uses, read once.
+"""A parallelism preset as one value: the DeepSpeed (or FSDP2) configuration a run uses, read once.
 
 `--config NAME` (or DeepSpeed's `--deepspeed FILE`) and the launcher's environment (accelerate's ACCELERATE_*
 variables) become one `Preset`, once per process (`Preset.resolve`); validation, the three training paths, the
 planner and the resume checks read it, never the file. The JSON is read in one place, `_read`. A launcher that
 names another DeepSpeed file than the flag is an error naming both, never a silent choice of one.
+
+The FSDP2 presets (`fsdp2`, `fsdp2_offload`) have no DeepSpeed JSON: their file is the accelerate launch file
+(accelerate_configs/fsdp2.yaml), whose `fsdp_config` section is the preset (`Preset.fsdp`, read in `_read_fsdp`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ PRESETS: dict[str, str | None] = {
     "zero3": "zero3_offload.json",
     "zero3_no_offload": "zero3_no_offload.json",
     "zero3_nvme": "zero3_nvme.json",  # ZeRO-Infinity: parameters and optimizer states swapped to --nvme_path
+    # FSDP2 (torch's fully_shard through accelerate): no DeepSpeed JSON; the preset is its accelerate file's
+    # fsdp_config section (ACCELERATE_FILES). fsdp2_offload: parameters, gradients and the optimizer step on CPU.
+    "fsdp2": None,
+    "fsdp2_offload": None,
 }
 # The accelerate launch file shipped for a preset (`accelerate launch --config_file accelerate_configs/zero2.yaml`).
-ACCELERATE_FILES: dict[str, str] = {"ddp": "ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
+ACCELERATE_FILES: dict[str, str] = {"ddp": "ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml",
+                                    "fsdp2": "fsdp2.yaml", "fsdp2_offload": "fsdp2_offload.yaml"}
 # Where a preset's JSON wants --nvme_path (zero3_nvme.json): filled in when the preset is resolved.
 NVME_PLACEHOLDER = "NVME_PATH"
 
@@ -67,6 +75,17 @@ def _read(path: Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("zero_optimization", {}), dict):
         raise ConfigError(f"--config {path}: expected a DeepSpeed config object with a zero_optimization section")
     return data
+
+
+def _read_fsdp(path: Path) -> dict | None:
+    """The fsdp_config section of an accelerate launch file whose distributed_type is FSDP (keys without their
+    `fsdp_` prefix, as transformers' TrainingArguments takes them); None for any other launch file."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if data.get("distributed_type") != "FSDP":
+        return None
+    return {k.removeprefix("fsdp_"): v for k, v in (data.get("fsdp_config") or {}).items()}
 
 
 def _fill(value: Any, folder: str) -> Any:
@@ -102,10 +121,33 @@ class Preset:
     own_scheduler: bool = False  # the JSON names a scheduler: DeepSpeed steps it
     needs_nvme_path: bool = False  # the JSON holds the NVME_PATH placeholder: --nvme_path is required
     nvme_path: str | None = None  # the swap folder filled in (absolute), where one was needed and given
+    # FSDP2: the accelerate file's fsdp_config section (`version`, `offload_params`, `state_dict_type`, ...); None
+    # for DDP and DeepSpeed.
+    fsdp: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_deepspeed(self) -> bool:
         return self.path is not None
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.fsdp is not None
+
+    @property
+    def sharded(self) -> bool:
+        """Each rank holds a shard of the model state (ZeRO or FSDP): a checkpoint belongs to one world size."""
+        return self.stage > 0 or self.is_fsdp
+
+    def fsdp_training_arguments(self) -> dict:
+        """TrainingArguments' `fsdp_config` for this FSDP preset (transformers turns it into accelerate's
+        FullyShardedDataParallelPlugin arguments, `args.fsdp_plugin_args`, for the Trainer and the loop alike)."""
+        f = self.fsdp or {}
+        return {"version": int(f.get("version", 2)), "auto_wrap_policy": f.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+                "reshard_after_forward": bool(f.get("reshard_after_forward", True)),
+                "cpu_offload": bool(f.get("offload_params", False)),
+                "state_dict_type": f.get("state_dict_type", "SHARDED_STATE_DICT"),
+                "cpu_ram_efficient_loading": bool(f.get("cpu_ram_efficient_loading", False)),
+                "activation_checkpointing": bool(f.get("activation_checkpointing", False))}
 
     @property
     def zero3(self) -> bool:
@@ -143,7 +185,9 @@ class Preset:
         accelerate = ACCELERATE_CONFIG_DIR / ACCELERATE_FILES[config] if config in ACCELERATE_FILES else None
         path = preset_file(config)
         if path is None:
-            return cls(config, accelerate_config=accelerate)
+            fsdp = _read_fsdp(accelerate) if accelerate is not None else None
+            offload = "cpu" if fsdp and fsdp.get("offload_params") else None
+            return cls(config, accelerate_config=accelerate, offload_optimizer=offload, offload_param=offload, fsdp=fsdp)
         data = _read(path)
         zero = data.get("zero_optimization") or {}
         try:
@@ -165,12 +209,17 @@ class Preset:
 
     def describe(self) -> str:
         """The --config value and, when it is a preset name, its file: `zero2 (/.../ds_configs/zero2.json)`."""
+        if self.is_fsdp:
+            return f"{self.name} (FSDP{self.fsdp.get('version', 2)}, {self.accelerate_config})"
         return self.name + (f" ({self.path})" if self.path is not None and str(self.path) != self.name else "")
 
 
 def launcher_problems(config: str, given: bool, environ: Mapping[str, str]) -> list[str]:
     """`accelerate launch --config_file accelerate_configs/zero3.yaml` names a DeepSpeed file too; it must be the
-    one --config names (with --config left at its default too: the flag is the one source of the preset)."""
+    one --config names (with --config left at its default too: the flag is the one source of the preset). Likewise
+    accelerate_configs/fsdp2.yaml (FSDP in the launcher's environment) goes with --config fsdp2 only."""
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return _fsdp_launcher_problems(config, given, environ)
     if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return []  # the flags form (`--multi_gpu ... --config zero3`) or no accelerate: the flag alone decides
     launcher_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -188,6 +237,27 @@ def launcher_problems(config: str, given: bool, environ: Mapping[str, str]) -> l
              else "an accelerate config that names the same file (or the flags form, --multi_gpu --num_processes N)")
     return [f"{flag} disagrees with the accelerate config, which uses DeepSpeed file {launcher_file}: pass "
             f"--config {theirs} to train with that file, or launch with {other} for --config {config}"]
+
+
+FSDP_PRESETS = ("fsdp2", "fsdp2_offload")
+
+
+def _fsdp_launcher_problems(config: str, given: bool, environ: Mapping[str, str]) -> list[str]:
+    """An accelerate launch configured for FSDP: --config must name the FSDP2 preset with the same offload."""
+    version = environ.get("FSDP_VERSION", "1")
+    offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    theirs = "fsdp2_offload" if offload else "fsdp2"
+    if config == theirs and version == "2":
+        return []
+    flag = f"--config {config}" + ("" if given else " (the default)")
+    if version != "2":
+        return [f"accelerate launch was configured for FSDP version {version}; finetune trains FSDP2 only: launch with "
+                f"accelerate_configs/{theirs}.yaml (fsdp_version: 2) and --config {theirs}"]
+    other = (f"accelerate_configs/{ACCELERATE_FILES[config]}" if config in ACCELERATE_FILES
+             else "the flags form (--multi_gpu --num_processes N)")
+    return [f"{flag} disagrees with the accelerate config, which uses FSDP2"
+            f"{' with parameters offloaded to CPU' if offload else ''}: pass --config {theirs} to train with it, or "
+            f"launch with {other} for --config {config}"]
 
 
 def nvme_problems(preset: Preset, nvme_path: str | None) -> list[str]:

@@ -251,7 +251,10 @@ TRAINING_DEFAULTS: dict[str, Any] = {
 
 # Keys the project sets itself; a user value would break an invariant, so they are refused.
 # (TrainingArguments' `deepspeed` is not among them: --deepspeed FILE is an alias of --config.)
-RESERVED_TRAINING_KEYS = {"fsdp": "use --config (FSDP is not a preset yet)"}
+RESERVED_TRAINING_KEYS = {
+    "fsdp": "use --config fsdp2 (or fsdp2_offload): FSDP2 is a preset",
+    "fsdp_config": "use --config fsdp2 (or fsdp2_offload); the preset's settings are in accelerate_configs/fsdp2.yaml",
+}
 
 
 @dataclass
@@ -564,7 +567,8 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     from finetune.models import quant
 
     zero3 = quant.is_quantized(model) and preset is not None and preset.zero3
-    problems += quant.problems(model, training=True, zero3=zero3, config=launch.config)
+    problems += quant.problems(model, training=True, zero3=zero3, config=launch.config,
+                               fsdp=preset is not None and preset.is_fsdp)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if key in training and training[key] < 1:
             problems.append(f"{key}: must be at least 1, got {training[key]}")
@@ -817,6 +821,10 @@ def build_training_arguments(values: dict[str, Any], preset: Preset | None):
         # The dict, not the file: the JSON is read once per process (finetune.config.preset), and transformers
         # fills its "auto" values into a copy of its own.
         kwargs["deepspeed"] = copy.deepcopy(preset.ds_config)
+    if preset is not None and preset.is_fsdp:
+        # TrainingArguments turns these into accelerate's FSDP plugin arguments (args.fsdp_plugin_args): the Trainer
+        # builds its plugin from them, and so does the loop.
+        kwargs["fsdp"], kwargs["fsdp_config"] = True, preset.fsdp_training_arguments()
     try:
         return TrainingArguments(**kwargs), []
     except (ValueError, TypeError) as e:

@@ -146,7 +146,8 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     if model_cfg.use_peft:
         check_lora_targets(model_cfg)
     dtype = resolve_dtype(model_cfg.torch_dtype)
-    quant = quantization_config(model_cfg, dtype)
+    # Under FSDP2 (TrainingArguments.fsdp) a 4-bit base is stored in its compute dtype, so fully_shard shards it.
+    quant = quantization_config(model_cfg, dtype, sharded=bool(getattr(training_args, "fsdp", None)))
     kwargs = {}
     if quant is not None:
         # Each rank keeps its own quantized copy on its own device.

@@ -15,6 +15,11 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 NEEDS_LORA = "load_in_8bit/load_in_4bit: quantized weights cannot be trained directly; add --use_peft (LoRA/QLoRA)"
 NOT_UNDER_ZERO3 = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3; use --config ddp or zero2"
+# Measured (bitsandbytes 0.50, accelerate 1.15, torch 2.13): fully_shard turns Int8Params into plain parameters, and
+# the first forward fails with "'Parameter' object has no attribute 'CB'".
+NOT_8BIT_UNDER_FSDP = ("load_in_8bit: bitsandbytes' 8-bit weights cannot be sharded by FSDP2 (fully_shard replaces them "
+                       "with plain parameters, losing their scales); use --load_in_4bit (QLoRA, sharded), or --config "
+                       "ddp or zero2 for 8-bit")
 
 
 def is_quantized(cfg: Any) -> bool:
@@ -26,7 +31,8 @@ def _compute_dtype_name(cfg: Any) -> str:
     return "auto" if value in (None, "") else value
 
 
-def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: str | None = None) -> list[str]:
+def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: str | None = None,
+             fsdp: bool = False) -> list[str]:
     """Every quantization problem of `cfg`. training: the weights will be trained (needs LoRA); zero3: the run is
     partitioned by ZeRO-3 (config: the --config value that says so, for the message)."""
     out = []
@@ -42,13 +48,18 @@ def problems(cfg: Any, *, training: bool = False, zero3: bool = False, config: s
         out.append(NEEDS_LORA)
     if zero3 and is_quantized(cfg):
         out.append(f"--config {config}: {NOT_UNDER_ZERO3}" if config else NOT_UNDER_ZERO3)
+    if fsdp and getattr(cfg, "load_in_8bit", False):
+        out.append(f"--config {config}: {NOT_8BIT_UNDER_FSDP}" if config else NOT_8BIT_UNDER_FSDP)
     return out
 
 
-def quantization_config(cfg: Any, dtype):
+def quantization_config(cfg: Any, dtype, *, sharded: bool = False):
     """The BitsAndBytesConfig for --load_in_8bit / --load_in_4bit, or None; ValueError on a bad combination.
 
     4-bit compute dtype: `bnb_4bit_compute_dtype` (float32, bfloat16, float16; "auto" or unset = the model dtype).
+    sharded (FSDP2): the packed 4-bit weights are stored in the compute dtype (bnb_4bit_quant_storage), so that
+    fully_shard can shard them like the float parameters around them (with the default uint8 storage accelerate
+    leaves them out of sharding, and every rank holds the whole quantized base).
     """
     if not is_quantized(cfg):
         return None
@@ -62,11 +73,13 @@ def quantization_config(cfg: Any, dtype):
     import torch
 
     compute = _compute_dtype_name(cfg)
+    compute_dtype = dtype if compute == "auto" else getattr(torch, compute)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=bool(getattr(cfg, "use_bnb_nested_quant", False)),
-        bnb_4bit_compute_dtype=dtype if compute == "auto" else getattr(torch, compute),
+        bnb_4bit_compute_dtype=compute_dtype,
+        **({"bnb_4bit_quant_storage": compute_dtype} if sharded else {}),
     )
 
 

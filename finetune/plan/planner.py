@@ -118,7 +118,8 @@ _DS_DEFAULTS = {
     "sub_group_size": 1_000_000_000, "contiguous_gradients": True,
 }
 # Relative step throughput, only to order candidates that fit (communication and offload cost); not measured.
-_SPEED = {"ddp": 1.0, "zero1": 0.97, "zero2": 0.93, "zero3_no_offload": 0.8, "zero3": 0.4, "zero3_nvme": 0.15}
+_SPEED = {"ddp": 1.0, "zero1": 0.97, "zero2": 0.93, "fsdp2": 0.85, "zero3_no_offload": 0.8, "zero3": 0.4,
+          "fsdp2_offload": 0.3, "zero3_nvme": 0.15}
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,14 @@ class Strategy:
     ds_optimizer: bool = False  # the JSON has an "optimizer" section: DeepSpeed builds it (one param group)
     raw: dict = field(default_factory=dict, compare=False, hash=False)
     nvme: tuple[str, ...] = ()  # what is offloaded to NVMe rather than host memory: "optimizer", "parameters"
+    fsdp: bool = False  # FSDP2 (fully_shard): stage 0 here, every model state sharded per parameter
 
     @classmethod
     def from_preset(cls, preset) -> "Strategy":
         """The strategy of a finetune.config.Preset (the run's own, read once)."""
+        if getattr(preset, "is_fsdp", False):
+            offload = preset.offload_param is not None
+            return cls(preset.name, 0, offload, offload, fsdp=True)
         if not preset.is_deepspeed:
             return cls(preset.name, 0)
         nvme = tuple(w for w, where in (("optimizer", preset.offload_optimizer), ("parameters", preset.offload_param))
@@ -156,7 +161,16 @@ class Strategy:
                      "stage3_param_persistence_threshold": 10 * hidden}.get(key, _DS_DEFAULTS.get(key))
         return int(value)
 
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters live sharded and are gathered per layer for compute (ZeRO-3, FSDP2)."""
+        return self.stage == 3 or self.fsdp
+
     def describe(self) -> str:
+        if self.fsdp:
+            return ("FSDP2 (parameters, gradients and optimizer states sharded per parameter"
+                    + ("; parameters, gradients and the optimizer step offloaded to CPU" if self.offload_param else "")
+                    + ")")
         if self.stage == 0:
             return "DDP (full model, gradients and optimizer on every device)"
         what = {1: "optimizer states partitioned", 2: "optimizer states and gradients partitioned",
@@ -248,6 +262,10 @@ def precision_of(job: Workload) -> Precision:
     - GPU, DDP with fp32 weights and --bf16/--fp16 (autocast): 4 + 4 + 8, activations in 16 bits.
     """
     wbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[job.weight_dtype]
+    if job.strategy.fsdp and job.mixed_precision:
+        return Precision("fsdp-mixed", 2, 4, 0, 8, 2, "FSDP2 mixed precision: fp32 sharded weights, gradients and Adam "
+                                                      "states (4 + 4 + 8, accelerate upcasts them), 16-bit gathered "
+                                                      "weights and activations")
     if job.strategy.stage > 0 and (job.mixed_precision or wbytes == 2):
         return Precision("mixed", 2, 2, 4, 8, 2, "mixed-precision Adam (ZeRO paper): 2 weights + 2 grads + 12 optimizer (4 fp32 master + 8 Adam)")
     if wbytes == 2:
@@ -380,6 +398,8 @@ def model_states(job: Workload, rank: int | None = None) -> StateBytes:
     # torch's (fused) AdamW keeps a 4-byte `step` tensor per parameter it optimizes; DeepSpeed's CPU Adam keeps an int.
     step_bytes_per_tensor = 0 if (strat.ds_optimizer and strat.offload_optimizer) else 4
 
+    if strat.fsdp:
+        return _fsdp_states(job, s, prec, trainable, frozen, frozen_bytes, rank)
     if strat.stage == 0:
         numel = sum(t.numel for t in trainable)
         w, g, o = prec.weight, prec.grad, prec.optim
@@ -475,6 +495,78 @@ def model_states(job: Workload, rank: int | None = None) -> StateBytes:
     s.gathered = prec.weight * live if n > 1 else 0
     if strat.nvme:
         _to_nvme(s, strat, prec, trainable_part)
+    return s
+
+
+def _fsdp_shard(t: Tensor, n: int, rank: int) -> tuple[int, int]:
+    """(elements this rank holds of `t`, elements of its padded shard): fully_shard splits dim 0 into n chunks of
+    ceil(rows / n) rows, the last ranks' shorter or empty, each shard kept in a buffer padded to the full chunk."""
+    rows = t.shape[0] if t.shape else 1
+    per_row = t.numel // max(rows, 1)
+    chunk = math.ceil(rows / n)
+    held = max(0, min(chunk, rows - rank * chunk))
+    return held * per_row, chunk * per_row
+
+
+def _fsdp_units(job: Workload, tensors: list[Tensor]) -> list[list[Tensor]]:
+    """accelerate's FSDP2 units (fsdp2_prepare_model): each decoder layer, the input embeddings (when not tied), and
+    the tail (final norm and LM head); the root holds the rest."""
+    layers: dict[str, list[Tensor]] = {}
+    embed, tail, root = [], [], []
+    for t in tensors:
+        m = re.search(r"\.layers\.(\d+)\.", t.name)
+        if m:
+            layers.setdefault(m.group(1), []).append(t)
+        elif "embed_tokens" in t.name:
+            embed.append(t)
+        elif "lm_head" in t.name or t.name.endswith("norm.weight"):
+            tail.append(t)
+        else:
+            root.append(t)
+    return [u for u in (embed, *layers.values(), tail, root) if u]
+
+
+def _fsdp_states(job: Workload, s: StateBytes, prec: Precision, trainable: list[Tensor], frozen: list[Tensor],
+                 frozen_bytes: list[int], rank: int) -> StateBytes:
+    """FSDP2 (torch's fully_shard through accelerate): every parameter, gradient and optimizer state sharded on dim
+    0 (padded shards); each unit's weights gathered whole for its forward and backward (the current unit and the
+    one prefetched), its gradients reduce-scattered from a whole-unit buffer. A QLoRA base's packed 4-bit weights
+    are sharded too (stored in the compute dtype)."""
+    n = job.world_size
+    held = {t.name: _fsdp_shard(t, n, rank) for t in trainable + frozen}
+    w = 4 if prec.name == "fsdp-mixed" else prec.weight  # sharded weights: fp32 under mixed precision
+    s.params = w * sum(held[t.name][1] for t in trainable)
+    s.params += sum(math.ceil(b / n) for b in frozen_bytes)
+    grad_elt = 4 if prec.name == "fsdp-mixed" else prec.grad
+    s.grads = grad_elt * sum(held[t.name][1] for t in trainable)
+    # torch's AdamW: exp_avg and exp_avg_sq like the local (unpadded) shard, and a 4-byte step per parameter.
+    s.optim = prec.optim * sum(held[t.name][0] for t in trainable) + 4 * len(trainable)
+    if job.strategy.offload_param and job.accelerator != "cpu":  # on a CPU run the shards stay where they are
+        s.host_params, s.host_grads, s.host_optim, s.params, s.grads, s.optim = s.params, s.grads, s.optim, 0, 0, 0
+        s.notes.append("FSDP2 CPU offload: sharded parameters, gradients and Adam states live in host memory; "
+                       "the optimizer steps on the CPU")
+    if n > 1:
+        gathered_elt = prec.weight if prec.name != "fsdp-mixed" else 2
+        trainable_names = {t.name for t in trainable}
+        quant = {t.name: b for t, b in zip(frozen, frozen_bytes)}
+
+        def unit_bytes(unit: list[Tensor]) -> int:
+            return sum(quant.get(t.name, gathered_elt * t.numel) if t.name not in trainable_names
+                       else gathered_elt * t.numel for t in unit)
+
+        units = _fsdp_units(job, trainable + frozen if job.use_peft else trainable)
+        layers = [unit_bytes(u) for u in units if any(".layers." in t.name for t in u)]
+        # Whole at once: the largest unit (the tail, kept gathered from the end of the forward into the backward,
+        # or the embeddings) and the decoder layer prefetched beside it. In backward the unit's whole gradients
+        # (counted with the gradients) are copied into the reduce-scatter's input buffer: one more of the largest.
+        s.gathered = max(map(unit_bytes, units)) + max(layers, default=0)
+        s.backward_buffers = max((grad_elt * sum(t.numel for t in u) for u in _fsdp_units(job, trainable)), default=0)
+        if job.use_peft:
+            # LoRA: peft's wrap policy (transformers' update_fsdp_plugin_peft, which both paths apply) makes each
+            # adapter a unit of its own, so a decoder layer's unit holds only frozen weights; gathered again for the
+            # backward, it gets no gradient hook to reshard it, and stays whole until the backward ends. Counted at
+            # the backward's peak as every layer whole (measured: -1.3% of the peak RSS, 2 ranks, bench model).
+            s.backward_buffers += sum(layers) - max(layers, default=0)
     return s
 
 
@@ -854,13 +946,15 @@ def predict(job: Workload) -> Prediction:
     }
     # Gradients that exist between steps: ZeRO-3's partition buffer; DDP/ZeRO-1/2 free theirs after each step.
     standing_grads = st.grads if stage == 3 else 0
-    keep = stage in (0, 1)
+    fsdp = job.strategy.fsdp
+    # FSDP2 reduce-scatters each unit's gradients as its backward ends: the shards accumulate in place of a partition.
+    keep = stage in (0, 1) and not fsdp
     grad_elt = prec.grad
-    _, bw_grads, bw_acts = backward_peak(act, grad_elt, keep, st.grads if stage == 2 else 0)
+    _, bw_grads, bw_acts = backward_peak(act, grad_elt, keep, st.grads if stage == 2 or fsdp else 0)
     if stage == 3:
         bw_grads += st.grads  # ZeRO-3 keeps its gradient partition buffer between steps
     forward = act.forward_peak
-    if stage == 0 and job.world_size > 1 and not job.loss_chunk:
+    if stage == 0 and not fsdp and job.world_size > 1 and not job.loss_chunk:
         # DDP's _DDPSink clones the logits (DPO's: the scored positions only)
         forward += (prec.act * job.rows * (job.seq_len - (1 if job.pairs else 0))
                     * (job.shape.head_outputs or job.shape.vocab_size))
@@ -947,7 +1041,9 @@ def rank_state_bytes(job: Workload, rank: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 # Recommendation.
 
-PRESET_ORDER = ("ddp", "zero1", "zero2", "zero3_no_offload", "zero3", "zero3_nvme")
+# FSDP2 shards as ZeRO-3 does, torch-native with less overhead: tried before ZeRO-3; its CPU offload steps the
+# optimizer with torch's AdamW on the CPU (slower than DeepSpeed's CPU Adam): after zero3.
+PRESET_ORDER = ("ddp", "zero1", "zero2", "fsdp2", "zero3_no_offload", "zero3", "fsdp2_offload", "zero3_nvme")
 
 
 def candidate_presets() -> tuple[str, ...]:
@@ -1032,6 +1128,9 @@ def recommend(job: Workload, limits: Limits, candidates: tuple[str, ...] | None 
             continue
         if job.quant and strategy.stage == 3:
             rejected[name] = "a bitsandbytes-quantized base cannot be partitioned by ZeRO-3"
+            continue
+        if job.quant == "8bit" and strategy.fsdp:
+            rejected[name] = "bitsandbytes' 8-bit weights cannot be sharded by FSDP2 (4-bit can)"
             continue
         base = job.replace(strategy=strategy)
         options = []

@@ -6,9 +6,10 @@ partitions, RNG states) are written; it lists every file with its size. `latest`
 whose marker exists and whose files still have the sizes it lists, so a checkpoint cut off mid-write
 (a killed rank, a full disk) is skipped, with a note, instead of being resumed from.
 
-The marker also records the world size, the ZeRO stage and which path wrote it: ZeRO partitions belong
-to one world size and stage, and resuming them elsewhere would not load the same weights, so that is
-refused with the conversion command (DeepSpeed's universal checkpoint) instead of being attempted.
+The marker also records the world size, the ZeRO stage (or the FSDP version) and which path wrote it: ZeRO
+partitions and FSDP2 shards belong to one world size and stage, and resuming them elsewhere would not load the same
+weights and data position, so that is refused with the fix (DeepSpeed's universal checkpoint; FSDP2: the saved
+world size, or `finetune export` and a new run) instead of being attempted.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _rank() -> int:
 
 
 def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage: int, global_step: int,
-                  fingerprint: dict | None = None) -> None:
+                  fingerprint: dict | None = None, fsdp: int = 0) -> None:
     """Collective: call on every rank after it has written its part of `folder`.
 
     The barrier comes first: rank 0 must not vouch for partition files other ranks are still writing.
@@ -64,7 +65,7 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
         paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
         files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
         meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
-                "fingerprint": fingerprint, "files": files,
+                **({"fsdp": fsdp} if fsdp else {}), "fingerprint": fingerprint, "files": files,
                 HASH: {str(p.relative_to(folder)): file_hash(p) for p in paths}}
         tmp = folder / f".{MARKER}.tmp{os.getpid()}"  # never another process's temporary name
         with open(tmp, "w") as f:
@@ -157,7 +158,7 @@ def conversion_hint(folder: Path) -> str:
 
 
 def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-            nvme: bool = False, fingerprint: dict | None = None) -> Path | None:
+            nvme: bool = False, fingerprint: dict | None = None, fsdp: int = 0) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -170,7 +171,7 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
     folder, error = None, None
     try:
         folder = _resolve_here(requested, output_dir, path=path, world_size=world_size, zero_stage=zero_stage,
-                               nvme=nvme, fingerprint=fingerprint)
+                               nvme=nvme, fingerprint=fingerprint, fsdp=fsdp)
     except ResumeError as e:
         error = str(e)
     views = gather((None if folder is None else folder.name, error))
@@ -223,7 +224,7 @@ def gather(value) -> list:
 
 
 def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-                  nvme: bool, fingerprint: dict | None) -> Path | None:
+                  nvme: bool, fingerprint: dict | None, fsdp: int = 0) -> Path | None:
     """This rank's answer for resolve(), from the files it sees."""
     if requested == "latest":
         folder = latest(output_dir)
@@ -236,7 +237,7 @@ def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_si
         if (why := problem(folder)) is not None:
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
-    check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage)
+    check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage, fsdp=fsdp)
     check_same_model(folder, fingerprint)
     if (why := garbled(folder)) is not None:
         raise ResumeError(f"resume: {why}; its weights or optimizer state would be wrong. Resume from an earlier "
@@ -253,19 +254,40 @@ def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_si
     return folder
 
 
-def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int) -> None:
+def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int, fsdp: int = 0) -> None:
     meta = read_meta(folder)
     saved_path = FORMER_PATH_NAMES.get(meta["path"], meta["path"])
     if saved_path != path:
         raise ResumeError(f"{folder} was written by the {saved_path} path; resume it with that path "
                           f"(this is the {path} path: the checkpoint formats differ)")
-    saved_stage, saved_world = meta["zero_stage"], meta["world_size"]
+    saved_stage, saved_world, saved_fsdp = meta["zero_stage"], meta["world_size"], meta.get("fsdp", 0)
+    if saved_fsdp != fsdp:
+        saved, this = (f"FSDP{saved_fsdp}" if saved_fsdp else _plain(saved_stage)), (f"FSDP{fsdp}" if fsdp else _plain(zero_stage))
+        other = (f"Resume with --config fsdp2 (or fsdp2_offload), or export it ({export_command(folder)}) and start "
+                 "a new run from DIR" if saved_fsdp else
+                 f"Resume with the checkpoint's preset, or {conversion_hint(folder)}" if saved_stage else
+                 f"Resume with --config ddp, or start a new run from its weights (--model_name_or_path {folder})")
+        raise ResumeError(f"{folder} was saved under {saved}, this run uses {this}: the checkpoint formats differ. "
+                          + other)
+    if saved_fsdp and saved_world != world_size:
+        raise ResumeError(f"{folder} holds FSDP{saved_fsdp} shards (and each rank's data position) for {saved_world} "
+                          f"processes, this run has {world_size}: rerun with {saved_world} processes "
+                          f"(--num_processes {saved_world}), or export it ({export_command(folder)}: one consolidated HF "
+                          "folder) and start a new run from DIR without --resume_from_checkpoint")
     if saved_stage != zero_stage:
         raise ResumeError(f"{folder} was saved under ZeRO stage {saved_stage}, this run uses stage {zero_stage}: "
                           f"use the checkpoint's preset, or {conversion_hint(folder)}")
     if saved_stage > 0 and saved_world != world_size:
         raise ResumeError(f"{folder} holds ZeRO-{saved_stage} partitions for {saved_world} processes, this run has "
                           f"{world_size}: rerun with {saved_world} processes, or {conversion_hint(folder)}")
+
+
+def export_command(folder: Path) -> str:
+    return f"finetune export --zero_checkpoint {folder} --model_name_or_path MODEL --output_dir DIR"
+
+
+def _plain(stage: int) -> str:
+    return f"ZeRO stage {stage}" if stage else "DDP"
 
 
 def check_same_model(folder: Path, fingerprint: dict | None) -> None:

@@ -102,10 +102,34 @@ def start(argv: list[str] | None, prog: str, *, script: str | None = None, deeps
     plan_or_exit(cfg)
     if script is not None:
         check_flags_or_exit(cfg, script)
+    if problems := fsdp_problems(cfg, "scripts/sft.py" if deepspeed_engine else script or "finetune/train.py"):
+        exit_with(str(C.ConfigError(problems)))
+    if cfg.preset.is_fsdp:
+        compat.fsdp_on_cpu()  # accelerate 1.15 would train DDP on CPU processes instead
     if deepspeed_engine and not cfg.preset.is_deepspeed:
         # `--config ddp` on the DeepSpeed engine path: DeepSpeed's stage 0 needs its communication layer too.
         start_process_group()
     return cfg
+
+
+def fsdp_problems(cfg, script: str) -> list[str]:
+    """What an FSDP2 preset does not run: the DeepSpeed engine path, and the methods other than SFT (their reference
+    copies and generation were not built or tested for FSDP's sharded parameters)."""
+    preset = cfg.preset
+    if not preset.is_fsdp:
+        return []
+    problems = []
+    if script == "scripts/sft.py":
+        problems.append(f"--config {preset.name}: FSDP2 runs on the Trainer path (finetune train, finetune/train.py) and "
+                        "the loop path (finetune loop, finetune/loop.py); the engine path (scripts/sft.py, finetune "
+                        "engine) is DeepSpeed's engine, which does not shard with FSDP: use one of those two, or a "
+                        "ZeRO preset (--config zero3) here")
+    name = getattr(getattr(cfg, "objective", None), "method", methods.DEFAULT)
+    if name != methods.DEFAULT:
+        problems.append(f"--config {preset.name}: method {name} is not supported under FSDP2 (only {methods.DEFAULT}: "
+                        "its reference model and generation are not sharded with fully_shard); use --config zero3 "
+                        "or ddp for it")
+    return problems
 
 
 def process_group_for(preset) -> None:
@@ -115,6 +139,23 @@ def process_group_for(preset) -> None:
     makes ZeRO-3 load the weights partitioned."""
     if preset.is_deepspeed:
         start_process_group()
+    elif preset.is_fsdp:
+        start_world_of_one()
+
+
+def start_world_of_one() -> None:
+    """FSDP2 without a launcher (`python finetune/train.py --config fsdp2`): a process group of one on loopback, as
+    the Trainer shards only in a distributed run. Under a launcher accelerate starts the group itself."""
+    import torch
+    import torch.distributed as dist
+
+    from finetune import config as C
+
+    if dist.is_initialized() or "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(C.free_port()))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def start_process_group() -> None:
@@ -449,6 +490,7 @@ class TrainingPath:
     # it at the same steps, so it may reduce over ranks.
     metrics: Callable | None = None
     position: "Position | None" = None  # where the run stands, once train() has read it (a method's Context.step)
+    fsdp: int = 0  # the FSDP version the path shards with (0: none), for the checkpoint marker
 
 
 def _show(entry: dict) -> None:
@@ -542,7 +584,7 @@ def save_checkpoint(args, path: TrainingPath, position: dict) -> None:
         checkpoint.save_rng(folder, rank())
         if rank() == 0:
             write_json_atomic(folder / POSITION, position)
-        checkpoint.mark_complete(folder, path=path.name, world_size=world(), zero_stage=path.zero_stage,
+        checkpoint.mark_complete(folder, path=path.name, world_size=world(), zero_stage=path.zero_stage, fsdp=path.fsdp,
                                  global_step=position["global_step"], fingerprint=path.fingerprint)
 
 
@@ -550,9 +592,12 @@ def save_checkpoint(args, path: TrainingPath, position: dict) -> None:
 # The final save.
 
 
-def consolidated_state_dict(ds_engine, module):
-    """Under ZeRO-3 (collective): the whole 16-bit state dict on rank 0, gathered from every rank's partition (for
-    an adapter only the trainable LoRA weights). None otherwise: the module holds its whole weights."""
+def consolidated_state_dict(ds_engine, module, accelerator=None):
+    """Under ZeRO-3 or FSDP2 (collective): the whole state dict on rank 0, gathered from every rank's partition or
+    shard (under ZeRO-3 for an adapter only the trainable LoRA weights; FSDP2's is the whole model's, which the
+    adapter's save picks its weights from). None otherwise: the module holds its whole weights."""
+    if accelerator is not None and getattr(accelerator, "is_fsdp2", False):
+        return accelerator.get_state_dict(module)  # collective: every shard gathered, onto rank 0's CPU
     if ds_engine is None or ds_engine.zero_optimization_stage() != 3:
         return None
     return compat.zero3_consolidated_state_dict(ds_engine, exclude_frozen_parameters=hasattr(module, "peft_config"))

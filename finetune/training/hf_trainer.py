@@ -62,7 +62,7 @@ class Trainer(transformers.Trainer):
         # DistributedSampler-padded set: the token-normalized loss of the whole set, as on the other two paths.
         # Logged, and handed to the callbacks (early stopping), as Trainer.evaluate does.
         eval_set = self.eval_set if eval_dataset is None else dataclasses.replace(self.eval_set, dataset=eval_dataset)
-        synced = self.zero_stage() == 3 and self.accelerator.num_processes > 1
+        synced = (self.zero_stage() == 3 or self.is_fsdp_enabled) and self.accelerator.num_processes > 1
         metrics = evaluate.eval_set_metrics(self.model_wrapped, self.accelerator.unwrap_model(self.model), eval_set,
                                             self.args.device, synced_gpus=synced, prefix=metric_key_prefix)
         self.log(dict(metrics))
@@ -78,6 +78,7 @@ class Trainer(transformers.Trainer):
             super()._save_checkpoint(model, trial)
             checkpoint.mark_complete(folder, path="trainer", world_size=self.accelerator.num_processes,
                                      zero_stage=self.zero_stage(), global_step=self.state.global_step,
+                                     fsdp=self.accelerator.state.fsdp_plugin.fsdp_version if self.is_fsdp_enabled else 0,
                                      fingerprint=getattr(self, "fingerprint", None))
 
     def _save(self, output_dir=None, state_dict=None):

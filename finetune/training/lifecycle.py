@@ -74,6 +74,11 @@ def saving(folder: str | Path, what: str, *, partial: Path | None = None):
                   "(or keep fewer checkpoints: --save_total_limit N), then rerun with --resume_from_checkpoint latest")
 
 
+def fsdp_version(preset) -> int:
+    """The FSDP version a preset shards with (2), 0 without FSDP: what a checkpoint's marker records."""
+    return int(preset.fsdp.get("version", 2)) if getattr(preset, "is_fsdp", False) else 0
+
+
 def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     """--resume_from_checkpoint -> the folder to resume from (None: start at step 0). Checked before anything heavy
     loads: a cut-off checkpoint, or one for another path, world size or ZeRO stage, exits with what to do; so does an
@@ -108,7 +113,7 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     try:
         return checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path=path,
                                   world_size=world_size, zero_stage=cfg.preset.stage, nvme=cfg.preset.uses_nvme,
-                                  fingerprint=cfg.fingerprint)
+                                  fingerprint=cfg.fingerprint, fsdp=fsdp_version(cfg.preset))
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
@@ -300,7 +305,8 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
         _tokens_per_step(cfg, stats, global_batch, mean_len),
         f"parameters: {trainable:,} trainable of {total:,}",
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
-        else "weights: a full copy on every rank",
+        else "weights: loaded whole, then sharded across ranks by FSDP2 (fully_shard) when the path prepares the model"
+        if getattr(cfg.preset, "is_fsdp", False) else "weights: a full copy on every rank",
     ] + ([attention.describe(_device_type(args), model.config, getattr(model, "dtype", None))]
          if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.VARLEN else []))
 
@@ -390,13 +396,22 @@ def save_final_trainer(trainer, output_dir: str | Path, cfg=None) -> None:
     trainer.accelerator.wait_for_everyone()
     # Training turns the KV cache off; the saved model is for inference, where the cache is the default.
     trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
-    # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights.
+    # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights. Under FSDP2 with sharded state
+    # dicts save_model writes nothing: every rank gathers the shards (collective) and rank 0 writes the whole model.
+    fsdp_state_dict = None
     with saving(staging, "the final model", partial=staging):
-        trainer.save_model(str(staging))
+        if getattr(trainer.accelerator, "is_fsdp2", False):
+            fsdp_state_dict = trainer.accelerator.get_state_dict(trainer.model)
+            if trainer.args.should_save:
+                trainer._save(str(staging), state_dict=fsdp_state_dict)
+        else:
+            trainer.save_model(str(staging))
     trainer.accelerator.wait_for_everyone()
     accelerator = trainer.accelerator
     if trainer.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3:
         reference = accelerator.get_state_dict(trainer.model_wrapped)  # collective: gathers the partitions
+    elif getattr(accelerator, "is_fsdp2", False):
+        reference = fsdp_state_dict  # gathered once, for the save and its check
     else:
         reference = accelerator.unwrap_model(trainer.model)
     verify_staged(staging, reference, is_main=accelerator.is_main_process)

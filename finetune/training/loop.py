@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from finetune import compat, methods
 from finetune.training import checkpoint, core, evaluate, examples
-from finetune.training.lifecycle import finish_run, rank0_print, resume_or_exit
+from finetune.training.lifecycle import finish_run, fsdp_version, rank0_print, resume_or_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     # Only now torch and accelerate (seconds): a flag mistake is reported without them.
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
+    from accelerate.utils import (DummyOptim, DummyScheduler, FullyShardedDataParallelPlugin,
+                                  GradientAccumulationPlugin, TorchDynamoPlugin)
 
     from finetune.data.sampler import distributed_dataloader
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         # fetched before its first forward (to count its tokens), which would end the epoch one batch early.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum, sync_with_dataloader=False),
         deepspeed_plugin=args.deepspeed_plugin,
+        # FSDP2: the plugin the Trainer builds from the same arguments (the preset's fsdp_config, via TrainingArguments).
+        fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if cfg.preset.is_fsdp else None,
         mixed_precision=args.mixed_precision,  # --bf16 / --fp16 (under DeepSpeed its JSON's "auto" gets them)
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
         # --torch_compile: prepare() compiles the model as the Trainer's Accelerator does (TrainingArguments has
@@ -77,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = schedule(optimizer)
     if deepspeed:  # a multimodal checkpoint's sizes are in its text_config, which accelerate does not read
         compat.fill_zero_sizes(accelerator.state.deepspeed_plugin, model)
+    if cfg.preset.is_fsdp and cfg.model.use_peft:
+        # What the Trainer does under FSDP for a PEFT model: each adapter its own unit, and a 4-bit base's storage
+        # dtype as the units' compute dtype.
+        from transformers.distributed.fsdp import update_fsdp_plugin_peft
+
+        update_fsdp_plugin_peft(model, accelerator)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     rank0_print(f"engine: {accelerator.distributed_type.value}")
 
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.save_state(str(folder))  # model, optimizer, schedule; the engine's own checkpoint under DeepSpeed
 
     # Evaluation (finetune.training.evaluate): every rank evaluates its share; ZeRO-3 generates in step.
-    synced = zero_stage == 3 and world > 1
+    synced = (zero_stage == 3 or cfg.preset.is_fsdp) and world > 1
     evaluator = evaluate.method_evaluator(cfg, method, session, tokenizer, held_out, model,
                                           accelerator.unwrap_model(model), accelerator.device, synced_gpus=synced,
                                           max_steps=max_steps)
@@ -120,13 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     path = core.TrainingPath("loop", zero_stage, step, save, accelerator.device, method.count, cfg.fingerprint,
                              evaluator=evaluator, load=lambda folder: accelerator.load_state(str(folder)),
                              reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
-                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
+                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None,
+                             fsdp=fsdp_version(cfg.preset))
     log, pos = core.train(args, path, dataloader, micro_per_epoch, max_steps, resume)
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(model)
-    state_dict = core.consolidated_state_dict(model if deepspeed else None, module)
+    state_dict = core.consolidated_state_dict(model if deepspeed else None, module, accelerator)
     state = core.trainer_state(log, pos.step, max_steps, evaluator)
     core.save_final_module(module, state_dict, tokenizer, args.output_dir, state, cfg)
     checkpoint.end_process_group()

@@ -14,7 +14,7 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = {
     "model": ("--model_name_or_path", "a model folder"),
     "adapter": ("--adapter", "a LoRA adapter to merge"),
-    "zero_checkpoint": ("--zero_checkpoint", "a ZeRO checkpoint"),
+    "zero_checkpoint": ("--zero_checkpoint", "a ZeRO or FSDP2 checkpoint"),
 }
 
 
@@ -26,7 +26,8 @@ class ExportArgs:
         default=None, metadata={"help": "The file or folder to write; the same as --output_dir.", "positional": True})
     adapter: str | None = field(default=None, metadata={"help": "LoRA adapter folder to merge into its base."})
     zero_checkpoint: str | None = field(
-        default=None, metadata={"help": "DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN)."})
+        default=None, metadata={"help": "DeepSpeed checkpoint folder (the Trainer's checkpoint-N, or global_stepN), or "
+                                        "an FSDP2 run's checkpoint-N (sharded weights; give --model_name_or_path)."})
     output_dir: str | None = field(
         default=None, metadata={"help": "Where the export is written (required): the HF folder, or with --to gguf the "
                                         ".gguf file."})

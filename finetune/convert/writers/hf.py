@@ -5,6 +5,8 @@ Merge: the base is loaded in full precision (--torch_dtype, default float32), al
 on a 4-bit or 8-bit base (QLoRA): merging into quantized weights would round the update away.
 ZeRO: the fp32 master weights are rebuilt from the DeepSpeed partitions (deepspeed.utils.zero_to_fp32), whatever
 the training precision; config and tokenizer come from the checkpoint folder (or --model_name_or_path).
+FSDP2: a step checkpoint's sharded weights (torch.distributed.checkpoint files in pytorch_model_fsdp_0/) are read
+whole in this one process (no process group); config and tokenizer come from --model_name_or_path.
 
 Verified before it is moved into place: no empty or non-finite tensors, the folder reloads with from_pretrained,
 and the reloaded model's logits on a fixed input match the in-memory model within --atol (1e-5; fp32). A merge
@@ -168,6 +170,28 @@ def _find_zero_checkpoint(path: Path, tag: str | None) -> tuple[Path, str | None
     raise ExportError(f"--zero_checkpoint {path}: not a DeepSpeed checkpoint folder (no 'latest' file){hint}")
 
 
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's folder of a sharded FSDP model in a checkpoint (DCP files)
+
+
+def is_fsdp_checkpoint(path: Path) -> bool:
+    return (Path(path) / FSDP_MODEL_DIR / ".metadata").is_file()
+
+
+def fsdp_state_dict(checkpoint: str | Path) -> dict:
+    """The consolidated state dict of an FSDP2 step checkpoint (every rank's shards), read in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(checkpoint) / FSDP_MODEL_DIR))
+    metadata = reader.read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    # accelerate saves {"model": model.state_dict()}: the keys carry that prefix.
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
 def zero_state_dict(checkpoint: str | Path, tag: str | None = None) -> dict:
     """The consolidated fp32 state dict of a ZeRO-1/2/3 checkpoint."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -189,14 +213,20 @@ def convert_zero_checkpoint(
     from finetune.models.load import resolve_dtype
 
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
-    ckpt_dir, _ = _find_zero_checkpoint(checkpoint, tag)
+    fsdp = is_fsdp_checkpoint(checkpoint)
+    ckpt_dir = checkpoint if fsdp else _find_zero_checkpoint(checkpoint, tag)[0]
     config_src = Path(base_model) if base_model else ckpt_dir
     if not (config_src / "config.json").is_file():
         raise ExportError(
             f"{config_src}: no config.json to describe the model; pass --model_name_or_path with the folder training started from"
         )
     _check_output(output_dir, overwrite)
-    state = zero_state_dict(checkpoint, tag)
+    state = fsdp_state_dict(checkpoint) if fsdp else zero_state_dict(checkpoint, tag)
+    if fsdp and any("lora_" in k for k in state):
+        raise ExportError(
+            f"{checkpoint} holds a LoRA model sharded by FSDP2 (base and adapter in one sharded state dict); export "
+            "the run's final adapter (finetune export --adapter OUTPUT_DIR --output_dir DIR), or resume the run from "
+            "this checkpoint to its end")
     if any("lora_" in k for k in state):
         raise ExportError(
             f"{checkpoint} holds a LoRA model: its adapter is already consolidated in the checkpoint folder "
