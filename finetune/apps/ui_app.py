@@ -130,12 +130,24 @@ def flags_of(fields: dict[str, Any], extra: str) -> list[str]:
             if on != bool(flag.default):
                 argv += [f"--{key}"] if on else [f"--no_{key}"]
             continue
+        if _is_default(cmd, key, value):
+            continue  # the command line says what differs from `finetune train`'s defaults
         argv += [f"--{key}", str(value)]
     try:
         argv += shlex.split(extra or "")
     except ValueError as e:
         raise PageError(f"extra flags: {e} (quote a value with spaces)") from None
     return argv
+
+
+def _is_default(cmd, key: str, value: Any) -> bool:
+    from finetune.config.parser import _plain, convert
+
+    flag = cmd.flags[key]
+    try:
+        return convert(value, flag.type) == _plain(cmd.defaults.get(key, flag.default))
+    except (ValueError, TypeError):
+        return False  # the parser reports it
 
 
 def confine_argv(argv: list[str], confine: Confine, *, page_sets: tuple[str, ...] = SET_BY_PAGE) -> list[str]:
@@ -281,10 +293,12 @@ def preview(confine: Confine, body: dict, tokenizers: dict) -> dict:
                 cut = len(ids) > max_len
                 ids, labels = ids[:max_len], labels[:max_len]  # as training truncates (prepare.tokenize_all)
                 pieces = [tokenizer.decode([i]) for i in ids]
+                trained = sum(1 for x in labels[1:] if x != IGNORE_INDEX)
                 out.append({"where": loc, "format": fmt, "tokens": [[p, lab != IGNORE_INDEX] for p, lab in
                                                                      zip(pieces, labels)],
-                            "labels": labels, "input_ids": ids, "truncated": cut,
-                            "trained": sum(1 for x in labels[1:] if x != IGNORE_INDEX)})
+                            "labels": labels, "input_ids": ids, "truncated": cut, "trained": trained,
+                            # as training drops it: nothing left to learn from once cut (prepare.tokenize_all)
+                            "dropped": trained == 0})
     except DataError as e:
         raise PageError(str(e)) from None
     return {"records": out, "total": len(records)}
@@ -301,7 +315,8 @@ class Chats:
         self.models: dict[str, tuple[float, Any, Any]] = {}
         self.lock = threading.Lock()
 
-    def reply(self, out: Path, messages: list[dict], max_new_tokens: int) -> dict:
+    def reply(self, out: Path, messages: list[dict], max_new_tokens: int, *, do_sample: bool = False,
+              temperature: float = 1.0, seed: int = 0) -> dict:
         from finetune.inference.generate import GenerationError, LoadOptions, generate, load_for_inference, render
 
         adapter = (out / "adapter_config.json").is_file()
@@ -325,7 +340,9 @@ class Chats:
             _, model, tokenizer = self.models[str(out)]
             try:
                 prompt = render(tokenizer, messages, True, "chat")
-                result = generate(model, tokenizer, [prompt], max_new_tokens=max_new_tokens)[0]
+                # `finetune generate`'s decoding: greedy, or sampled after set_seed(seed) (--do_sample --seed).
+                result = generate(model, tokenizer, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                  temperature=temperature, seed=seed if do_sample else None)[0]
             except GenerationError as e:
                 raise PageError(str(e)) from None
         return {"reply": result["completion"], "finish_reason": result["finish_reason"],
@@ -544,8 +561,16 @@ def create_app(settings: Settings):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise PageError("chat: no message")
-            return chats.reply(runs.output_dir(name), messages, max(1, min(int(body.get("max_new_tokens") or 64),
-                                                                            512)))
+            try:
+                limit = int(body.get("max_new_tokens") or 64)
+                temperature = float(body.get("temperature") or 1.0)
+                seed = int(body.get("seed") or 0)
+            except ValueError as e:
+                raise PageError(f"chat: {e}") from None
+            if not 1 <= limit <= 2048 or temperature <= 0:
+                raise PageError("chat: max new tokens 1-2048, temperature above 0")
+            return chats.reply(runs.output_dir(name), messages, limit, do_sample=bool(body.get("do_sample")),
+                               temperature=temperature, seed=seed)
         except PageError as e:
             return refused(e)
 

@@ -99,8 +99,9 @@ def curves(output_dir: Path, log_text: str) -> dict:
 def tail(text: str, limit: int = 12000) -> str:
     """The log as a terminal shows it: each carriage-return-rewritten line at its last state."""
     lines = [line.split("\r")[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r") for line in text.split("\n")]
-    lines = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line) for line in lines]
-    shown = "\n".join(lines)
+    lines = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).rstrip() for line in lines]
+    kept = [line for i, line in enumerate(lines) if line and (i == 0 or line != lines[i - 1])]  # no blank or repeated
+    shown = "\n".join(kept)
     return shown[-limit:]
 
 

@@ -133,7 +133,7 @@ $("preview-btn").addEventListener("click", async () => {
   if (data.error) { show($("preview-error"), data.error); $("preview").innerHTML = ""; return; }
   show($("preview-error"), "");
   $("preview").innerHTML = data.records.map((r) =>
-    `<div class="rec"><div class="where">${esc(r.where)} · ${r.format} · ${r.tokens.length} tokens, ${r.trained} trained${r.truncated ? " · cut at the max" : ""}</div>` +
+    `<div class="rec"><div class="where">${esc(r.where)} · ${r.format} · ${r.tokens.length} tokens, ${r.trained} trained${r.truncated ? " · cut at the max" : ""}${r.dropped ? " · <b>dropped by training: no trained token left</b>" : ""}</div>` +
     `<div class="toks">${r.tokens.map(([t, on]) => `<span class="t${on ? " on" : ""}">${esc(t)}</span>`).join("")}</div></div>`
   ).join("") + `<p class="muted">${data.total} records in the file</p>`;
 });
@@ -180,9 +180,8 @@ function chart(curves) {
     const y = y0 + (y1 - y0) * i / 4;
     g += `<line x1="${L}" x2="${W - R}" y1="${Y(y)}" y2="${Y(y)}" stroke="#edf0f4"/><text x="${L - 6}" y="${Y(y) + 4}" text-anchor="end" font-size="11" fill="#718096">${y.toFixed(3)}</text>`;
   }
-  const ticks = Math.min(6, x1 - x0);
-  for (let i = 0; i <= ticks; i++) {
-    const x = Math.round(x0 + (x1 - x0) * i / ticks);
+  const every = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000].find((s) => (x1 - x0) / s <= 8) || 20000;
+  for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
     g += `<text x="${X(x)}" y="${H - B + 16}" text-anchor="middle" font-size="11" fill="#718096">${x}</text>`;
   }
   g += `<text x="${(L + W - R) / 2}" y="${H - 4}" text-anchor="middle" font-size="11" fill="#4a5568">optimizer step</text>`;
@@ -236,8 +235,14 @@ async function pollRun() {
   $("report-images").innerHTML = (d.report_images || []).map((f) =>
     `<img src="/api/runs/${encodeURIComponent(d.name)}/report/${f}?t=${Date.now() >> 12}" alt="${f}">`).join("");
   const exporting = Object.values(d.exports || {}).some((e) => e.state === "running");
+  const row = document.querySelector("#runs-list tr.sel");
+  if (row) {  // the list's row follows the run
+    row.children[1].innerHTML = `<span class="badge ${cls}">${d.status}</span>`;
+    row.children[2].textContent = pr.step != null ? `${pr.step}/${pr.max_steps}` : "";
+    const last = d.curves.train.length ? d.curves.train[d.curves.train.length - 1][1] : null;
+    row.children[3].textContent = last != null ? Number(last).toFixed(4) : "";
+  }
   if (running || exporting) pollTimer = setTimeout(pollRun, 1000);
-  else if (document.querySelector("#runs-list tr.sel .badge") && document.querySelector("#runs-list tr.sel .badge").textContent !== d.status) loadRuns();
 }
 
 async function runAction(action, body) {
@@ -264,7 +269,8 @@ async function loadChatRuns() {
 }
 
 function drawChat() {
-  $("chat-log").innerHTML = chatMessages.map((m) => `<div class="msg ${m.role}">${esc(m.content)}</div>`).join("");
+  $("chat-log").innerHTML = chatMessages.map((m) => `<div class="msg ${m.role}">${esc(m.content) || "<i>(empty)</i>"}` +
+    (m.note ? `<div class="note">${m.note}</div>` : "") + "</div>").join("");
   $("chat-log").scrollTop = $("chat-log").scrollHeight;
 }
 
@@ -276,11 +282,12 @@ async function send() {
   drawChat();
   $("chat-send").disabled = true;
   show($("chat-error"), "");
-  const d = await api("/api/chat", {run: $("chat-run").value, messages: chatMessages,
-    max_new_tokens: $("max_new_tokens").value});
+  const d = await api("/api/chat", {run: $("chat-run").value, messages: chatMessages.map((m) => ({role: m.role, content: m.content})),
+    max_new_tokens: $("max_new_tokens").value, do_sample: $("do_sample").checked, temperature: $("temperature").value,
+    seed: $("seed").value});
   $("chat-send").disabled = false;
   if (d.error) { chatMessages.pop(); show($("chat-error"), d.error); drawChat(); return; }
-  chatMessages.push({role: "assistant", content: d.reply});
+  chatMessages.push({role: "assistant", content: d.reply, note: `${d.completion_ids.length} tokens, ended by ${d.finish_reason}`});
   drawChat();
 }
 $("chat-send").addEventListener("click", send);
