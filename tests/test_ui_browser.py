@@ -180,7 +180,10 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     assert el("chart").find_element(By.TAG_NAME, "svg").get_attribute("data-eval") == str(len(evals)) != "0"
     assert el("run-progress").text == f"step {STEPS} of {STEPS}"
     el("report").click()
-    _wait("the report's curves", lambda: driver.find_elements(By.CSS_SELECTOR, "#report-images img"))
+    _wait("the report's curves", lambda: len(driver.find_elements(By.CSS_SELECTOR, "#report-images img")) == 3 and
+          driver.execute_script("return [...document.querySelectorAll('#report-images img')]"
+                                ".every((i) => i.complete && i.naturalWidth > 600)"))
+    assert (out_dir / "report" / "loss.png").is_file()
     driver.execute_script("window.scrollTo(0, 0)")
     driver.save_screenshot(str(shots / "run-finished.png"))
 
