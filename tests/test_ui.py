@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -132,6 +133,36 @@ def test_ui_flags(tmp_path):
                                 "--token: at least 16 characters, letters, digits or -_.~ only (it travels in a URL)"]
     with pytest.raises(ConfigError, match="--runs_dir ../elsewhere: outside every --root"):
         parse("--root", str(tmp_path), "--runs_dir", "../elsewhere")
+
+
+def test_the_command_off_loopback_makes_and_prints_a_token(tmp_path):
+    """`finetune ui --host 0.0.0.0` as a process: the address it prints carries a token, and only that token opens
+    the page."""
+    import urllib.error
+    import urllib.request
+
+    from finetune import testing
+
+    cmd = [sys.executable, "-m", "finetune.cli", "ui", "--root", str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
+    with testing.Launched(cmd, REPO, testing.env()) as server:
+        assert server.wait(60, until=lambda: "token=" in server.output), server.output
+        url = next(w for w in server.output.split() if w.startswith("http://"))
+        port, token = url.split(":")[2].split("/")[0], url.split("token=")[1]
+        assert len(token) >= 16 and "the token above was made for this session" in server.output
+
+        def status(path, **headers):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+            try:
+                return urllib.request.urlopen(request, timeout=30).status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert status("/api/info") == 401
+        assert status(f"/?token={token[:-1]}x") == 401
+        assert status("/api/info", **{"X-Finetune-Token": token}) == 200
+        assert status(f"/?token={token}") == 200
+        server.kill()
+    assert (tmp_path / "runs").is_dir()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +306,7 @@ def test_stop_resume_export_and_chat(root):
     pid = launched["run"]["pid"]
     _wait("step 6", lambda: (c.get("/api/runs/r").json()["progress"]["step"] or 0) >= 6)
     stopped = c.post("/api/runs/r/stop", json={}).json()
-    assert stopped["stopped"] and not stopped["killed"], stopped  # SIGTERM ended the whole group
+    assert stopped["stopped"] and stopped["killed"] == [], stopped  # SIGTERM ended the whole group
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
     detail = c.get("/api/runs/r").json()

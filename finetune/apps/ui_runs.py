@@ -149,7 +149,7 @@ class Runs:
         threading.Thread(target=wait, daemon=True).start()
         return proc
 
-    def launch(self, name: str, cmd: list[str], shown: str, wait_s: float = 2.0) -> tuple[dict | None, str | None]:
+    def launch(self, name: str, cmd: list[str], shown: str, wait_s: float = 1.0) -> tuple[dict | None, str | None]:
         """Start `cmd` as run NAME. A command the CLI refuses at once (its flag checks: exit 2 within `wait_s`) is
         not a run: its message comes back and no record is left."""
         ui = self.ui_dir(name)
@@ -186,7 +186,10 @@ class Runs:
         return record, None
 
     def stop(self, name: str) -> dict:
-        """SIGTERM to the run's process group; SIGKILL after STOP_WAIT_S if any process of it is left."""
+        """SIGTERM to the run's process group (a launcher passes it on to its ranks, which it starts in sessions of
+        their own); SIGKILL after STOP_WAIT_S to whatever of the group or of its descendants is left."""
+        import psutil
+
         record = self.record(name)
         if record is None:
             return {"error": f"no run named {name}"}
@@ -196,21 +199,37 @@ class Runs:
         record["stopped"] = True
         (self.ui_dir(name) / "run.json").write_text(json.dumps(record, indent=2))
         try:
+            family = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        try:
             os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         t0 = time.time()
         proc = self.procs.get(name)
-        while time.time() - t0 < STOP_WAIT_S and (_alive(pid) if proc is None else proc.poll() is None):
+
+        def running() -> bool:
+            return (_alive(pid) if proc is None else proc.poll() is None) or any(_alive(p.pid) for p in family)
+
+        while time.time() - t0 < STOP_WAIT_S and running():
             time.sleep(0.1)
-        killed = False
+        killed = []
         try:
-            os.killpg(pid, 0)  # anything left in the group (a rank the command started)
+            os.killpg(pid, 0)  # anything left in the group
             os.killpg(pid, signal.SIGKILL)
-            killed = True
+            killed.append(pid)
         except ProcessLookupError:
             pass
-        return {"stopped": True, "seconds": round(time.time() - t0, 2), "killed": killed}
+        for p in family:
+            if _alive(p.pid):
+                try:
+                    p.kill()
+                    killed.append(p.pid)
+                except psutil.Error:
+                    pass
+        return {"stopped": True, "seconds": round(time.time() - t0, 2), "processes": 1 + len(family),
+                "killed": killed}
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -337,10 +356,6 @@ class Runs:
                          "command": json.loads((ui / f"export-{to}.json").read_text())["command"],
                          "log": tail(log.read_text(errors="replace"), 4000) if log.is_file() else ""}
         return found
-
-    def shutdown(self) -> None:
-        """The server is ending: its runs keep going (they are the CLI's processes, in their own groups)."""
-        self.procs.clear()
 
 
 def python_cli(*args: str) -> list[str]:
