@@ -197,6 +197,31 @@ def test_plan_command_and_recipe_are_the_cli_s(root, capsys, isolated):
     assert C.parse(["--recipe", str(recipe)]).resolved() == C.parse(flags).resolved()
 
 
+def test_the_method_s_own_options(root, isolated):
+    from finetune import config as C
+    from finetune import methods
+
+    shutil.copy(REPO / "data" / "quickstart" / "train_pairs.jsonl", root / "data" / "pairs.jsonl")
+    c = client(root)
+    options = c.get("/api/info").json()["method_options"]
+    assert sorted(options) == sorted(methods.names()) and options["sft"] == []
+    dpo = {o["name"]: o for o in options["dpo"]}
+    assert list(dpo) == ["beta", "loss_type", "label_smoothing", "precompute_ref_log_probs"]
+    assert dpo["beta"]["default"] == methods.get("dpo").config().beta and dpo["precompute_ref_log_probs"]["bool"]
+    body = {"fields": fields(method="dpo", dataset="data/pairs.jsonl"), "name": "d",
+            "options": {"beta": "0.25", "loss_type": dpo["loss_type"]["default"], "label_smoothing": "",
+                        "precompute_ref_log_probs": False}}
+    got = c.post("/api/plan", json=body).json()
+    assert "error" not in got, got
+    argv = shlex.split(got["command"])[2:]
+    assert argv[argv.index("--method"):argv.index("--method") + 2] == ["--method", "dpo"]
+    assert argv[argv.index("--beta") + 1] == "0.25" and "--loss_type" not in argv  # a default is left out
+    assert C.parse(argv).objective.beta == 0.25
+    assert got["plan"]["job"]["method"] == "full; DPO: 2 rows per pair, reference a frozen copy of the model"
+    bad = c.post("/api/plan", json={**body, "options": {"beta": "strong"}}).json()["error"]
+    assert "--beta: expected a number, got 'strong'" in bad
+
+
 @pytest.mark.parametrize("change", [
     {"learning_rate": "abc"},
     {"extra": "--learnin_rate 0.1"},

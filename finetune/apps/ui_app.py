@@ -116,8 +116,33 @@ def _train_command():
     return C.command("finetune train")
 
 
-def flags_of(fields: dict[str, Any], extra: str) -> list[str]:
-    """The page's fields (FIELDS, as the user set them) and its extra-flags box, as an argv; not yet confined."""
+def method_options() -> dict[str, list[dict]]:
+    """Each method's own flags (finetune.methods' registry): name, the method's default, help, and whether a switch."""
+    import dataclasses
+
+    from finetune import methods
+    from finetune.config.parser import _plain
+    from finetune.methods.base import own_flags
+
+    cmd = _train_command()
+    out = {}
+    for name in methods.names():
+        method = methods.get(name)
+        config = method.config()
+        out[name] = [{"name": key, "default": _plain(getattr(config, key)),
+                      "help": " ".join(str(cmd.flags[key].meta.get("help", "")).split()),
+                      "bool": cmd.flags[key].is_bool} for key in own_flags(method)
+                     if key in cmd.flags and not dataclasses.is_dataclass(getattr(config, key))]
+    return out
+
+
+def flags_of(fields: dict[str, Any], extra: str, options: dict[str, Any] | None = None) -> list[str]:
+    """The page's fields (FIELDS, as the user set them), the chosen method's options and the extra-flags box, as an
+    argv; not yet confined. A value equal to its default is left out."""
+    from finetune import methods
+    from finetune.config.parser import _plain, convert
+    from finetune.methods.base import own_flags
+
     cmd = _train_command()
     argv: list[str] = []
     for key in FIELDS:
@@ -133,6 +158,19 @@ def flags_of(fields: dict[str, Any], extra: str) -> list[str]:
         if _is_default(cmd, key, value):
             continue  # the command line says what differs from `finetune train`'s defaults
         argv += [f"--{key}", str(value)]
+    method = methods.get(str(fields.get("method") or methods.DEFAULT))
+    if method is not None:
+        config = method.config()
+        for key in own_flags(method):
+            value = (options or {}).get(key)
+            if value is None or value == "" or key not in cmd.flags:
+                continue
+            try:
+                same = convert(value, cmd.flags[key].type) == _plain(getattr(config, key))
+            except (ValueError, TypeError):
+                same = False  # the parser reports it
+            if not same:
+                argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
     try:
         argv += shlex.split(extra or "")
     except ValueError as e:
@@ -401,7 +439,7 @@ def create_app(settings: Settings):
         return name
 
     def train_argv(body: dict) -> list[str]:
-        return confine_argv(flags_of(body.get("fields") or {}, body.get("extra") or ""), confine)
+        return confine_argv(flags_of(body.get("fields") or {}, body.get("extra") or "", body.get("options")), confine)
 
     @app.get("/")
     def index():
@@ -416,7 +454,7 @@ def create_app(settings: Settings):
         from finetune.data import formats
 
         return {"roots": [str(r) for r in confine.roots], "runs_dir": str(settings.runs_dir),
-                "methods": methods.names(), "presets": list(PRESETS), "formats": ["auto", *formats.names()],
+                "methods": methods.names(), "method_options": method_options(), "presets": list(PRESETS), "formats": ["auto", *formats.names()],
                 "models": confine.listing(models=True), "datasets": confine.listing(models=False)}
 
     @app.post("/api/plan")

@@ -33,7 +33,11 @@ function choices() {
   }
   const plan = {};
   for (const k of PLAN) plan[k] = $(k).value.trim();
-  return {fields, plan, extra: $("extra").value, name: $("run-name").value.trim()};
+  const options = {};
+  document.querySelectorAll("#method-options [data-flag]").forEach((el) => {
+    options[el.dataset.flag] = el.type === "checkbox" ? el.checked : el.value.trim();
+  });
+  return {fields, plan, options, extra: $("extra").value, name: $("run-name").value.trim()};
 }
 
 // ---- tabs
@@ -58,9 +62,25 @@ async function loadInfo() {
   fill("method", info.methods);
   fill("config", info.presets);
   fill("dataset_format", info.formats);
+  methodOptions = info.method_options;
+  drawMethodOptions();
   $("models").innerHTML = info.models.map((x) => `<option value="${x}">`).join("");
   $("datasets").innerHTML = info.datasets.map((x) => `<option value="${x}">`).join("");
 }
+
+let methodOptions = {};
+function drawMethodOptions() {
+  // The chosen method's own flags (its registry entry), with its defaults.
+  const opts = methodOptions[$("method").value] || [];
+  $("method-options").innerHTML = opts.map((o) => o.bool
+    ? `<label class="check" title="${esc(o.help)}"><input type="checkbox" data-flag="${o.name}" id="opt-${o.name}"${o.default ? " checked" : ""}> ${o.name}</label>`
+    : `<label title="${esc(o.help)}">${o.name} <input data-flag="${o.name}" id="opt-${o.name}" value="${esc(Array.isArray(o.default) ? o.default.join(",") : String(o.default ?? ""))}"></label>`).join("");
+  $("method-options").querySelectorAll("input").forEach((el) => {
+    el.addEventListener("input", planSoon);
+    el.addEventListener("change", planSoon);
+  });
+}
+$("method").addEventListener("change", drawMethodOptions);
 
 let planSeq = 0, planTimer = null;
 function planSoon() { clearTimeout(planTimer); planTimer = setTimeout(updatePlan, 350); }
@@ -123,7 +143,7 @@ $("save-recipe").addEventListener("click", () => {
   a.click();
 });
 
-function esc(s) { return s.replace(/[&<>]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;"}[c])); }
+function esc(s) { return String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c])); }
 
 $("preview-btn").addEventListener("click", async () => {
   const c = choices();
