@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_of(args)
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(settings)
-    # The socket is bound here, so that port 0 is resolved before the address is printed (tests wait for that line).
+    # The socket is bound and listening here, so that port 0 is resolved before the address is printed (tests wait for
+    # that line).
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"finetune ui: --host {args.host} --port {args.port}: cannot listen there ({e.strerror}); choose another "
               "--port (0: any free one)", file=sys.stderr)
         raise SystemExit(2) from None
+    sock.listen(128)  # connections made once the address is printed wait in the backlog for uvicorn
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={settings.token}" if settings.token else "")
