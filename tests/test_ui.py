@@ -325,7 +325,8 @@ def test_stop_resume_export_and_chat(root):
 
     c = client(root)
     steps = 12
-    body = {"fields": fields(max_steps=str(steps), save_steps="4"), "name": "r"}
+    # LoRA: the adapter run's chat (base + adapter) and its merge; the browser test chats with a full run.
+    body = {"fields": fields(max_steps=str(steps), save_steps="4", use_peft=True, lora_r="4"), "name": "r"}
     launched = c.post("/api/runs", json=body).json()
     assert "run" in launched, launched
     pid = launched["run"]["pid"]
@@ -363,23 +364,26 @@ def test_stop_resume_export_and_chat(root):
     assert "loss.png" in report["images"]
     assert c.get("/api/runs/r/report/loss.png").content[:4] == b"\x89PNG"
 
-    assert c.post("/api/runs/r/export", json={"to": "hf"}).json()["error"].startswith("run r trained all weights")
+    # Both exports at once: the merged folder, and GGUF (merged first, then written).
+    assert c.post("/api/runs/r/export", json={"to": "hf"}).json()["path"].endswith("exports/r/merged")
     assert c.post("/api/runs/r/export", json={"to": "gguf"}).json()["path"].endswith("exports/r/r.gguf")
-    done = _wait("the export", lambda: c.get("/api/runs/r").json()["exports"]["gguf"]["state"] != "running")
-    assert done == "done" or c.get("/api/runs/r").json()["exports"]["gguf"]["state"] == "done", \
-        c.get("/api/runs/r").json()["exports"]
-    gguf = c.get("/api/runs/r").json()["exports"]["gguf"]
-    assert (root / "runs" / "exports" / "r" / "r.gguf").is_file() and "logits vs HF max diff" in gguf["log"]
+    exports = _wait("the exports", lambda: (lambda e: e if all(x["state"] != "running" for x in e.values()) else None)(
+        c.get("/api/runs/r").json()["exports"]), timeout=300)
+    assert {to: e["state"] for to, e in exports.items()} == {"hf": "done", "gguf": "done"}, exports
+    assert "merged vs base+adapter logits max diff" in exports["hf"]["log"]
+    assert (root / "runs" / "exports" / "r" / "merged" / "model.safetensors").is_file()
+    assert (root / "runs" / "exports" / "r" / "r.gguf").is_file() and "logits vs HF max diff" in exports["gguf"]["log"]
 
     # Chat: greedy, `finetune generate`'s own run on the same prompt gives the same tokens.
     messages = [{"role": "user", "content": "reverse: one two three"}]
     reply = c.post("/api/chat", json={"run": "r", "messages": messages, "max_new_tokens": 8}).json()
-    cli = run(GenerateArgs(model_name_or_path=str(root / "runs" / "r"), prompt=["reverse: one two three"], chat=True,
+    base, adapter = str(root / "models" / "tiny"), str(root / "runs" / "r")
+    cli = run(GenerateArgs(model_name_or_path=base, adapter=adapter, prompt=["reverse: one two three"], chat=True,
                            max_new_tokens=8, output=str(root / "gen.jsonl")))
     assert reply["completion_ids"] == cli[0]["completion_ids"] and reply["reply"] == cli[0]["completion"]
     sampled = c.post("/api/chat", json={"run": "r", "messages": messages, "max_new_tokens": 8, "do_sample": True,
                                         "seed": 3}).json()
-    cli = run(GenerateArgs(model_name_or_path=str(root / "runs" / "r"), prompt=["reverse: one two three"], chat=True,
+    cli = run(GenerateArgs(model_name_or_path=base, adapter=adapter, prompt=["reverse: one two three"], chat=True,
                            max_new_tokens=8, do_sample=True, seed=3, output=str(root / "gen.jsonl")))
     assert sampled["completion_ids"] == cli[0]["completion_ids"] and len(sampled["completion_ids"]) > 0
     listed = c.get("/api/runs").json()["runs"]

@@ -121,7 +121,6 @@ def method_options() -> dict[str, list[dict]]:
     import dataclasses
 
     from finetune import methods
-    from finetune.config.parser import _plain
     from finetune.methods.base import own_flags
 
     cmd = _train_command()
@@ -140,7 +139,7 @@ def flags_of(fields: dict[str, Any], extra: str, options: dict[str, Any] | None 
     """The page's fields (FIELDS, as the user set them), the chosen method's options and the extra-flags box, as an
     argv; not yet confined. A value equal to its default is left out."""
     from finetune import methods
-    from finetune.config.parser import _plain, convert
+    from finetune.config.parser import convert
     from finetune.methods.base import own_flags
 
     cmd = _train_command()
@@ -178,8 +177,14 @@ def flags_of(fields: dict[str, Any], extra: str, options: dict[str, Any] | None 
     return argv
 
 
+def _plain(value: Any) -> Any:
+    import enum
+
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def _is_default(cmd, key: str, value: Any) -> bool:
-    from finetune.config.parser import _plain, convert
+    from finetune.config.parser import convert
 
     flag = cmd.flags[key]
     try:
@@ -206,7 +211,7 @@ def confine_argv(argv: list[str], confine: Confine, *, page_sets: tuple[str, ...
     for token in argv:
         if token.startswith("--") and len(token) > 2:
             spelled, eq, value = token[2:].partition("=")
-            key = cmd._canonical(spelled.replace("-", "_"))
+            key = cmd.aliases.get(spelled.replace("-", "_"), spelled.replace("-", "_"))
             if key in page_sets:
                 raise PageError(f"--{spelled}: set by the page (the run's name picks RUNS/NAME; Resume continues "
                                 "it); leave it out of the extra flags")
