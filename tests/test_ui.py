@@ -227,6 +227,7 @@ def test_the_method_s_own_options(root, isolated):
     {"extra": "--learnin_rate 0.1"},
     {"method": "dpx"},
     {"dataset": "data/missing.jsonl", "max_steps": "-3", "save_steps": "0"},
+    {"model_name_or_path": "nobody/no-such-model"},  # a Hub id passes the confinement; the Hub's answer is the CLI's
 ])
 def test_bad_inputs_get_the_cli_s_message(root, change, capsys, isolated):
     from finetune import cli
@@ -241,7 +242,7 @@ def test_bad_inputs_get_the_cli_s_message(root, change, capsys, isolated):
     # The same flags given to `finetune train` (its entry point, in this process): the same text on stderr, exit 2.
     given = dict(zip(argv[2::2], argv[3::2]))
     for key, value in change.items():
-        given[f"--{key}"] = str(root / value) if key == "dataset" else value
+        given[f"--{key}"] = str(root / value) if key == "dataset" else value  # the page resolves local paths
     cli_argv = [x for kv in given.items() for x in kv] + shlex.split(extra)
     with pytest.raises(SystemExit) as e:
         cli.main(["train", *cli_argv])
