@@ -389,3 +389,38 @@ def test_stop_resume_export_and_chat(root):
     assert sampled["completion_ids"] == cli[0]["completion_ids"] and len(sampled["completion_ids"]) > 0
     listed = c.get("/api/runs").json()["runs"]
     assert [(r["name"], r["status"], r["step"]) for r in listed] == [("r", "finished", steps)]
+
+
+@pytest.mark.slow
+def test_hub_ids_for_model_and_data(root, tmp_path):
+    """A Hub model and a Hub data set (in an HF cache this test lays out, offline): the page plans with the ids as
+    they are, and previews the data set's records with the model's tokenizer. The server is a process: HF_HOME is
+    read when huggingface_hub loads."""
+    import urllib.request
+
+    from finetune import testing
+    from tests.test_hub import COMMIT, DATA_COMMIT, DATA_ID, REPO_ID, add_snapshot, cache_dataset, hf_env
+
+    hf_home = tmp_path / "hf_home"
+    add_snapshot(hf_home, REPO_ID, root / "models" / "tiny", COMMIT, {"main": COMMIT})
+    cache_dataset(hf_home, DATA_ID, root / "data" / "demo.jsonl", DATA_COMMIT)
+    cmd = [sys.executable, "-m", "finetune.cli", "ui", "--root", str(root), "--port", "0"]
+    with testing.Launched(cmd, REPO, testing.env(HF_HUB_OFFLINE="1", **hf_env(hf_home))) as server:
+        assert server.wait(60, until=lambda: "http://" in server.output), server.output
+        url = next(w for w in server.output.split() if w.startswith("http://"))
+
+        def post(path, body):
+            request = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+        plan = post("/api/plan", {"fields": fields(model_name_or_path=REPO_ID, dataset=DATA_ID), "name": "h"})
+        assert "error" not in plan, plan
+        assert shlex.split(plan["command"])[2:6] == ["--model_name_or_path", REPO_ID, "--dataset", DATA_ID]
+        assert plan["plan"]["model"]["parameters"] == 138_304
+        hub = post("/api/preview", {"model_name_or_path": REPO_ID, "dataset": DATA_ID, "n": 2})
+        local = post("/api/preview", {"model_name_or_path": "models/tiny", "dataset": "data/demo.jsonl", "n": 2})
+        assert [r["where"] for r in hub["records"]] == [f"{DATA_ID}@{DATA_COMMIT[:12]} row {i}" for i in (0, 1)]
+        assert [(r["input_ids"], r["labels"]) for r in hub["records"]] == [
+            (r["input_ids"], r["labels"]) for r in local["records"]]
+        server.kill()

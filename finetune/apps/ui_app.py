@@ -309,8 +309,12 @@ def preview(confine: Confine, body: dict, tokenizers: dict) -> dict:
     n = max(1, min(int(body.get("n") or 3), 10))
     max_len = int(body.get("max_seq_length") or 1024)
     if not Path(model).is_dir():
-        raise PageError(f"--model_name_or_path {body.get('model_name_or_path')}: the preview needs the model's "
-                        "tokenizer, from a local folder (a Hub model is read from the cache by `finetune train`)")
+        from finetune.models.hub import HubError, resolve_model
+
+        try:  # a Hub id: its snapshot folder, as training resolves it (the cache, or a download)
+            model = resolve_model(model, str(body.get("model_revision") or "main")).folder
+        except HubError as e:
+            raise PageError(str(e)) from None
     key = model
     if key not in tokenizers:
         try:
