@@ -34,7 +34,7 @@ STEPS = 16
 pytestmark = pytest.mark.slow
 
 
-def _browser():
+def _browser(downloads: Path):
     if not (CHROMIUM and CHROMEDRIVER):
         why = ("Chromium and chromedriver are not installed (Debian: apt-get install -y chromium chromium-driver; "
                "scripts/setup.sh does it as root)")
@@ -49,6 +49,8 @@ def _browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1360,1500",
                 "--disable-gpu", "--force-device-scale-factor=1"):
         options.add_argument(arg)
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
@@ -85,9 +87,9 @@ def test_a_tiny_run_from_the_page(tmp_path):
     with testing.Launched(cmd, REPO, testing.env()) as server:
         assert server.wait(90, until=lambda: "http://" in server.output), server.output
         url = next(w for w in server.output.split() if w.startswith("http://"))
-        driver = _browser()
+        driver = _browser(tmp_path / "downloads")
         try:
-            _run_from_the_page(driver, url, root, shots, cli_bad)
+            _run_from_the_page(driver, url, root, shots, cli_bad, tmp_path / "downloads")
         finally:
             driver.quit()
             server.kill()
@@ -99,9 +101,14 @@ def test_a_tiny_run_from_the_page(tmp_path):
     print(f"browser test: {time.monotonic() - t0:.1f} s")
 
 
-def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess.Popen) -> None:
+def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess.Popen, downloads: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
+
+    t0 = time.monotonic()
+
+    def step(what: str) -> None:
+        print(f"  {time.monotonic() - t0:6.1f} s  {what}")
 
     def el(id_):
         return driver.find_element(By.ID, id_)
@@ -132,6 +139,7 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     assert "--learning_rate: expected a number, got 'abc'" in expected
     _wait("the CLI's message for --learning_rate abc", lambda: el("plan-error").text.strip() == expected)
     driver.save_screenshot(str(shots / "setup-bad-input.png"))
+    step("bad inputs: the page's refusal and the CLI's message")
 
     # The tiny run's choices: the plan and the exact command line follow.
     fill("learning_rate", "1e-3")
@@ -151,6 +159,12 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
         "--resume_from_checkpoint", "latest"]
     assert f"max_steps: {STEPS}" in el("recipe").text
     assert "total per device" in el("plan-bars").text
+    el("copy-command").click()
+    _wait("the copy", lambda: el("copy-command").text == "Copied", timeout=10)
+    el("save-recipe").click()  # the recipe as a file, the same run as the command line (tests/test_ui.py)
+    saved = _wait("the saved recipe", lambda: (downloads / "tiny-run.yaml").is_file() and
+                  (downloads / "tiny-run.yaml").read_text(), timeout=20)
+    assert saved == driver.execute_script("return document.getElementById('recipe').textContent")
 
     # Preview: the first record's trained tokens are its assistant reply and the end of turn.
     el("preview-btn").click()
@@ -161,6 +175,7 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     assert trained == record["messages"][-1]["content"] + "<|im_end|>", trained
     _wait("the plan again", lambda: el("plan-fits").text == "fits")
     driver.save_screenshot(str(shots / "setup.png"))
+    step("plan, command line, recipe, preview")
 
     # Launch, and watch the loss move to the end.
     el("launch").click()
@@ -169,6 +184,7 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
         "data-train")) >= 3, timeout=120, every=0.5)
     assert el("run-status").text == "running"
     driver.save_screenshot(str(shots / "run-live.png"))
+    step("launched: the loss moves")
     _wait("the run's end", lambda: el("run-status").text == "finished", timeout=180, every=0.5)
     _wait("the final curves", lambda: el("chart").find_element(By.TAG_NAME, "svg").get_attribute("data-train")
           == str(STEPS) and el("last-loss").text)
@@ -186,6 +202,7 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     assert (out_dir / "report" / "loss.png").is_file()
     driver.execute_script("window.scrollTo(0, 0)")
     driver.save_screenshot(str(shots / "run-finished.png"))
+    step("finished: final curves and report")
 
     # Chat with the result: the reply is `finetune generate`'s, token for token (sampled with seed 0: the tiny
     # model's greedy reply is its end-of-turn at once).
@@ -210,3 +227,4 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     assert shown == line["completion"], (shown, line)
     assert note.startswith(f"{len(line['completion_ids'])} tokens, ended by {line['finish_reason']}")
     driver.save_screenshot(str(shots / "chat.png"))
+    step("chat: the reply is finetune generate's")
