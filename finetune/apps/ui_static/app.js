@@ -178,7 +178,7 @@ async function loadRuns() {
     const loss = r.last_loss != null ? Number(r.last_loss).toFixed(4) : "";
     const step = r.step != null ? `${r.step}/${r.max_steps ?? "?"}` : "";
     const cls = r.status.split(" ")[0];
-    return `<tr data-run="${r.name}" class="${r.name === selected ? "sel" : ""}"><td>${r.name}</td><td><span class="badge ${cls}">${r.status}</span></td><td>${step}</td><td>${loss}</td></tr>`;
+    return `<tr data-run="${r.name}" class="${r.name === selected ? "sel" : ""}"><td>${r.name}</td><td><span class="badge ${cls}">${r.status}</span></td><td>${step}</td><td>${loss}</td><td>${r.report ? '<a href="/api/runs/' + encodeURIComponent(r.name) + '/report/loss.png" target="_blank">loss.png</a>' : ""}</td></tr>`;
   }).join("");
   body.querySelectorAll("tr").forEach((tr) => tr.addEventListener("click", () => { selected = tr.dataset.run; loadRuns(); }));
   if (selected) pollRun();
