@@ -17,9 +17,10 @@ COMMANDS = {
     "quickstart": ("finetune.apps.quickstart", "fine-tune SmolLM2-135M-Instruct on the bundled data and report before/after"),
     "nodes": ("finetune.apps.nodes", "start a multi-node launch line once every node is there (says what it waits for every 30 s, gives up after --timeout)"),
     "tiny": ("finetune.apps.tiny", "build a tiny random Llama with a local tokenizer (tests, demos)"),
+    "ui": ("finetune.apps.ui", "a local web page to plan, launch, watch, chat with and export runs (127.0.0.1:7860)"),
 }
 # The commands that run finetune's workarounds for other libraries' internals (finetune.compat).
-CHECKS_VERSIONS = ("train", "loop", "engine", "generate", "export", "quickstart")
+CHECKS_VERSIONS = ("train", "loop", "engine", "generate", "export", "quickstart", "ui")
 TRAINING = ("train", "loop", "engine")
 # Former command names, still run: each says its new name once. (`sft` is a training method, --method sft.)
 RENAMED = {"sft": "engine"}

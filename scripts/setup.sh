@@ -42,6 +42,19 @@ if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 
          "RHEL/Fedora: sudo dnf install libaio-devel). Everything else works without it." >&2
   fi
 fi
+# `finetune ui`'s browser test (tests/test_ui_browser.py) drives Debian's Chromium with its chromedriver; in CI
+# (CI=true) the test fails without them. Installed where we can (root with apt-get); otherwise say what to install.
+if [ "$(uname -s)" = Linux ] && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium and chromium-driver (for the finetune ui browser test)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; } \
+      || echo "setup: could not install chromium and chromium-driver; tests/test_ui_browser.py skips (fails in CI) until they are" >&2
+  else
+    echo "setup: chromium/chromedriver not found; tests/test_ui_browser.py needs them (Debian/Ubuntu: sudo apt-get install" \
+         "chromium chromium-driver). finetune ui itself runs without them." >&2
+  fi
+fi
 # The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench,trackers] but torch (installed
 # above for this machine) with its hashes; scripts/lock.sh refreshes it. --no-deps: the lock is the whole set, so
 # nothing newer slips in beside it. bench: TRL, which tests/test_bench_throughput.py runs against.

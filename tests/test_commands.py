@@ -50,6 +50,7 @@ TYPOS = [
     ("tiny", ["out", "--layer", "3"], "layers"),
     ("report", ["run", "--report_dri", "x"], "report_dir"),
     ("nodes", ["--timout", "9", "torchrun"], "timeout"),
+    ("ui", ["--tokn", "x"], "token"),
 ]
 
 
@@ -98,6 +99,8 @@ TWO_BAD = [
      ["--hidden: must be a positive multiple of 8, got 30", "--style: 'chatm' is not one of chatml, llama3, plain; did you mean 'chatml'?"]),
     ("report", ["--report_dir"], ["--report_dir: needs a value", "OUTPUT_DIR: required"]),
     ("nodes", ["--timeout", "x", "mpirun"], ["--timeout: expected a number of seconds, got 'x'", "unknown launcher 'mpirun'"]),
+    ("ui", ["--port", "x", "--root", "/nonexistent-root"], ["--port: expected an integer, got 'x'",
+                                                             "--root /nonexistent-root: no such folder"]),
 ]
 
 
@@ -133,6 +136,7 @@ def test_help(command, capsys):
         "tiny": ["OUT_DIR", "--style", "--hidden"],
         "report": ["OUTPUT_DIR", "--report_dir"],
         "nodes": ["--timeout SECONDS", "LAUNCHER"],
+        "ui": ["--host", "--port", "--root", "(repeatable)", "--runs_dir", "--token"],
     }[command]
     for flag in flags:
         assert flag in out, (flag, out[:2000])
