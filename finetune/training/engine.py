@@ -132,6 +132,7 @@ def build_loader(dataset, collate_fn, args, world: int, rank: int):
     return DataLoader(
         dataset, batch_size=args.per_device_train_batch_size, sampler=sampler, collate_fn=collate_fn,
         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+        persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
     )
 
 

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
         repeat=method.repeats(cfg.objective), accum=args.gradient_accumulation_steps,
+        num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+        persistent_workers=args.dataloader_persistent_workers,
     )
     micro_per_epoch = len(dataloader) // world  # this rank's micro-batches per epoch
     max_steps = core.max_steps_of(args, micro_per_epoch)
