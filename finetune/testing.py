@@ -705,7 +705,9 @@ class SyncCounter:
 
     A call counts as the project's (`ours`) when that caller is a file of the finetune package. Calls anywhere under
     torch's data loader or optimizers (HOST_SIDE) act on host data by design and are left out. On a CPU every tensor
-    is on the host, so this finds the places a GPU run would wait, without a GPU.
+    is on the host, so this finds the places a GPU run would wait, without a GPU. Not seen: a blocking copy of host
+    data to the device (`torch.tensor(x, device=...)`, `.to(device)` without non_blocking), which waits for the
+    device's queue too; the GPU bench's set_sync_debug_mode("error") does see it.
 
         with SyncCounter() as c:
             ...             # c.begin() at each step's start

@@ -583,7 +583,8 @@ def test_only_rank_0_reports_at_once(monkeypatch, capsys):
 
 
 def test_gpu_defaults_leave_what_the_user_gave():
-    """On a CUDA device: logging every 20 steps, pinned persistent loader workers, bf16 where the GPU has it; none
+    """On a CUDA device: logging every 20 steps, pinned persistent loader workers copying without blocking, bf16
+    where the GPU has it; none
     of them where the recipe or the command line set the key, and nothing on a CPU."""
     from finetune.config.training import GPU_DEFAULTS, device_defaults
 

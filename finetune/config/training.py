@@ -265,6 +265,8 @@ GPU_DEFAULTS: dict[str, Any] = {
     "dataloader_num_workers": 2,
     "dataloader_pin_memory": True,
     "dataloader_persistent_workers": True,
+    # Batches copied from pinned memory without blocking the host (a blocking copy waits for the GPU's queue).
+    "accelerator_config": {"non_blocking": True},
 }
 
 

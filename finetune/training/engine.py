@@ -165,7 +165,7 @@ def train_step(engine, session, world: int, chunk: list[dict], n_items):
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for i, batch in enumerate(chunk):
         engine.set_gradient_accumulation_boundary(i == len(chunk) - 1)
-        loss = session.loss(engine, {k: v.to(engine.device) for k, v in batch.items()}, n_items)
+        loss = session.loss(engine, {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}, n_items)
         engine.backward(loss * world, scale_wrt_gas=False)
         total += loss.detach().float()
     # The learning rate this step uses (the Trainer logs it too), read before engine.step() advances the schedule.

@@ -154,7 +154,8 @@ class MethodTrainer(Trainer):
         return batch_samples, num_items_in_batch
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        n = torch.as_tensor(self.method.count(batch_samples), device=device)
+        # A host count (DPO's pairs) copied without blocking: a blocking copy waits for the device's queue.
+        n = torch.as_tensor(self.method.count(batch_samples)).to(device, non_blocking=True)
         return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     # Only now torch and accelerate (seconds): a flag mistake is reported without them.
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DummyOptim, DummyScheduler, GradientAccumulationPlugin, TorchDynamoPlugin
+    from accelerate.utils import (DataLoaderConfiguration, DummyOptim, DummyScheduler, GradientAccumulationPlugin,
+                                  TorchDynamoPlugin)
 
     from finetune.data.sampler import distributed_dataloader
 
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed_plugin=args.deepspeed_plugin,
         mixed_precision=args.mixed_precision,  # --bf16 / --fp16 (under DeepSpeed its JSON's "auto" gets them)
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
+        # --accelerator_config's non_blocking (a GPU default): batches copied from pinned memory without blocking.
+        dataloader_config=DataLoaderConfiguration(non_blocking=bool(args.accelerator_config.non_blocking)),
         # --torch_compile: prepare() compiles the model as the Trainer's Accelerator does (TrainingArguments has
         # set torch_compile_backend, "inductor" by default).
         dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
