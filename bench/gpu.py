@@ -98,7 +98,9 @@ SETTINGS = {
         # The rows section (the default on a GPU): the issue's table.
         row_models={"1b": "LLAMA_1B", "8b": "LLAMA_8B"},
         table_rows=(("1b", "full"), ("1b", "lora"), ("8b", "lora"), ("8b", "qlora")), row_records=2000,
-        seq_rows=2048, batches={"1b": 8, "8b": 4}, warmup_rows=2, timed_rows=15, logging_steps=20,
+        # logging every 5 steps inside the timed window: the idle gap a logged step costs, measured (see
+        # bench_row_child's gap_ms), priced at the default interval (finetune.config.training.GPU_DEFAULTS)
+        seq_rows=2048, batches={"1b": 8, "8b": 4}, warmup_rows=2, timed_rows=15, logging_steps=5,
         row_guess={"1b-full": 40, "1b-lora": 35, "8b-lora": 50, "8b-qlora": 70},
     ),
     "cpu-smoke": dict(
@@ -833,7 +835,15 @@ def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: 
     # Both sides get this project's attention for packed rows (records never attend to each other).
     result["attention_packed"] = bool(attention.enable(model, cfg))
     result["attn_implementation"] = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    clock: dict = {"t": None, "tokens": 0, "start_step": warmup + 1, "end_step": warmup + timed, "steps": []}
+    clock: dict = {"t": None, "tokens": 0, "start_step": warmup + 1, "end_step": warmup + timed, "steps": [],
+                   "ends": {}, "begins": {}}
+
+    def mark(where: dict, step: int) -> None:
+        # A CUDA event between steps (no sync): the gap from one step's end to the next one's start, as the GPU
+        # saw it, is the time it sat idle there (a step that logs waits for the device, then writes the entry).
+        if gpu and clock["start_step"] <= step <= clock["end_step"]:
+            where[step] = torch.cuda.Event(enable_timing=True)
+            where[step].record()
 
     def set_mode(mode) -> None:
         if gpu:
@@ -853,6 +863,7 @@ def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: 
                 clock["t"] = time.perf_counter()
             if clock["start_step"] <= step <= clock["end_step"]:
                 set_mode(sync_mode)
+            mark(clock["begins"], step)
             if step == clock["end_step"] + 1:
                 acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
                 self.prof = torch.profiler.profile(activities=acts)
@@ -860,6 +871,7 @@ def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: 
 
         def on_step_end(self, args, state, control, **kw):
             step = state.global_step
+            mark(clock["ends"], step)
             if step % every == 0 or step == clock["end_step"]:
                 set_mode(0)  # the log after this step reads the loss; the clock's own sync
             if step == clock["end_step"]:
@@ -912,6 +924,20 @@ def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: 
     flops = T.model_flops(model, int(real), int(trained), int(sq), lora=method != "full")
     result.update(steps=timed, rows=rows, seconds=seconds, real_tokens=real, tokens_per_s=real / seconds,
                   flops_per_s=flops / seconds, profile=clock.get("profile"))
+    if gpu:  # the GPU's idle gap after a step that logs and after one that does not (ms)
+        gaps = {k: clock["ends"][k].elapsed_time(clock["begins"][k + 1]) for k in clock["ends"]
+                if k + 1 in clock["begins"]}
+        logged = [g for k, g in gaps.items() if k % every == 0]
+        quiet = [g for k, g in gaps.items() if k % every]
+        result["gap_ms"] = {"logging": statistics.mean(logged) if logged else None,
+                            "quiet": statistics.mean(quiet) if quiet else None}
+        if logged and quiet:
+            from finetune.config.training import GPU_DEFAULTS
+
+            # What logging every GPU_DEFAULTS["logging_steps"] steps costs: its extra idle gap per step interval.
+            interval = GPU_DEFAULTS["logging_steps"]
+            result["log_cost_at_default"] = (result["gap_ms"]["logging"] - result["gap_ms"]["quiet"]) / 1000 / (
+                interval * seconds / timed)
     if gpu:
         result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                       reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
@@ -1017,6 +1043,12 @@ def render_rows(sec: dict, peak: float | None) -> list[str]:
                      f"{fmt(r.get('mfu_measured_peak'), '.1%')} | {fmt(o.get('peak_gib'), '.1f')} / "
                      f"{fmt(o.get('reserved_gib'), '.1f')} | {fmt(r.get('planned_gib'), '.1f')} | "
                      f"{po.get('launches', '-')} / {pt.get('launches', '-')} | {po.get('syncs', '-')} / {pt.get('syncs', '-')} |")
+    for r in sec.get("rows", []):
+        o = r.get("ours") or {}
+        if o.get("log_cost_at_default") is not None:
+            lines.append(f"- {r['model']} {r['method']}: a step that logs leaves the GPU idle {o['gap_ms']['logging']:.1f} ms "
+                         f"between steps, one that does not {o['gap_ms']['quiet']:.2f} ms: logging at the GPU default "
+                         f"interval costs {o['log_cost_at_default']:.2%} of the throughput")
     for r in sec.get("rows", []):
         for key in ("ours_sync_error", "ours_error", "trl_error", "error"):
             if r.get(key):
@@ -1465,7 +1497,10 @@ def verdict_lines(data: dict) -> list[str]:
             + (f"; peak {r['peak_gib']:.1f} GiB, planned {r['planned_gib']:.1f} GiB "
                f"({(r['planned_gib'] - r['peak_gib']) / r['peak_gib']:+.1%})" if r.get("peak_gib") and
                r.get("planned_gib") else "")
-            + ("; a sync stopped ours under set_sync_debug_mode('error')" if r.get("ours_sync_error") else ""))
+            + ("; a sync stopped ours under set_sync_debug_mode('error')" if r.get("ours_sync_error") else "")
+            + (f"; logging at the default interval costs {r['ours']['log_cost_at_default']:.2%} "
+               f"({'PASS' if r['ours']['log_cost_at_default'] <= 0.01 else 'FAIL'} against 1%)"
+               if (r.get("ours") or {}).get("log_cost_at_default") is not None else ""))
     pf = secs.get("padfree", {})
     for run in pf.get("runs", []):
         out.append(f"CHECK padfree {run['attn']}: " + ("FAILED to run" if "error" in run else
