@@ -101,3 +101,38 @@ def test_packed_sft_steps_wait_for_no_device(job, path):
     """Packed rows: the records' boundaries come from the collator too (finetune.models.attention)."""
     syncs = counted(job, path, f"{path}-packed", "--packing", "true")
     assert quiet_syncs(syncs) == {}, syncs
+
+
+def test_workers_collate_the_batches_the_step_would(job, tmp_path):
+    """The GPU default: batches (packed rows, their TRAINED_ROWS) collated ahead of the step in 2 persistent loader
+    workers, pinned where CUDA is, are the batches collated in the step's own process, in the same order, over two
+    epochs."""
+    from finetune import config as C
+    from finetune.constants import TRAINED_ROWS
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import make_collator
+    from finetune.data.sampler import distributed_dataloader
+    from finetune.models.load import load_tokenizer
+
+    root, model, data, _ = job
+    cfg = C.parse(["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+                   "--dataset_cache_dir", str(root / "cache"), "--packing", "true", "--max_seq_length", "128"])
+    tokenizer = load_tokenizer(cfg.model)
+    dataset, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
+    assert stats.packed_rows == len(dataset) > 4  # packed once, before training: rows are bins of records
+
+    def epochs(**kw) -> list[dict]:
+        loader = distributed_dataloader(dataset, make_collator(cfg, tokenizer), world=1, batch_size=2, shuffle=True,
+                                        seed=3, **kw)
+        out = []
+        for epoch in range(2):
+            loader.batch_sampler.set_epoch(epoch)
+            out += list(loader)
+        return out
+
+    here = epochs()
+    ahead = epochs(num_workers=2, persistent_workers=True, pin_memory=torch.cuda.is_available())
+    assert len(here) == len(ahead) == 2 * -(-len(dataset) // 2)
+    assert TRAINED_ROWS in here[0] and "position_ids" in here[0]
+    for a, b in zip(here, ahead):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
