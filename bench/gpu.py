@@ -794,6 +794,7 @@ def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: 
     torch.cuda.set_sync_debug_mode(sync_mode) (off while a step logs), then one profiled step."""
     if no_liger:
         _hide_liger()
+        p = dict(p, liger=False)  # TRL's use_liger_kernel too
     import statistics
 
     import torch
@@ -977,12 +978,15 @@ def section_rows(ctx) -> dict:
                 continue
             args = (side, ctx["models"][model]["dir"], ctx["rows_data"], str(Path(ctx["work"]) / "rows"), p, gpu,
                     method)
-            mode = "error" if side == "ours" else 0
-            status, res, secs = run_child(f"row-{model}-{method}-{side}", bench_row_child, side != "trl" or not liger,
-                                          *args, mode, timeout=ctx["budget"].left())
+            if side == "trl":  # with Liger where it runs (once more without it if a kernel fails)
+                status, res, secs = run_guarded(ctx, f"row-{model}-{method}-trl", "trl_rows", bench_row_child, *args, 0)
+            else:  # ours without Liger (its loss kernel syncs), under the sync checks
+                status, res, secs = run_child(f"row-{model}-{method}-ours", bench_row_child, True, *args, "error",
+                                              timeout=ctx["budget"].left())
             if status != "ok" and side == "ours" and gpu and ctx["budget"].fits(f"{model}-{method}-{side}", secs):
-                row["ours_sync_error"] = _first_line(str(res).split("--- last lines")[0])
-                row["ours_sync_error_detail"] = str(res)[-2500:]
+                key = "ours_sync_error" if "synchroniz" in str(res).lower() else "ours_first_error"
+                row[key] = _first_line(str(res).split("--- last lines")[0])
+                row[key + "_detail"] = str(res)[-2500:]
                 log(f"rows {model} {method} ours: FAILED under sync checks ({row['ours_sync_error']}); once more "
                     "with them off")
                 status, res, secs = run_child(f"row-{model}-{method}-{side}-nochecks", bench_row_child, True, *args,
@@ -1050,7 +1054,7 @@ def render_rows(sec: dict, peak: float | None) -> list[str]:
                          f"between steps, one that does not {o['gap_ms']['quiet']:.2f} ms: logging at the GPU default "
                          f"interval costs {o['log_cost_at_default']:.2%} of the throughput")
     for r in sec.get("rows", []):
-        for key in ("ours_sync_error", "ours_error", "trl_error", "error"):
+        for key in ("ours_sync_error", "ours_first_error", "ours_error", "trl_error", "error"):
             if r.get(key):
                 lines.append(f"- {r['model']} {r['method']} {key.replace('_', ' ')}: {_first_line(r[key])[:300]}")
     lines += [f"- {n}" for n in sec.get("notes", [])]
