@@ -94,16 +94,28 @@ SETTINGS = {
         memory_cells=("dpo-lora-bf16", "dpo-full-bf16", "full-bf16", "full-bf16-unchunked"),
         # first guesses of a child's seconds (replaced by what the last one like it took)
         guess={"llama1b-shape": 30, "smollm2-shape": 20, "bf16": 20, "padfree": 25, "memory": 45},
-        throughput_reserve=240, budget=450,
+        throughput_reserve=240, budget=420,
+        # The rows section (the default on a GPU): the issue's table.
+        row_models={"1b": "LLAMA_1B", "8b": "LLAMA_8B"},
+        table_rows=(("1b", "full"), ("1b", "lora"), ("8b", "lora"), ("8b", "qlora")), row_records=2000,
+        # logging every 5 steps inside the timed window: the idle gap a logged step costs, measured (see
+        # bench_row_child's gap_ms), priced at the default interval (finetune.config.training.GPU_DEFAULTS)
+        seq_rows=2048, batches={"1b": 8, "8b": 4}, warmup_rows=2, timed_rows=15, logging_steps=5,
+        row_guess={"1b-full": 40, "1b-lora": 35, "8b-lora": 50, "8b-qlora": 70},
     ),
     "cpu-smoke": dict(
         models={"tiny": TINY}, seq=128, batch=2, warmup=1, timed=3, repeats=3, methods=("lora", "full"),
         rows=("ft_packed", "trl_packing"), records=120, bf16_model="tiny", bf16_steps=20, bf16_batch=2,
         padfree_model="tiny", padfree_records=8, memory_model="tiny", memory_cells=("full-bf16", "dpo-lora-bf16"),
         guess={"tiny": 10, "bf16": 15, "padfree": 15, "memory": 30}, throughput_reserve=60, budget=240,
+        row_models={"tiny": "TINY"}, table_rows=(("tiny", "full"), ("tiny", "lora"), ("tiny", "qlora")),
+        row_records=120,
+        seq_rows=128, batches={"tiny": 2}, warmup_rows=1, timed_rows=3, logging_steps=2,
+        row_guess={"tiny-full": 20, "tiny-lora": 20, "tiny-qlora": 25},
     ),
 }
-SECTIONS = ("padfree", "bf16", "memory", "throughput", "profile")
+SECTIONS = ("rows", "padfree", "bf16", "memory", "throughput", "profile")
+DEFAULT_SECTIONS = {"gpu": ("rows",), "cpu-smoke": SECTIONS}  # a GPU run: the issue's rows, in at most 7 minutes
 # The profile section: the ft_packed step taken apart, one change at a time, beside TRL's (smollm2-shape, full).
 PROFILE_VARIANTS = ("ft_packed", "trl_packing", "ft_no_per_record_sdpa", "ft_unchunked_loss")
 
@@ -316,6 +328,8 @@ def build_child(folder: str, dims: dict, gpu: bool) -> dict:
         config = LlamaConfig(vocab_size=vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                              pad_token_id=None, **dims)
         torch.manual_seed(0)
+        if gpu:  # built in bf16 on the GPU (an 8B model in fp32 would be 32 GB and twice the time)
+            torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda" if gpu else "cpu"):
             model = LlamaForCausalLM(config)
         model.to(torch.bfloat16).save_pretrained(folder)
@@ -343,7 +357,7 @@ def padfree_child(no_liger: bool, model_dir: str, data: str, work: str, attn: st
     import torch
 
     from finetune import config as C
-    from finetune.data.packing import PackedCollator, bfd_pack
+    from finetune.data.packing import PackedCollator, bfd_pack, to_device
     from finetune.data.pipeline import prepare_dataset
     from finetune.data.prepare import Collator
     from finetune.models import attention
@@ -380,7 +394,7 @@ def padfree_child(no_liger: bool, model_dir: str, data: str, work: str, attn: st
     def loss_of(batch, impl):
         model.set_attn_implementation(impl)
         model.zero_grad(set_to_none=True)
-        inputs = {k: v.to(device) for k, v in batch.items()}
+        inputs = to_device(batch, device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(**inputs).loss
         loss.backward()
@@ -698,6 +712,355 @@ def section_throughput(ctx) -> dict:
     return out
 
 
+
+# ----------------------------------------------------------------------------------------------
+# Section: rows (the issue's table): ours against TRL, tokens/s, MFU, memory against the plan, launches and syncs.
+
+# Llama-3.1-8B's shape (untied head, 128k vocabulary).
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Runtime API calls that make the host wait for the device (torch.profiler's CPU-side CUDA runtime events).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaLaunchCooperativeKernel")
+
+
+def matmul_peak_child(gpu: bool) -> dict:
+    """The device's measured dense matmul rate (bf16 on a GPU, fp32 on a CPU): the best of a few square sizes."""
+    import torch
+
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    sizes = (8192, 12288) if gpu else (256, 512)
+    best = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        reps = 20 if gpu else 5
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if gpu:
+            torch.cuda.synchronize()
+        best[n] = 2 * n ** 3 * reps / (time.perf_counter() - start)
+    return {"peak": max(best.values()), "sizes": {str(k): v for k, v in best.items()}}
+
+
+def plan_gib(model_dir: str, argv: list[str]) -> float:
+    """`finetune plan`'s device total for these flags on one GPU (bench/memory_gpu.py's predict, its CUDA-context
+    allowance kept: the reserved memory includes what the allocator holds, not the context)."""
+    from finetune import config as C
+    from finetune.plan import planner
+
+    cfg = C.parse(argv, check_paths=False)
+    job = planner.workload_from_config(cfg, world_size=1, devices_per_node=1, accelerator="gpu")
+    pred = planner.predict(job)
+    return (pred.device_total - planner.GPU_DEVICE_OVERHEAD) / 2**30
+
+
+def _profile_counts(prof) -> dict:
+    """Kernel launches and host-device syncs of a profiled step (CPU-side CUDA runtime events; cudaMemcpy and
+    cudaMemcpy2D are the blocking copies, their Async forms are not counted)."""
+    launches = syncs = 0
+    sync_kinds: dict[str, int] = {}
+    for e in prof.key_averages():
+        if e.key.startswith(LAUNCH_CALLS):
+            launches += e.count
+        if e.key.startswith(SYNC_CALLS[:3]) or e.key.strip() in ("cudaMemcpy", "cudaMemcpy2D"):
+            syncs += e.count
+            sync_kinds[e.key] = sync_kinds.get(e.key, 0) + e.count
+    return {"launches": launches, "syncs": syncs, "sync_calls": sync_kinds}
+
+
+def _row_stats(dataset, lengths_key: str) -> dict:
+    """Per packed row of a data set: its real tokens and the sum of its records' squared lengths (attention FLOPs).
+    The steps' batches are collated in loader workers, so the timed tokens are counted from these means."""
+    rows = [dataset[i] for i in range(len(dataset))]
+    real = [len(r["input_ids"]) for r in rows]
+    seqs = [list(r.get(lengths_key) or [len(r["input_ids"])]) for r in rows]
+    sq = [sum(n * n for n in s) for s in seqs]
+    return {"rows": len(real), "real": sum(real) / len(real), "sq": sum(sq) / len(sq),
+            "records": sum(len(s) for s in seqs) / len(seqs)}
+
+
+def bench_row_child(no_liger: bool, side: str, model_dir: str, data: str, work: str, p: dict, gpu: bool,
+                    method: str, sync_mode: str) -> dict:
+    """One row side (`ours`: finetune's packed path through its HF Trainer; `trl`: TRL's SFTTrainer with packing,
+    padding_free and Liger) on `method` (full, lora, qlora): warm-up steps, timed steps under
+    torch.cuda.set_sync_debug_mode(sync_mode) (off while a step logs), then one profiled step."""
+    if no_liger:
+        _hide_liger()
+        p = dict(p, liger=False)  # TRL's use_liger_kernel too
+    import statistics
+
+    import torch
+    from transformers import TrainerCallback
+
+    from finetune import config as C
+    from finetune.data.pipeline import prepare_dataset
+    from finetune.data.prepare import make_collator
+    from finetune.models import attention
+    from finetune.models.load import load_model, load_tokenizer
+    from finetune.training import core
+
+    torch.manual_seed(0)
+    if not gpu:
+        torch.set_num_threads(1)
+    warmup, timed, every = p["warmup"], p["timed"], p["logging_steps"]
+    steps = warmup + timed + 1  # + the profiled step
+    argv = ["--model_name_or_path", model_dir, "--dataset", data, "--output_dir", f"{work}/out-{side}-{method}",
+            "--dataset_cache_dir", f"{work}/cache", "--max_seq_length", str(p["seq"]), "--packing", "true",
+            "--per_device_train_batch_size", str(p["batch"]), "--max_steps", str(steps), "--learning_rate", "1e-4",
+            "--seed", "0", "--disable_tqdm", "true", "--logging_steps", str(every), "--torch_dtype", p["dtype"],
+            "--completion_only_loss", "false", "--overwrite_output_dir", "true", "--save_strategy", "no"]
+    if method in ("lora", "qlora"):
+        argv += ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
+    if method == "qlora":
+        argv += ["--load_in_4bit", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_compute_dtype", "bfloat16"]
+    if gpu:
+        argv += ["--bf16", "true"]
+    result: dict = {"side": side, "method": method, "sync_mode": sync_mode if gpu else None}
+    if side == "ours":
+        result["planned_gib"] = plan_gib(model_dir, argv)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    cfg = C.parse(argv)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, cfg.training)
+    if gpu and method != "qlora":
+        model.to("cuda")
+    # Both sides get this project's attention for packed rows (records never attend to each other).
+    result["attention_packed"] = bool(attention.enable(model, cfg))
+    result["attn_implementation"] = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    clock: dict = {"t": None, "tokens": 0, "start_step": warmup + 1, "end_step": warmup + timed, "steps": [],
+                   "ends": {}, "begins": {}}
+
+    def mark(where: dict, step: int) -> None:
+        # A CUDA event between steps (no sync): the gap from one step's end to the next one's start, as the GPU
+        # saw it, is the time it sat idle there (a step that logs waits for the device, then writes the entry).
+        if gpu and clock["start_step"] <= step <= clock["end_step"]:
+            where[step] = torch.cuda.Event(enable_timing=True)
+            where[step].record()
+
+    def set_mode(mode) -> None:
+        if gpu:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    class Clock(TrainerCallback):
+        """Times steps warmup+1 .. warmup+timed (a step that logs runs with sync checks off, then on again) and
+        profiles the one after."""
+
+        prof = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            step = state.global_step + 1
+            if step == clock["start_step"]:
+                if gpu:
+                    torch.cuda.synchronize()
+                clock["t"] = time.perf_counter()
+            if clock["start_step"] <= step <= clock["end_step"]:
+                set_mode(sync_mode)
+            mark(clock["begins"], step)
+            if step == clock["end_step"] + 1:
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            step = state.global_step
+            mark(clock["ends"], step)
+            if step % every == 0 or step == clock["end_step"]:
+                set_mode(0)  # the log after this step reads the loss; the clock's own sync
+            if step == clock["end_step"]:
+                set_mode(0)
+                if gpu:
+                    torch.cuda.synchronize()
+                clock["seconds"] = time.perf_counter() - clock["t"]
+            if self.prof is not None and step == clock["end_step"] + 1:
+                if gpu:
+                    torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                clock["profile"] = _profile_counts(self.prof)
+                self.prof = None
+
+    if side == "ours":
+        from finetune.training.hf_trainer import Trainer
+
+        core.install_loss(model, cfg)
+        dataset, stats = prepare_dataset(cfg.data, tokenizer, log=lambda *a: None)
+        rows = _row_stats(dataset, "seq_lens")
+        trainer = Trainer(model=model, args=cfg.training, train_dataset=dataset,
+                          data_collator=make_collator(cfg, tokenizer), processing_class=tokenizer, callbacks=[Clock()])
+    else:
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        records = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+        kwargs = dict(output_dir=f"{work}/out-trl-{method}", max_steps=steps, per_device_train_batch_size=p["batch"],
+                      max_length=p["seq"], packing=True, padding_free=True, report_to="none", save_strategy="no",
+                      seed=0, disable_tqdm=True, logging_steps=every, learning_rate=1e-4,
+                      dataloader_num_workers=2 if gpu else 0, dataloader_pin_memory=gpu,
+                      dataloader_persistent_workers=gpu)
+        if gpu:
+            kwargs.update(bf16=True, use_liger_kernel=bool(p.get("liger")))
+        else:
+            kwargs.update(use_cpu=True, bf16=False)
+        trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer)
+        rows = _row_stats(trainer.train_dataset, "seq_lengths")
+        trainer.add_callback(Clock())
+        result["trl_liger"] = bool(kwargs.get("use_liger_kernel"))
+    try:
+        trainer.train()
+    finally:
+        set_mode(0)
+    n_rows = timed * p["batch"]
+    real, sq = n_rows * rows["real"], n_rows * rows["sq"]
+    trained = real - n_rows * rows["records"]  # each record's first token predicts nothing
+    seconds = clock["seconds"]
+    flops = T.model_flops(model, int(real), int(trained), int(sq), lora=method != "full")
+    result.update(steps=timed, rows=rows, seconds=seconds, real_tokens=real, tokens_per_s=real / seconds,
+                  flops_per_s=flops / seconds, profile=clock.get("profile"))
+    if gpu:  # the GPU's idle gap after a step that logs and after one that does not (ms)
+        gaps = {k: clock["ends"][k].elapsed_time(clock["begins"][k + 1]) for k in clock["ends"]
+                if k + 1 in clock["begins"]}
+        logged = [g for k, g in gaps.items() if k % every == 0]
+        quiet = [g for k, g in gaps.items() if k % every]
+        result["gap_ms"] = {"logging": statistics.mean(logged) if logged else None,
+                            "quiet": statistics.mean(quiet) if quiet else None}
+        if logged and quiet:
+            from finetune.config.training import GPU_DEFAULTS
+
+            # What logging every GPU_DEFAULTS["logging_steps"] steps costs: its extra idle gap per step interval.
+            interval = GPU_DEFAULTS["logging_steps"]
+            result["log_cost_at_default"] = (result["gap_ms"]["logging"] - result["gap_ms"]["quiet"]) / 1000 / (
+                interval * seconds / timed)
+    if gpu:
+        result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                      reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+    return result
+
+
+def section_rows(ctx) -> dict:
+    """The issue's rows: each (model, method) as ours then TRL. Ours runs its timed steps under
+    set_sync_debug_mode("error"); if a sync stops it, the error is kept and the row runs again with the checks off."""
+    s, gpu, info = ctx["settings"], ctx["gpu"], ctx["info"]
+    out = {"settings": {"seq": s["seq_rows"], "batches": s["batches"], "warmup": s["warmup_rows"],
+                        "timed": s["timed_rows"], "logging_steps": s["logging_steps"]}, "rows": [], "notes": [],
+           "matmul_peak": None}
+    ctx["sections_out"]["rows"] = out
+    status, res, _ = run_child("matmul-peak", matmul_peak_child, gpu, timeout=min(120, ctx["budget"].left()))
+    if status == "ok":
+        out["matmul_peak"] = res["peak"]
+        log(f"rows: measured matmul peak {res['peak'] / 1e12:.1f} TFLOP/s ({res['sizes']})")
+    liger = bool(info.get("liger")) and gpu
+    if gpu and liger:
+        out["notes"].append("ours runs its own chunked loss, Liger hidden: Liger's fused linear cross-entropy reads "
+                            "its token count with .item() (liger_kernel/ops/fused_linear_cross_entropy.py), a sync "
+                            "in every micro-batch; TRL runs with use_liger_kernel=True")
+    for model, method in s["table_rows"]:
+        if model not in ctx["models"]:
+            out["rows"].append({"model": model, "method": method, "error": "model not built"})
+            continue
+        batch = s["batches"][model]
+        p = dict(seq=s["seq_rows"], batch=batch, warmup=s["warmup_rows"], timed=s["timed_rows"],
+                 logging_steps=s["logging_steps"], dtype="bfloat16" if gpu else "float32", liger=liger)
+        row = {"model": model, "method": method, "batch": batch}
+        for side in ("ours", "trl"):
+            guess = s["row_guess"].get(f"{model}-{method}", 60)
+            if not ctx["budget"].fits(f"{model}-{method}-{side}", guess):
+                row[f"{side}_error"] = "skipped, over the time budget"
+                log(f"rows {model} {method} {side}: skipped (time budget: {ctx['budget'].left():.0f} s left)")
+                continue
+            args = (side, ctx["models"][model]["dir"], ctx["rows_data"], str(Path(ctx["work"]) / "rows"), p, gpu,
+                    method)
+            if side == "trl":  # with Liger where it runs (once more without it if a kernel fails)
+                status, res, secs = run_guarded(ctx, f"row-{model}-{method}-trl", "trl_rows", bench_row_child, *args, 0)
+            else:  # ours without Liger (its loss kernel syncs), under the sync checks
+                status, res, secs = run_child(f"row-{model}-{method}-ours", bench_row_child, True, *args, "error",
+                                              timeout=ctx["budget"].left())
+            if status != "ok" and side == "ours" and gpu and ctx["budget"].fits(f"{model}-{method}-{side}", secs):
+                key = "ours_sync_error" if "synchroniz" in str(res).lower() else "ours_first_error"
+                row[key] = _first_line(str(res).split("--- last lines")[0])
+                row[key + "_detail"] = str(res)[-2500:]
+                log(f"rows {model} {method} ours: FAILED under sync checks ({row['ours_sync_error']}); once more "
+                    "with them off")
+                status, res, secs = run_child(f"row-{model}-{method}-{side}-nochecks", bench_row_child, True, *args,
+                                              0, timeout=ctx["budget"].left())
+            ctx["budget"].took(f"{model}-{method}-{side}", secs)
+            if status != "ok":
+                row[f"{side}_error"] = str(res)[-2500:]
+                log(f"rows {model} {method} {side}: FAILED: {_first_line(res)}")
+                continue
+            row[side] = res
+            log(f"rows {model} {method} {side}: {res['tokens_per_s']:,.0f} tok/s"
+                + (f", peak {res['peak_gib']:.1f} GiB (reserved {res['reserved_gib']:.1f})" if gpu else "")
+                + (f", planned {res['planned_gib']:.1f} GiB" if "planned_gib" in res else "")
+                + (f"; profiled step: {res['profile']['launches']} launches, {res['profile']['syncs']} syncs"
+                   if res.get("profile") else "") + f" ({secs:.0f} s)")
+        ours, trl = row.get("ours"), row.get("trl")
+        row["ours_tokens_per_s"] = ours["tokens_per_s"] if ours else None
+        row["trl_tokens_per_s"] = trl["tokens_per_s"] if trl else None
+        row["ratio"] = ours["tokens_per_s"] / trl["tokens_per_s"] if ours and trl else None
+        row["mfu"] = ours["flops_per_s"] / ctx["peak"] if ours and ctx["peak"] else None
+        row["mfu_measured_peak"] = ours["flops_per_s"] / out["matmul_peak"] if ours and out["matmul_peak"] else None
+        row["peak_gib"] = ours.get("peak_gib") if ours else None
+        row["planned_gib"] = ours.get("planned_gib") if ours else None
+        out["rows"].append(row)
+        ctx["save"]()
+    return out
+
+
+def results_json(data: dict) -> dict:
+    """bench/results/gpu.json: {"gpu": NAME, "rows": [{model, method, ours_tokens_per_s, trl_tokens_per_s, mfu,
+    peak_gib, planned_gib}]} from a run's rows section."""
+    rows = data.get("sections", {}).get("rows", {}).get("rows", [])
+    keys = ("model", "method", "ours_tokens_per_s", "trl_tokens_per_s", "mfu", "peak_gib", "planned_gib")
+    return {"gpu": data.get("info", {}).get("device", "?"), "rows": [{k: r.get(k) for k in keys} for r in rows]}
+
+
+def render_rows(sec: dict, peak: float | None) -> list[str]:
+    lines = ["### Ours against TRL (the issue's rows)", ""]
+    if "error" in sec:
+        return lines + [f"Section failed: {_first_line(sec['error'])}", ""]
+    st = sec["settings"]
+    mm = sec.get("matmul_peak")
+    lines += [f"Random weights, bf16, packed {st['seq']:,}-token rows ({', '.join(f'{k}: {v} a step' for k, v in st['batches'].items())}), "
+              f"{st['warmup']} warm-up steps, {st['timed']} timed steps (logging every {st['logging_steps']}), then one "
+              "profiled step. Ours: finetune's packed path through its HF Trainer, timed steps under "
+              "torch.cuda.set_sync_debug_mode(\"error\") (off while a step logs); TRL: SFTTrainer, packing and "
+              "padding_free, Liger where it runs, the same attention for packed rows. MFU: model FLOPs over the card's "
+              "dense bf16 peak" + (f" ({peak / 1e12:.0f} TFLOP/s)" if peak else "") + " and over the measured matmul peak"
+              + (f" ({mm / 1e12:.0f} TFLOP/s)" if mm else "") + ".", "",
+              "| model | method | ours tok/s | TRL tok/s | ours / TRL | MFU (card) | MFU (measured) | peak alloc / reserved GiB | planned GiB | launches ours / TRL | syncs ours / TRL |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    for r in sec.get("rows", []):
+        o, t = r.get("ours") or {}, r.get("trl") or {}
+        po, pt = o.get("profile") or {}, t.get("profile") or {}
+        lines.append(f"| {r['model']} | {r['method']} | {fmt(r.get('ours_tokens_per_s'), ',.0f')} | "
+                     f"{fmt(r.get('trl_tokens_per_s'), ',.0f')} | {fmt(r.get('ratio'), '.2f')} | {fmt(r.get('mfu'), '.1%')} | "
+                     f"{fmt(r.get('mfu_measured_peak'), '.1%')} | {fmt(o.get('peak_gib'), '.1f')} / "
+                     f"{fmt(o.get('reserved_gib'), '.1f')} | {fmt(r.get('planned_gib'), '.1f')} | "
+                     f"{po.get('launches', '-')} / {pt.get('launches', '-')} | {po.get('syncs', '-')} / {pt.get('syncs', '-')} |")
+    for r in sec.get("rows", []):
+        o = r.get("ours") or {}
+        if o.get("log_cost_at_default") is not None:
+            lines.append(f"- {r['model']} {r['method']}: a step that logs leaves the GPU idle {o['gap_ms']['logging']:.1f} ms "
+                         f"between steps, one that does not {o['gap_ms']['quiet']:.2f} ms: logging at the GPU default "
+                         f"interval costs {o['log_cost_at_default']:.2%} of the throughput")
+    for r in sec.get("rows", []):
+        for key in ("ours_sync_error", "ours_first_error", "ours_error", "trl_error", "error"):
+            if r.get(key):
+                lines.append(f"- {r['model']} {r['method']} {key.replace('_', ' ')}: {_first_line(r[key])[:300]}")
+    lines += [f"- {n}" for n in sec.get("notes", [])]
+    return lines + [""]
+
+
 def throughput_summary(tp: dict) -> list[dict]:
     """Per (model, method): each row's tokens/s and MFU, and the ratio ft/TRL within repeats, median and spread."""
     ok = [r for r in tp["results"] if "error" not in r]
@@ -748,6 +1111,8 @@ def render(data: dict) -> str:
         lines.append(f"**{name}**: random weights, {m['description']}.  ")
     lines.append("")
     secs = data.get("sections", {})
+    if secs.get("rows") is not None:
+        lines += render_rows(secs["rows"], peak)
 
     tp = secs.get("throughput")
     if tp is not None:
@@ -908,9 +1273,18 @@ def render(data: dict) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+RESULTS_DIR = REPO / "bench" / "results"
+
+
 def record(json_path: str, results: Path = REPO / "bench" / "RESULTS.md") -> str:
-    """Put the run's section into RESULTS.md: replaces the section of the same device (same heading), else appends."""
-    section = render(json.loads(Path(json_path).read_text()))
+    """Put the run's section into RESULTS.md: replaces the section of the same device (same heading), else appends;
+    a run with the rows section writes bench/results/gpu.json (beside RESULTS.md) too."""
+    data = json.loads(Path(json_path).read_text())
+    section = render(data)
+    if "rows" in data.get("sections", {}):
+        folder = results.parent / "results"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gpu.json").write_text(json.dumps(results_json(data), indent=1))
     heading = section.splitlines()[0]
     text = results.read_text() if results.exists() else "# Benchmarks\n"
     start = text.find(heading + "\n")
@@ -945,7 +1319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds from the start (GPU default 450)")
     ap.add_argument("--write", default=None, metavar="DIR", help="write gpu.json, gpu.md and logs/ there")
     ap.add_argument("--work", default=None, help="models, data, run folders (default: a folder under /tmp)")
-    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
+                    help="default: rows on a GPU (the issue's table, at most 7 minutes); every section with --cpu-smoke")
     ap.add_argument("--models", nargs="+", default=None, help="build and use only these models (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="throughput repeats (default 3)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
@@ -960,6 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = "cpu-smoke" if args.cpu_smoke else "gpu"
     s = dict(SETTINGS[mode])
+    args.sections = args.sections or list(DEFAULT_SECTIONS[mode])
     if args.repeats:
         s["repeats"] = args.repeats
     if args.models:
@@ -1019,9 +1395,16 @@ def main(argv: list[str] | None = None) -> int:
     if gpu and info.get("device_count", 1) > 1:
         data["notes"].append(f"{info['device_count']} GPUs visible: every child uses cuda:0")
 
-    # Models and data (a child: the 1B model is built on the GPU).
+    # Models and data (a child: the 1B model is built on the GPU). Only those the sections asked for use.
+    wanted = {m for section, ms in (("padfree", [s["padfree_model"]]), ("bf16", [s["bf16_model"]]),
+                                    ("memory", [s["memory_model"]]), ("throughput", list(s["models"])),
+                                    ("profile", [s["bf16_model"]]), ("rows", [m for m, _ in s["table_rows"]]))
+              if section in args.sections for m in ms}
+    shapes = {**s["models"], **{k: globals()[v] for k, v in s["row_models"].items()}}
     models = {}
-    for name, dims in s["models"].items():
+    for name, dims in shapes.items():
+        if name not in wanted:
+            continue
         folder = work / "models" / name
         st, res, secs = run_child(f"build-{name}", build_child, str(folder), dims, gpu, timeout=max(60, budget.left()))
         if st != "ok":
@@ -1034,16 +1417,18 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.models import tiny
 
     data_file = tiny.write_jsonl(work / "mixed.jsonl", T.mixed_records(s["records"], s["seq"], seed=0))
+    rows_data = tiny.write_jsonl(work / "rows.jsonl", T.mixed_records(s["row_records"], s["seq_rows"], seed=0))
     ctx = {"settings": s, "info": info, "gpu": gpu, "budget": budget, "models": models, "data": str(data_file),
+           "rows_data": str(rows_data),
            "work": str(work), "peak": peak, "peak_key": key, "no_liger": bool(gpu and info.get("liger") is False),
            "sections": args.sections, "liger_failed": {}, "save": lambda: _save(data, out_dir, work),
            "sections_out": data["sections"]}
-    for section, fn in (("padfree", section_padfree), ("bf16", section_bf16), ("memory", section_memory),
-                        ("throughput", section_throughput), ("profile", section_profile)):
+    for section, fn in (("rows", section_rows), ("padfree", section_padfree), ("bf16", section_bf16),
+                        ("memory", section_memory), ("throughput", section_throughput), ("profile", section_profile)):
         if section not in args.sections:
             continue
         needed = {"padfree": [s["padfree_model"]], "bf16": [s["bf16_model"]], "memory": [s["memory_model"]],
-                  "throughput": list(s["models"]), "profile": [s["bf16_model"]]}[section]
+                  "throughput": list(s["models"]), "profile": [s["bf16_model"]], "rows": []}[section]
         if not all(m in models for m in needed) and not (section == "throughput" and models):
             data["sections"][section] = {"error": f"model(s) {', '.join(m for m in needed if m not in models)} "
                                                   "were not built"}
@@ -1087,6 +1472,13 @@ def _finish(data: dict, out_dir: Path | None, work: Path, code: int) -> int:
     verdicts = verdict_lines(data)
     for line in verdicts:
         print(line, flush=True)
+    if "rows" in data.get("sections", {}):
+        # bench/results/gpu.json: the rows' summary (the GPU run's in this checkout too; --record writes it later).
+        table = json.dumps(results_json(data), indent=1)
+        for folder in filter(None, (out_dir / "results" if out_dir else None,
+                                    RESULTS_DIR if data.get("mode") == "gpu" else None)):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "gpu.json").write_text(table)
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gpu.json").write_text(json.dumps(data, indent=1))
@@ -1101,6 +1493,18 @@ def verdict_lines(data: dict) -> list[str]:
     """One line per check: PASS / FAIL / not run."""
     out = []
     secs = data.get("sections", {})
+    for r in secs.get("rows", {}).get("rows", []):
+        ratio = r.get("ratio")
+        out.append(f"CHECK rows {r['model']} {r['method']}: " + (
+            f"ours / TRL {ratio:.2f}x ({'PASS' if ratio >= 1.2 else 'FAIL'} against 1.2x)" if ratio else "no ratio")
+            + (f"; MFU {r['mfu']:.1%}" if r.get("mfu") else "")
+            + (f"; peak {r['peak_gib']:.1f} GiB, planned {r['planned_gib']:.1f} GiB "
+               f"({(r['planned_gib'] - r['peak_gib']) / r['peak_gib']:+.1%})" if r.get("peak_gib") and
+               r.get("planned_gib") else "")
+            + ("; a sync stopped ours under set_sync_debug_mode('error')" if r.get("ours_sync_error") else "")
+            + (f"; logging at the default interval costs {r['ours']['log_cost_at_default']:.2%} "
+               f"({'PASS' if r['ours']['log_cost_at_default'] <= 0.01 else 'FAIL'} against 1%)"
+               if (r.get("ours") or {}).get("log_cost_at_default") is not None else ""))
     pf = secs.get("padfree", {})
     for run in pf.get("runs", []):
         out.append(f"CHECK padfree {run['attn']}: " + ("FAILED to run" if "error" in run else

@@ -3,12 +3,14 @@
 #
 #   bash bench/gpu_run.sh [bench/gpu.py flags]      # writes $OUT/gpu.json, gpu.md, log, versions.txt, logs/
 #
-# 1. installs the wheels carried in .whl/ (git-ignored: carry it; `ls .whl` lists the exact versions this checkout's
-#    venv uses for transformers, peft, accelerate, datasets, TRL, their missing dependencies, and liger-kernel) into
-#    /tmp/site, never into the machine's own site-packages; huggingface_hub from .whl/fallback/ only where the
-#    machine's is older than the 1.31 that transformers 5.24 and datasets 5.2 need;
+# 1. installs the wheels carried in .whl/ (git-ignored, built by `bash bench/gpu_prepare.sh`: the exact versions this
+#    checkout's venv uses of transformers, tokenizers, peft, datasets, TRL and their small dependencies, liger-kernel,
+#    and bitsandbytes slimmed to CUDA 13; about 25 MiB) into /tmp/site, never into the machine's own site-packages;
+#    huggingface_hub from .whl/fallback/ only where the machine's is older than the 1.31 that transformers 5.24 and
+#    datasets 5.2 need; pyarrow and pandas are the machine's (checked: not carried, pyarrow's wheel is 55 MB);
 # 2. prints the versions that will run and the GPU's name;
-# 3. runs bench/gpu.py --write "$OUT" (its --budget, default 450 s, bounds the run), output also in $OUT/log.
+# 3. runs bench/gpu.py --write "$OUT" (on a GPU: the rows section, ours against TRL; its --budget, default 420 s,
+#    bounds the run), output also in $OUT/log; $OUT/results/gpu.json is bench/results/gpu.json.
 #
 # Afterwards, on a machine with this checkout: python bench/gpu.py --record OUT/gpu.json   (bench/RESULTS.md)
 set -uo pipefail
@@ -37,6 +39,13 @@ sys.exit(0 if Version(v) >= Version('1.31') else 1)
   echo "gpu_run: huggingface_hub missing or older than 1.31: installing .whl/fallback/"
   pip_target .whl/fallback/*.whl || echo "gpu_run: the fallback huggingface_hub did not install" >&2
 fi
+
+for module in pyarrow pandas; do  # datasets' and TRL's compiled dependencies: the machine's own
+  if ! python3 -c "import $module" 2>/dev/null; then
+    echo "gpu_run: $module does not import on this machine and is not carried (bench/gpu_prepare.sh says why)" >&2
+    exit 3
+  fi
+done
 
 export PYTHONPATH="$SITE:$PWD"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTORCH_NVML_BASED_CUDA_CHECK=1

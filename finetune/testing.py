@@ -682,3 +682,162 @@ def ops_built_elsewhere(ours: Path, since: float) -> list[str]:
         elif built:
             found.append(str(folder))
     return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-device syncs, counted on a CPU.
+
+# Tensor methods and torch functions whose result the host needs before it can go on: on a GPU each waits for every
+# kernel queued before it (torch.cuda.set_sync_debug_mode reports the same places).
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero", "cpu",
+                "numpy", "equal", "unique", "unique_consecutive", "masked_select", "bincount", "argwhere")
+SYNC_FUNCTIONS = ("nonzero", "unique", "unique_consecutive", "masked_select", "equal", "allclose", "bincount",
+                  "argwhere", "repeat_interleave")
+_FINETUNE_DIR = str(REPO / "finetune") + os.sep
+# Calls made on host data by design, wherever they are: the data loader (collators run in its workers on a GPU
+# machine, on CPU tensors) and torch's optimizers (their step counters stay on the host unless capturable).
+HOST_SIDE = (os.sep + os.path.join("torch", "utils", "data") + os.sep, os.sep + os.path.join("torch", "optim") + os.sep)
+
+
+class SyncCounter:
+    """Counts the calls that force a host-device sync (SYNC_METHODS, SYNC_FUNCTIONS, indexing with a bool mask, a
+    copy `.to("cpu")` by name), each attributed to its first caller outside torch, per step: `begin()` starts the next step.
+
+    A call counts as the project's (`ours`) when that caller is a file of the finetune package. Calls anywhere under
+    torch's data loader or optimizers (HOST_SIDE) act on host data by design and are left out. On a CPU every tensor
+    is on the host, so this finds the places a GPU run would wait, without a GPU. Not seen: a blocking copy of host
+    data to the device (`torch.tensor(x, device=...)`, `.to(device)` without non_blocking), which waits for the
+    device's queue too; the GPU bench's set_sync_debug_mode("error") does see it.
+
+        with SyncCounter() as c:
+            ...             # c.begin() at each step's start
+        c.ours(step), c.calls[step]
+    """
+
+    def __init__(self):
+        self.step = 0
+        self.calls: dict[int, list[dict]] = {}
+        self._saved: list[tuple[object, str, object]] = []
+        import torch
+
+        self._torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    def begin(self) -> None:
+        self.step += 1
+
+    def ours(self, step: int) -> list[dict]:
+        return [c for c in self.calls.get(step, []) if c["ours"]]
+
+    def summary(self) -> dict:
+        """{step: {"ours": n, "others": n, "where": ["what at file:line", ...]}} for every step with a call."""
+        return {step: {"ours": sum(c["ours"] for c in calls), "others": sum(not c["ours"] for c in calls),
+                       "where": sorted({f"{c['what']} at {c['where']}" for c in calls})}
+                for step, calls in sorted(self.calls.items())}
+
+    def _record(self, what: str) -> None:
+        import sys as _sys
+
+        frame, caller = _sys._getframe(2), None
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if any(part in name for part in HOST_SIDE):
+                return
+            if caller is None and not name.startswith(self._torch_dir) and name != __file__:
+                caller = frame
+            frame = frame.f_back
+        if caller is None:
+            return
+        name = caller.f_code.co_filename
+        ours = name.startswith(_FINETUNE_DIR)
+        where = f"{os.path.relpath(name, REPO) if ours else name}:{caller.f_lineno}"
+        self.calls.setdefault(self.step, []).append({"what": what, "where": where, "ours": ours})
+
+    def _wrap(self, owner, name: str, when=None) -> None:
+        original = getattr(owner, name)
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            if when is None or when(args, kwargs):
+                counter._record(name)
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    def __enter__(self) -> "SyncCounter":
+        import torch
+
+        def bool_index(args, kwargs) -> bool:
+            index = args[1] if len(args) > 1 else None
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+        def to_host(args, kwargs) -> bool:
+            # Only a copy asked for by name: `.to(x.device)` is on the CPU here but a device's own on a GPU.
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            return isinstance(target, str) and target.startswith("cpu")
+
+        for name in SYNC_METHODS:
+            if hasattr(torch.Tensor, name):
+                self._wrap(torch.Tensor, name)
+        for name in SYNC_FUNCTIONS:
+            self._wrap(torch, name)
+        self._wrap(torch.Tensor, "__getitem__", bool_index)
+        self._wrap(torch.Tensor, "__setitem__", bool_index)
+        self._wrap(torch.Tensor, "to", to_host)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+# The paths by name (the launcher files' main functions), for count_syncs.
+PATH_MAINS = {"trainer": "finetune.training.trainer", "loop": "finetune.training.loop",
+              "engine": "finetune.training.engine"}
+
+
+def count_syncs(path: str, argv: list[str]) -> SyncCounter:
+    """Run one training path (`path` of PATH_MAINS) in this process on `argv` under a SyncCounter whose steps are
+    the path's optimizer steps: a step begins where the path takes its micro-batches' count (the Trainer's
+    get_batch_samples, the hand-written paths' core.global_count), so a step's log and save count in that step.
+    Whatever comes before the first step (loading) is step 0; the final save is in the last step."""
+    import importlib
+
+    import transformers
+
+    from finetune.training import core
+
+    counter = SyncCounter()
+    restore = []
+
+    def marked(owner, name):
+        original = getattr(owner, name)
+
+        def begin(*args, **kwargs):
+            counter.begin()
+            return original(*args, **kwargs)
+
+        restore.append((owner, name, original))
+        setattr(owner, name, begin)
+
+    if path == "trainer":
+        marked(transformers.Trainer, "get_batch_samples")
+    else:
+        marked(core, "global_count")
+    main = importlib.import_module(PATH_MAINS[path]).main
+    try:
+        with counter:
+            main(argv)
+    finally:
+        for owner, name, original in restore:
+            setattr(owner, name, original)
+    return counter
+
+
+if __name__ == "__main__":  # python -m finetune.testing count-syncs PATH OUT.json ARGV...: count_syncs in a process
+    if len(sys.argv) < 4 or sys.argv[1] != "count-syncs":
+        raise SystemExit("usage: python -m finetune.testing count-syncs trainer|loop|engine OUT.json ARGV...")
+    _counter = count_syncs(sys.argv[2], sys.argv[4:])
+    Path(sys.argv[3]).write_text(json.dumps({"steps": _counter.step, "syncs": _counter.summary()}, indent=1))

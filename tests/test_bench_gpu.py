@@ -59,7 +59,7 @@ def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     data = json.loads((out / "gpu.json").read_text())
     assert (out / "gpu.md").read_text().startswith("## GPU: cpu (bench/gpu.py)")
     secs = data["sections"]
-    assert set(secs) == {"padfree", "bf16", "memory", "throughput", "profile"}
+    assert set(secs) == {"rows", "padfree", "bf16", "memory", "throughput", "profile"}
     assert not any("error" in s for s in secs.values()), {k: s.get("error", "")[:500] for k, s in secs.items()}
 
     # Padding-free and packed rows give the padded batch's loss on the same trained tokens.
@@ -153,3 +153,61 @@ def test_a_child_that_fails_with_liger_runs_again_without_it(tmp_path, monkeypat
     ctx["info"]["liger"] = False  # Liger not in use: a failure is a failure
     status, res, _ = G.run_guarded(ctx, "plain", "bf16", _fails_with_liger, 4)
     assert status == "error" and "did not compile" in res
+
+
+ROW = {"model": "1b", "method": "lora", "batch": 8, "ours_tokens_per_s": 30000.0, "trl_tokens_per_s": 20000.0,
+       "ratio": 1.5, "mfu": 0.41, "mfu_measured_peak": 0.5, "peak_gib": 20.0, "planned_gib": 20.5,
+       "ours": {"tokens_per_s": 30000.0, "peak_gib": 20.0, "reserved_gib": 22.0, "profile": {"launches": 900,
+                                                                                               "syncs": 0}},
+       "trl": {"tokens_per_s": 20000.0, "profile": {"launches": 2100, "syncs": 3}}}
+
+
+def test_rows_make_the_issue_json_and_a_results_section(tmp_path):
+    """bench/results/gpu.json has exactly the issue's keys; --record writes it beside RESULTS.md with the section."""
+    data = {"mode": "gpu", "command": "bash bench/gpu_run.sh", "date": "2026-11-28 21:00 UTC", "wall": 400,
+            "budget": 420, "peak": 989e12, "info": {"device": "NVIDIA H200", "versions": {}},
+            "sections": {"rows": {"settings": {"seq": 2048, "batches": {"1b": 8, "8b": 4}, "warmup": 2, "timed": 15,
+                                               "logging_steps": 20}, "matmul_peak": 780e12, "notes": [],
+                                  "rows": [ROW, {"model": "8b", "method": "qlora", "error": "model not built"}]}},
+            "notes": []}
+    assert G.results_json(data) == {"gpu": "NVIDIA H200", "rows": [
+        {k: ROW[k] for k in ("model", "method", "ours_tokens_per_s", "trl_tokens_per_s", "mfu", "peak_gib",
+                             "planned_gib")},
+        {"model": "8b", "method": "qlora", "ours_tokens_per_s": None, "trl_tokens_per_s": None, "mfu": None,
+         "peak_gib": None, "planned_gib": None}]}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(data))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmarks\n")
+    G.record(str(run), results)
+    assert json.loads((tmp_path / "results" / "gpu.json").read_text()) == G.results_json(data)
+    text = results.read_text()
+    assert "| 1b | lora | 30,000 | 20,000 | 1.50 | 41.0% | 50.0% | 20.0 / 22.0 | 20.5 | 900 / 2100 | 0 / 3 |" in text
+    assert "8b qlora error: model not built" in text
+    assert "CHECK rows 1b lora: ours / TRL 1.50x (PASS against 1.2x); MFU 41.0%; peak 20.0 GiB, planned 20.5 GiB " \
+           "(+2.5%)" in G.verdict_lines(data)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_rows_run_both_sides_of_every_row(tmp_path):
+    """The GPU run's default section end to end on CPU (tiny shapes, one thread; CPU wall time on a shared machine,
+    so the numbers say only that every part ran): ours and TRL on full, LoRA and QLoRA, bench/results/gpu.json."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--cpu-smoke", "--sections", "rows", "--budget", "900",
+                           "--write", str(out), "--work", str(work)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    table = json.loads((out / "results" / "gpu.json").read_text())
+    assert table["gpu"] == "cpu" and [(r["model"], r["method"]) for r in table["rows"]] == [
+        ("tiny", "full"), ("tiny", "lora"), ("tiny", "qlora")]
+    for r in table["rows"]:
+        assert r["ours_tokens_per_s"] > 0 and r["trl_tokens_per_s"] > 0 and r["planned_gib"] > 0, r
+    rows = json.loads((out / "gpu.json").read_text())["sections"]["rows"]
+    assert rows["matmul_peak"] > 0
+    for r in rows["rows"]:
+        for side in ("ours", "trl"):
+            assert r[side]["steps"] == G.SETTINGS["cpu-smoke"]["timed_rows"] and r[side]["profile"] is not None
+        assert r["ours"]["attention_packed"] and 0 < r["mfu_measured_peak"] < 1

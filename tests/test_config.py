@@ -580,3 +580,37 @@ def test_only_rank_0_reports_at_once(monkeypatch, capsys):
         assert e.value.code == 2
         assert (time.monotonic() - start >= 0.3) == waited
         assert capsys.readouterr().err.splitlines()[0] == printed
+
+
+def test_gpu_defaults_leave_what_the_user_gave():
+    """On a CUDA device: logging every 20 steps, pinned persistent loader workers copying without blocking, bf16
+    where the GPU has it; none
+    of them where the recipe or the command line set the key, and nothing on a CPU."""
+    from finetune.config.training import GPU_DEFAULTS, device_defaults
+
+    assert device_defaults({}, {}, cuda=False) == {}
+    assert device_defaults({}, {}, cuda=True, bf16=True) == {**GPU_DEFAULTS, "bf16": True}
+    assert "bf16" not in device_defaults({}, {}, cuda=True, bf16=False)  # a V100: no bf16
+    assert device_defaults({"use_cpu": True}, {"use_cpu": "cli"}, cuda=True, bf16=True) == {}
+    got = device_defaults({"fp16": True, "logging_steps": 1}, {"fp16": "cli", "logging_steps": "recipe"}, cuda=True,
+                          bf16=True)
+    assert "bf16" not in got and "logging_steps" not in got and got["dataloader_num_workers"] == 2
+    got = device_defaults({"dataloader_num_workers": 0}, {"dataloader_num_workers": "cli"}, cuda=True, bf16=True)
+    assert "dataloader_num_workers" not in got and "dataloader_persistent_workers" not in got
+
+
+def test_the_start_lines_say_the_precision(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune.training.lifecycle import _precision
+
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    gpu_default = SimpleNamespace(training=SimpleNamespace(bf16=True, fp16=False), sources={})
+    assert _precision(gpu_default, model) == ("precision: weights bfloat16, bf16 mixed precision (autocast) (the "
+                                              "default on this GPU; --bf16 false turns it off)")
+    asked = SimpleNamespace(training=SimpleNamespace(bf16=True, fp16=False), sources={"bf16": "cli"})
+    assert _precision(asked, model) == "precision: weights bfloat16, bf16 mixed precision (autocast)"
+    cpu = SimpleNamespace(training=SimpleNamespace(bf16=False, fp16=False), sources={})
+    assert _precision(cpu, torch.nn.Linear(2, 2)) == "precision: weights float32, no mixed precision"

@@ -261,3 +261,41 @@ def _write_table(path: str, preset: str, diffs: dict) -> None:
         lines = ["| path x preset | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         lines += [f"| {k} | " + " | ".join(f"{v[c]:.1e}" for c in cols) + " |" for k, v in _table.items()]
         Path(target).write_text("\n".join(lines) + "\n")
+
+
+def test_logging_window_read_only_when_it_logs_over_two_ranks():
+    """The window sums this rank's step losses on the device and reduces them only when a step logs (or the state is
+    saved): rank 0's window, read through a reduce that adds rank 1's share (all_sum over two ranks), logs the mean
+    of the per-step global losses; a window saved open resumes with its global sum on rank 0 alone."""
+    import torch
+
+    args = SimpleNamespace(logging_steps=3, logging_strategy="steps", logging_first_step=False)
+    shares = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [0.5, 0.25, 1.5, 2.0, 0.75, 1.0, 3.0]]
+    sums = [a + b for a, b in zip(*shares)]
+
+    def pair(state=None):
+        w = [core.LogWindow.for_run(args, 7, state, main=rank == 0) for rank in (0, 1)]
+        w[1].enabled = False  # rank 1 logs the same entries; here its window is emptied when rank 0 logs
+        w[0].reduce = lambda t: t + torch.as_tensor(w[1].loss, dtype=t.dtype)
+        return w
+
+    def run(w, steps, state_after=None):
+        saved = None
+        for step in steps:
+            w[1].add(step, torch.tensor(shares[1][step - 1]), 0.1, None, 0.0)
+            if w[0].add(step, torch.tensor(shares[0][step - 1]), 0.1, None, 0.0) is not None:
+                w[1].loss = 0.0
+            if step == state_after:
+                saved = json.loads(json.dumps(w[0].state()))
+        return saved
+
+    whole = pair()
+    run(whole, range(1, 8))
+    assert [e["loss"] for e in whole[0].history] == pytest.approx([sum(sums[0:3]) / 3, sum(sums[3:6]) / 3])
+    first = pair()
+    saved = run(first, range(1, 6), state_after=5)  # the window of steps 4-5 is open
+    assert saved["window"] == [pytest.approx(sums[3] + sums[4]), 2]
+    resumed = pair(saved)
+    assert resumed[0].loss == pytest.approx(sums[3] + sums[4]) and resumed[1].loss == 0.0
+    run(resumed, range(6, 8))
+    assert resumed[0].history[-1] == pytest.approx(whole[0].history[-1])

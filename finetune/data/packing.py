@@ -48,9 +48,9 @@ def boundaries(segment_lengths: Sequence[int]) -> dict[str, Any]:
             "seq_bounds": bounds}
 
 
-def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device, non_blocking: bool = False) -> dict[str, Any]:
     """A batch on `device`: its tensors moved, its host values (max lengths, bounds) kept as they are."""
-    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=non_blocking) if hasattr(v, "to") else v for k, v in batch.items()}
 
 
 def bfd_pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -406,4 +406,23 @@ class PairCollator:
             batch["pair_index"] = torch.tensor([f["pair_index"] for f in features], dtype=torch.long)
         if "margin" in features[0]:  # a reward model's per-pair margin (finetune.methods.reward)
             batch["margin"] = torch.tensor([f["margin"] for f in features], dtype=torch.float32)
+        batch[SCORED_POSITIONS], batch[SCORED_INDEX] = scored(batch["labels"])
         return batch
+
+
+# The batch keys of what the pair losses score (finetune.methods.dpo.sequence_logps), found on the host by the
+# collator so the loss makes no device sync: the positions whose logits predict a trained token, as one range for
+# every row (the model's logits_to_keep), and the flat indices of the trained targets in [rows x that range].
+SCORED_POSITIONS, SCORED_INDEX = "scored_positions", "scored_index"
+
+
+def scored(labels):
+    """(SCORED_POSITIONS, SCORED_INDEX) of a batch's labels [rows, T]."""
+    import torch
+
+    trained = labels[:, 1:] != IGNORE_INDEX
+    columns = trained.any(0).nonzero().squeeze(1)
+    if len(columns) == 0:  # no trained token in the batch: one scored column, no target
+        return torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    positions = torch.arange(int(columns.min()), int(columns.max()) + 1)
+    return positions, trained[:, positions].reshape(-1).nonzero().squeeze(1)

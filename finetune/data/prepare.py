@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from finetune import compat
-from finetune.constants import IGNORE_INDEX
+from finetune.constants import IGNORE_INDEX, TRAINED_ROWS
 from finetune.data import formats
 from finetune.data.errors import DataError
 
@@ -853,6 +853,41 @@ def make_collator(cfg, tokenizer):
     data_cfg = getattr(cfg, "data", cfg)
     attn = getattr(getattr(cfg, "model", None), "attn_implementation", "sdpa")
     layout = collator_layout(getattr(data_cfg, "packing", False), getattr(data_cfg, "padding_free", False), attn)
-    if layout is None:
-        return Collator(tokenizer.pad_token_id)
-    return PackedCollator(tokenizer.pad_token_id, layout=layout)
+    collator = Collator(tokenizer.pad_token_id) if layout is None else PackedCollator(tokenizer.pad_token_id,
+                                                                                       layout=layout)
+    return WithTrainedRows(collator) if chunked_loss_on(cfg) else collator
+
+
+def chunked_loss_on(cfg) -> bool:
+    """Whether the training loss is the chunked one (--loss_chunk_size, finetune.training.loss): not where Liger's
+    patched forward computes the loss (--use_liger_kernel). `cfg`: the FinetuneConfig."""
+    chunk = getattr(getattr(cfg, "model", None), "loss_chunk_size", 0)
+    return bool(chunk) and chunk > 0 and not getattr(getattr(cfg, "training", None), "use_liger_kernel", False)
+
+
+def trained_rows(labels):
+    """The flat indices of the trained positions of the shifted labels (labels[..., 1:], -100 at each row's end):
+    the rows the chunked loss computes logits for, found here on the host."""
+    import torch
+
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return (shifted.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+class WithTrainedRows:
+    """A collator's batches with TRAINED_ROWS added (trained_rows of their labels), for the chunked loss: their
+    count is then a shape the host knows, and the loss makes no device sync. The loss' hook takes the key out
+    before the model's forward sees it."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __getattr__(self, name: str):  # pad_token_id, layout, ... of the collator it wraps
+        if "collator" not in self.__dict__:  # while unpickled (a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.__dict__["collator"], name)
+
+    def __call__(self, features) -> dict[str, Any]:
+        batch = self.collator(features)
+        batch[TRAINED_ROWS] = trained_rows(batch["labels"])
+        return batch

@@ -103,10 +103,13 @@ class DistributedBatchOrder(Sampler[list[int]]):
 
 def distributed_dataloader(dataset, collate_fn, *, world: int, batch_size: int, shuffle: bool, seed: int,
                            drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False, repeat: int = 1,
-                           accum: int = 1):
-    """A DataLoader to hand to `accelerator.prepare` (the Trainer and the prepare() loop both use it)."""
+                           accum: int = 1, persistent_workers: bool = False):
+    """A DataLoader to hand to `accelerator.prepare` (the Trainer and the prepare() loop both use it). With
+    `num_workers`, batches are collated in worker processes ahead of the step (packing itself is done once, before
+    training, by finetune.data.pipeline)."""
     order = DistributedBatchOrder(len(dataset), world, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                   repeat=repeat, accum=accum)
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory
+        dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=persistent_workers and num_workers > 0,
     )

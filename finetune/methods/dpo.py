@@ -212,7 +212,8 @@ class DPOSession(Session):
 
 def scored_positions(labels):
     """The positions whose logits predict a trained token (label at p + 1), as one range for every row: the
-    model's logits_to_keep, so prompts get no logits."""
+    model's logits_to_keep, so prompts get no logits. Found on the device (a sync): the pair collator's batches carry
+    them, found on the host (finetune.data.preference.scored)."""
     import torch
 
     from finetune.data.prepare import IGNORE_INDEX
@@ -221,26 +222,34 @@ def scored_positions(labels):
     return torch.arange(int(trained.min()), int(trained.max()) + 1, device=labels.device)
 
 
-def completion_logps(logits, labels, positions):
-    """Per row: the sum of log p(label[p + 1]) over `positions` p (the logits' columns) with a trained label."""
+def completion_logps(logits, labels, positions, index=None):
+    """Per row: the sum of log p(label[p + 1]) over `positions` p (the logits' columns) with a trained label.
+    `index`: the flat indices of those targets in [rows x positions] (from the host); else found here (a sync)."""
     import torch
 
     from finetune.data.prepare import IGNORE_INDEX
 
     targets = labels[:, positions + 1]
-    keep = targets != IGNORE_INDEX
-    rows = logits[keep].float()  # only the scored positions in float32
-    picked = rows.gather(1, targets[keep][:, None]).squeeze(1) - torch.logsumexp(rows, dim=-1)
+    if index is None:
+        index = (targets != IGNORE_INDEX).reshape(-1).nonzero().squeeze(1)
+    index = index.to(logits.device, non_blocking=True)
+    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()  # the scored positions in float32
+    picked = rows.gather(1, targets.reshape(-1).index_select(0, index)[:, None]).squeeze(1) \
+        - torch.logsumexp(rows, dim=-1)
     out = torch.zeros(labels.shape[0], dtype=picked.dtype, device=picked.device)
-    return out.index_add(0, keep.nonzero()[:, 0], picked)
+    return out.index_add(0, torch.div(index, targets.shape[1], rounding_mode="floor"), picked)
 
 
 def sequence_logps(model, batch: dict):
     """The completion log-probability of every row of a pair batch under `model` (grad where enabled)."""
-    positions = scored_positions(batch["labels"])
+    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
+
+    labels = batch["labels"]
+    positions = batch.get(SCORED_POSITIONS)
+    positions = scored_positions(labels) if positions is None else positions.to(labels.device, non_blocking=True)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions,
                 use_cache=False)
-    return completion_logps(out.logits, batch["labels"], positions)
+    return completion_logps(out.logits, labels, positions, batch.get(SCORED_INDEX))
 
 
 def pair_logps(model, tokenizer, records: list[dict], *, batch_size: int = 16, max_seq_length: int = 512,
@@ -277,7 +286,7 @@ class Metrics(Window):
         values = torch.stack([reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
                               (reward_chosen > reward_rejected).sum().to(reward_chosen.dtype),
                               chosen.detach().sum(), rejected.detach().sum(),
-                              torch.tensor(float(len(chosen)), device=chosen.device, dtype=reward_chosen.dtype)])
+                              reward_chosen.new_full((), float(len(chosen)))])  # a fill, not a host copy
         super().add(values.double())
 
 
@@ -524,7 +533,10 @@ class Reference:
         return batch
 
     def logps(self, batch: dict):
-        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
+
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", SCORED_POSITIONS, SCORED_INDEX)
+                 if k in batch}
         if self.partitioned:  # the reference's own engine: placed and cast by DeepSpeed
             return sequence_logps(self.copy, batch)
         if self.copy is not None:

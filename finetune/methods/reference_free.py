@@ -99,7 +99,10 @@ def micro_batch_loss(method: ReferenceFree, options, model, batch: dict, n_pairs
     """This micro-batch's pairs' loss sum over `n_pairs` (the pairs of the global batch)."""
     import torch
 
-    batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
+
+    batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", SCORED_POSITIONS, SCORED_INDEX)
+             if k in batch}
     losses, values = method.pair_terms(options, *sums_and_tokens(model, batch))
     if window is not None:
         n = torch.full((values.shape[0], 1), 1.0, dtype=torch.float64, device=values.device)

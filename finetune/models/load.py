@@ -177,10 +177,9 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     stamp_config(model.config, getattr(model_cfg, "_hub", None))
     gradient_checkpointing = bool(training_args and training_args.activation_checkpointing)
     if quant is not None:
-        from peft import prepare_model_for_kbit_training
+        from finetune.models.quant import prepare_for_training
 
-        with quiet_checkpointing_alias():
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_for_training(model)  # frozen, in its own dtype (peft's would cast to fp32)
         guard_4bit_training(model)
         print(describe_quantization(model, model_cfg, quant), flush=True)
     if model_cfg.use_peft:

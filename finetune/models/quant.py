@@ -98,3 +98,17 @@ def check_quantized_setup(cfg: Any) -> None:
         if message == NOT_UNDER_ZERO3:
             message += " (each rank then holds its own quantized copy)"
         raise ValueError(message)
+
+
+def prepare_for_training(model):
+    """A quantized base made ready for LoRA: every base parameter frozen. What peft's prepare_model_for_kbit_training
+    does besides is left out: it casts every unquantized 16-bit parameter (embeddings, norms, the LM head) to fp32,
+    which doubles their memory (an 8B Llama-3's embedding and head: 2.1 GB more) and makes the head's matmul and the
+    norms fp32 while the quantized layers compute in bf16. Here they stay in the dtype they were loaded in (bf16 on a
+    GPU that has it), and so compute in it. The LoRA weights peft adds stay fp32 (a bf16 weight would round small
+    updates away); under bf16 mixed precision, the default on such a GPU, their matmuls run in bf16 too. Gradient
+    checkpointing's input gradients and the checkpointing itself are the training paths' (finetune.models.load,
+    finetune.training.core)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model

@@ -391,9 +391,9 @@ def model_states(job: Workload, rank: int | None = None) -> StateBytes:
         trainable, frozen = base, []
     tensors_in_optimizer = [g for g in _groups(job, trainable) if g]
     s = StateBytes()
-    # Frozen base weights (LoRA): bitsandbytes-quantized linears, the rest as loaded. prepare_model_for_kbit_training
-    # upcasts every non-quantized 16-bit parameter (embeddings, norms, lm_head) to fp32.
-    frozen_elt = 4 if job.quant else prec.weight
+    # Frozen base weights (LoRA): bitsandbytes-quantized linears, the rest as loaded (finetune.models.quant's
+    # prepare_for_training keeps embeddings, norms and lm_head in the load dtype; peft's would make them fp32).
+    frozen_elt = prec.weight
     frozen_bytes = [(_quant_bytes(t, job.quant, job.bnb_nested) or frozen_elt * t.numel) for t in frozen]
     # torch's (fused) AdamW keeps a 4-byte `step` tensor per parameter it optimizes; DeepSpeed's CPU Adam keeps an int.
     step_bytes_per_tensor = 0 if (strat.ds_optimizer and strat.offload_optimizer) else 4

@@ -222,12 +222,12 @@ def install_loss(model, cfg) -> bool:
     """--loss_chunk_size: the training loss a chunk of tokens at a time (finetune.training.loss), on every path.
     Left out where something else computes the loss: Liger's patched forward (--use_liger_kernel) or a label
     smoother (--label_smoothing_factor, which takes the labels before the model sees them)."""
+    from finetune.data.prepare import chunked_loss_on
     from finetune.training import loss
 
-    args = cfg.training
-    if getattr(args, "use_liger_kernel", False):
+    if not chunked_loss_on(cfg):  # the collator's TRAINED_ROWS follow the same rule
         return False
-    return loss.install(model, getattr(cfg.model, "loss_chunk_size", 0))
+    return loss.install(model, cfg.model.loss_chunk_size)
 
 
 def enable_gradient_checkpointing(model, args) -> None:
@@ -326,7 +326,7 @@ def global_count(count: Callable, chunk: list[dict], device):
     """What the method normalizes a step's loss by (Method.count: SFT's trained tokens, DPO's pairs) over the whole
     global batch (all ranks, all micro-batches of the step): each micro-batch loss is its sum over this number, the
     Trainer's normalization (average_tokens_across_devices)."""
-    return all_sum(count(chunk).to(device))
+    return all_sum(count(chunk).to(device, non_blocking=True))  # a host count (DPO's): no wait for the device
 
 
 def method_context(cfg, device, unwrap: Callable, autocast: Callable, *, resumed: bool,
@@ -347,63 +347,94 @@ class LogWindow:
     entry {loss: mean of the window's step losses, grad_norm and learning_rate of its last step, epoch: fractional
     (micro-batches done / per epoch), step}; a partial window at the end is not logged; then one summary entry.
     Its state (history and the open window) travels in the checkpoint position, so a resumed run logs what the
-    uninterrupted run logs."""
+    uninterrupted run logs.
+
+    A step's loss, grad norm and token count may be device tensors of this rank: they are summed where they are and
+    read (reduced over ranks by `reduce`, then copied to the host) only when an entry is logged or the state saved,
+    as the Trainer keeps its loss on the device between logs. A step that does not log waits for no device."""
 
     every: int
     enabled: bool = True
     first_step: bool = False
     history: list = field(default_factory=list)
-    loss: float = 0.0
+    loss: object = 0.0  # this rank's sum over the open window (a float, or a device tensor), reduced when logged
     steps: int = 0
-    session_loss: float = 0.0
+    session_loss: object = 0.0
     session_steps: int = 0
     started: float = field(default_factory=time.time)
     count_tokens: bool = False  # --include_num_input_tokens_seen: the Trainer's num_input_tokens_seen and speed
     tokens_seen: int = 0
     session_tokens: int = 0
+    reduce: Callable | None = None  # sums a tensor over ranks (collective: every rank reads at the same steps)
+    main: bool = True  # rank 0 (a resumed window's global sum is rank 0's share)
+    pending_tokens: object = 0  # this rank's tokens since the last read (an int or a device tensor)
+    device: object = None  # where `reduce` sums (the path's device)
 
     @classmethod
-    def for_run(cls, args, max_steps: int, state: dict | None = None) -> "LogWindow":
+    def for_run(cls, args, max_steps: int, state: dict | None = None, reduce: Callable | None = None,
+                main: bool = True, device=None) -> "LogWindow":
         every = args.logging_steps
         every = math.ceil(max_steps * every) if every < 1 else int(every)  # a ratio of the run, as the Trainer
         log = cls(every=max(every, 1), enabled=_value(args.logging_strategy) == "steps",
                   first_step=args.logging_first_step,
-                  count_tokens=_value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False))
+                  count_tokens=_value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False),
+                  reduce=reduce, main=main, device=device)
         if state:
-            log.history, (log.loss, log.steps) = state["log_history"], state["window"]
+            log.history, (loss, log.steps) = state["log_history"], state["window"]
+            log.loss = loss if main else 0.0  # saved reduced over ranks: one rank holds it
             log.tokens_seen = state.get("tokens_seen", 0)
         return log
 
+    def _read(self, value) -> float:
+        """A window sum as a float: reduced over ranks, copied to the host (a sync, at logging steps only)."""
+        if self.reduce is None:
+            return float(value)
+        import torch
+
+        if not hasattr(value, "item"):  # nothing added on this rank since the last read: its share is a number
+            value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        return self.reduce(value.detach().clone()).item()
+
     def state(self) -> dict:
-        return {"log_history": self.history, "window": [self.loss, self.steps], "tokens_seen": self.tokens_seen}
+        self._flush_tokens()
+        return {"log_history": self.history, "window": [self._read(self.loss), self.steps],
+                "tokens_seen": self.tokens_seen}
 
     def count(self, chunk: list[dict], device) -> None:
-        """The step's real input tokens, all ranks (the Trainer's include_num_input_tokens_seen "non_padding")."""
+        """The step's real input tokens (the Trainer's include_num_input_tokens_seen "non_padding"), summed where they
+        are; all ranks' at the next log."""
         if self.count_tokens:
-            import torch
+            for b in chunk:
+                self.pending_tokens = self.pending_tokens + (b["attention_mask"].sum() if "attention_mask" in b
+                                                             else b["input_ids"].numel())
 
-            mine = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in chunk)
-            n = int(all_sum(torch.tensor(mine, dtype=torch.int64, device=device)).item())
+    def _flush_tokens(self) -> None:
+        if self.count_tokens:
+            n = int(self._read(self.pending_tokens))
+            self.pending_tokens = 0
             self.tokens_seen, self.session_tokens = self.tokens_seen + n, self.session_tokens + n
 
     def _speed(self, entry: dict, train: bool) -> None:
         # What Trainer.log adds: the tokens seen, and on training entries the session's runtime and tokens/s.
         if self.count_tokens:
+            self._flush_tokens()
             entry["num_input_tokens_seen"] = self.tokens_seen
             if train:
                 runtime = time.time() - self.started
                 entry["train_runtime"] = round(runtime, 4)
                 entry["train_tokens_per_second"] = round(self.session_tokens / runtime, 3) if runtime > 0 else 0.0
 
-    def add(self, step: int, loss: float, learning_rate: float, grad_norm: float | None, epoch: float,
-            metrics=None) -> dict | None:
+    def add(self, step: int, loss, learning_rate: float, grad_norm, epoch: float, metrics=None) -> dict | None:
+        """The step's loss (this rank's share of it, a float or a tensor) and grad norm; the entry when it logs."""
+        loss = loss.detach() if hasattr(loss, "detach") else loss
         self.loss, self.steps = self.loss + loss, self.steps + 1
-        self.session_loss, self.session_steps = self.session_loss + loss, self.session_steps + 1
+        self.session_loss = self.session_loss + (loss.double() if hasattr(loss, "double") else loss)
+        self.session_steps += 1
         if not (self.enabled and (step % self.every == 0 or (self.first_step and step == 1))):
             return None
-        entry = {"loss": self.loss / self.steps}
+        entry = {"loss": self._read(self.loss) / self.steps}
         if grad_norm is not None:
-            entry["grad_norm"] = grad_norm
+            entry["grad_norm"] = float(grad_norm)
         entry.update(learning_rate=learning_rate, **(metrics() if metrics is not None else {}), epoch=epoch)
         self._speed(entry, train=True)
         entry["step"] = step
@@ -420,12 +451,13 @@ class LogWindow:
 
     def finish(self, step: int, epoch: float, samples_per_step: int) -> None:
         """The Trainer's closing entry (its speed metrics and train_loss: the mean step loss of this session)."""
+        self._flush_tokens()
         runtime, n = time.time() - self.started, self.session_steps
         entry = {"train_runtime": round(runtime, 4)}
         if runtime > 0:
             entry.update(train_samples_per_second=round(n * samples_per_step / runtime, 3),
                          train_steps_per_second=round(n / runtime, 3))
-        entry.update(train_loss=self.session_loss / max(n, 0.001), epoch=epoch, step=step)
+        entry.update(train_loss=self._read(self.session_loss) / max(n, 0.001), epoch=epoch, step=step)
         self.history.append(entry)
 
 
@@ -502,7 +534,7 @@ def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int
     """Run from the resumed position (or step 0) to max_steps, or until early stopping; evaluates, checkpoints every
     --save_steps, and with --load_best_model_at_end ends with the best checkpoint's weights in the model."""
     pos = path.position = Position.read(resume)
-    log = LogWindow.for_run(args, max_steps, pos.log)
+    log = LogWindow.for_run(args, max_steps, pos.log, reduce=all_sum, main=rank() == 0, device=path.device)
     ev = path.evaluator
     if ev is not None:
         ev.load(pos.evaluation)
@@ -542,8 +574,8 @@ def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int
             pos.step += 1
             faults.stop_point(pos.step)
             epoch = pos.epoch + pos.micro_done / micro_per_epoch
-            entry = log.add(pos.step, all_sum(loss.detach().float()).item(), float(lr),
-                            None if grad_norm is None else float(grad_norm), epoch, path.metrics)
+            # The loss and grad norm stay on the device until a step logs (no sync in the others).
+            entry = log.add(pos.step, loss.detach().float(), float(lr), grad_norm, epoch, path.metrics)
             if entry is not None:
                 report(entry)
             # Then evaluate, then save: the Trainer's order (_maybe_log_save_evaluate).

@@ -133,6 +133,7 @@ def build_loader(dataset, collate_fn, args, world: int, rank: int):
     return DataLoader(
         dataset, batch_size=args.per_device_train_batch_size, sampler=sampler, collate_fn=collate_fn,
         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+        persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
     )
 
 
@@ -165,7 +166,7 @@ def train_step(engine, session, world: int, chunk: list[dict], n_items):
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for i, batch in enumerate(chunk):
         engine.set_gradient_accumulation_boundary(i == len(chunk) - 1)
-        loss = session.loss(engine, to_device(batch, engine.device), n_items)
+        loss = session.loss(engine, to_device(batch, engine.device, non_blocking=True), n_items)
         engine.backward(loss * world, scale_wrt_gas=False)
         total += loss.detach().float()
     # The learning rate this step uses (the Trainer logs it too), read before engine.step() advances the schedule.

@@ -30,6 +30,7 @@ class Trainer(transformers.Trainer):
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             repeat=self.repeat, accum=args.gradient_accumulation_steps,
+            persistent_workers=args.dataloader_persistent_workers,
         )
         self._batch_order = loader.batch_sampler
         return self.accelerator.prepare(loader)
@@ -53,6 +54,35 @@ class Trainer(transformers.Trainer):
             self._step_learning_rate = super()._get_learning_rate()
         return super().training_step(model, inputs, num_items_in_batch)
 
+    # --include_num_input_tokens_seen: the Trainer gathers and reads every micro-batch's count (an .item(), a host-
+    # device sync in every step). Counted here where the batch is, and read when an entry is logged or a checkpoint
+    # saved (every rank does both at the same steps), so a step that does not log waits for no device.
+    _pending_tokens = 0
+
+    def _track_num_input_tokens(self, inputs):
+        how = self.args.include_num_input_tokens_seen
+        if how == "no":
+            return
+        ids, pad = inputs["input_ids"], getattr(self.processing_class, "pad_token_id", None)
+        if how == "non_padding" and "attention_mask" in inputs:
+            n = inputs["attention_mask"].sum()
+        elif how == "non_padding" and pad is not None:
+            n = (ids != pad).sum()
+        else:
+            n = ids.numel()
+        self._pending_tokens = self._pending_tokens + n
+
+    def _read_tokens(self) -> None:
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        n = torch.as_tensor(self._pending_tokens, device=self.args.device, dtype=torch.int64)
+        self._pending_tokens = 0
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(n).sum().item())
+
+    def log(self, logs, start_time=None):
+        self._read_tokens()
+        super().log(logs, start_time)
+
     def _get_learning_rate(self) -> float:
         lr = getattr(self, "_step_learning_rate", None)
         return super()._get_learning_rate() if lr is None else lr
@@ -73,6 +103,7 @@ class Trainer(transformers.Trainer):
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0
 
     def _save_checkpoint(self, model, trial):
+        self._read_tokens()  # the count in the checkpoint's trainer_state.json is the step's
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with saving(folder, f"checkpoint {os.path.basename(folder)}", partial=Path(folder)):
             super()._save_checkpoint(model, trial)
@@ -124,7 +155,8 @@ class MethodTrainer(Trainer):
         return batch_samples, num_items_in_batch
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        n = torch.as_tensor(self.method.count(batch_samples), device=device)
+        # A host count (DPO's pairs) copied without blocking: a blocking copy waits for the device's queue.
+        n = torch.as_tensor(self.method.count(batch_samples)).to(device, non_blocking=True)
         return self.accelerator.gather(n).sum() if self.args.world_size > 1 else n
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

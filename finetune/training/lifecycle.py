@@ -304,6 +304,7 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
         f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
         _tokens_per_step(cfg, stats, global_batch, mean_len),
         f"parameters: {trainable:,} trainable of {total:,}",
+        _precision(cfg, model),
         "weights: partitioned across ranks at load (ZeRO-3)" if any(hasattr(p, "ds_id") for p in model.parameters())
         else "weights: loaded whole, then sharded across ranks by FSDP2 (fully_shard) when the path prepares the model"
         if getattr(cfg.preset, "is_fsdp", False) else "weights: a full copy on every rank",
@@ -314,6 +315,18 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
 def _device_type(args) -> str:
     device = getattr(args, "device", "cpu")
     return getattr(device, "type", str(device).split(":")[0])
+
+
+def _precision(cfg, model) -> str:
+    """Weights' dtype and the mixed precision in force; a GPU's bf16 default says it is one."""
+    args = cfg.training
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+    mixed = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+    if mixed is None:
+        return f"precision: weights {'/'.join(dtypes)}, no mixed precision"
+    why = " (the default on this GPU; --bf16 false turns it off)" if mixed == "bf16" and "bf16" not in \
+        getattr(cfg, "sources", {"bf16": "cli"}) else ""
+    return f"precision: weights {'/'.join(dtypes)}, {mixed} mixed precision (autocast){why}"
 
 
 def _tokens_per_step(cfg, stats, global_batch: int, mean_len: float) -> str:

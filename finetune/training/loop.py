@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     # Only now torch and accelerate (seconds): a flag mistake is reported without them.
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import (DummyOptim, DummyScheduler, FullyShardedDataParallelPlugin,
+    from accelerate.utils import (DataLoaderConfiguration, DummyOptim, DummyScheduler, FullyShardedDataParallelPlugin,
                                   GradientAccumulationPlugin, TorchDynamoPlugin)
 
     from finetune.data.sampler import distributed_dataloader
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if cfg.preset.is_fsdp else None,
         mixed_precision=args.mixed_precision,  # --bf16 / --fp16 (under DeepSpeed its JSON's "auto" gets them)
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step ourselves
+        # --accelerator_config's non_blocking (a GPU default): batches copied from pinned memory without blocking.
+        dataloader_config=DataLoaderConfiguration(non_blocking=bool(args.accelerator_config.non_blocking)),
         # --torch_compile: prepare() compiles the model as the Trainer's Accelerator does (TrainingArguments has
         # set torch_compile_backend, "inductor" by default).
         dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
         repeat=method.repeats(cfg.objective), accum=args.gradient_accumulation_steps,
+        num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+        persistent_workers=args.dataloader_persistent_workers,
     )
     micro_per_epoch = len(dataloader) // world  # this rank's micro-batches per epoch
     max_steps = core.max_steps_of(args, micro_per_epoch)

@@ -24,6 +24,10 @@ for the forward, since it would otherwise be applied to the loss value the head 
 model run with output_router_logits adds router_aux_loss_coef * aux_loss (its load-balancing loss) to the loss when
 it has labels: the hook adds it, since the model never sees the labels.
 
+No host-device sync: the trained positions' flat indices come from the collator, computed on the host
+(`TRAINED_ROWS`, finetune.data.prepare), so the number of rows and of chunks is a tensor shape the host knows; without
+them (a collator of another method) they are found on the device, which waits for it (`nonzero`).
+
 On CUDA with liger-kernel installed, its fused linear cross-entropy kernel replaces the chunk loop for a plain head
 (`pip install finetune[liger]`; checked on a GPU by tests/test_cuda.py, which CI, without one, does not run).
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from finetune.constants import IGNORE_INDEX
+from finetune.constants import IGNORE_INDEX, TRAINED_ROWS
 
 _PENDING = "_finetune_loss_pending"
 _ACTIVE = "_finetune_loss_active"
@@ -92,7 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         saved = iter(ctx.saved_tensors)
         grad_h, grad_w = (next(saved) if has else None for has in ctx.has)
-        scale = lambda g: None if g is None else (g if _is_one(grad_output) else g * grad_output.to(g.dtype))
+        # Scaled in place, never compared with 1 first (that compare is a host-device sync): the buffers are this
+        # Function's own; a second backward through the same graph finds them modified and raises, as autograd does.
+        scale = lambda g: None if g is None else g.mul_(grad_output.to(g.dtype))
         return scale(grad_h), scale(grad_w), None, None, None, None, None
 
 
@@ -108,10 +114,6 @@ def _logsumexp(logits):
     return out
 
 
-def _is_one(t) -> bool:
-    return t.numel() == 1 and t.item() == 1.0
-
-
 def _chunk_sum(forward, hidden, targets, cap=None):
     logits = forward(hidden).float()
     if cap is not None:
@@ -119,21 +121,25 @@ def _chunk_sum(forward, hidden, targets, cap=None):
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
-def _trained_rows(hidden, labels, shift_labels):
-    """(hidden states of the trained positions [n, H], their next-token targets [n]), as ForCausalLMLoss shifts."""
+def _trained_rows(hidden, labels, shift_labels, rows=None):
+    """(hidden states of the trained positions [n, H], their next-token targets [n]), as ForCausalLMLoss shifts.
+    `rows`: those positions' flat indices from the host (the collator's); else found here (a device sync)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
-    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    if rows is None:
+        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = rows.to(hidden.device, non_blocking=True)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.index_select(0, rows)
 
 
 @torch.compiler.disable  # data-dependent row selection and a Python chunk loop: left out of a compiled graph
 def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_items_in_batch=None, chunk: int = 1024,
-                 softcap=None):
+                 softcap=None, trained_rows=None):
     """The causal-LM loss of `hidden` through `head` ([B, T, H] -> scalar), never holding [B*T, vocab] logits;
-    `softcap`: the model's final-logit soft-cap, applied to the logits before the loss."""
-    rows, targets = _trained_rows(hidden, labels, shift_labels)
+    `softcap`: the model's final-logit soft-cap, applied to the logits before the loss; `trained_rows`: the flat
+    indices of the trained positions (of the shifted labels), from the host."""
+    rows, targets = _trained_rows(hidden, labels, shift_labels, trained_rows)
     if num_items_in_batch is None:  # the mean over this batch's trained tokens (nan for none, as F.cross_entropy)
         denom = torch.tensor(float(len(targets)), device=hidden.device)
     else:
@@ -229,16 +235,18 @@ def install(model, chunk: int) -> bool:
     def before(module, args, kwargs):
         if _ACTIVE in module.__dict__:  # the last forward raised before `after`: give the model its soft-cap back
             _restore(module)
+        # The collator's host-side indices are the loss' alone: never passed on to the model's forward.
+        trained_rows = kwargs.pop(TRAINED_ROWS, None)
         labels = kwargs.get("labels")
         if labels is None or not (module.training and torch.is_grad_enabled()) or kwargs.get("logits_to_keep", 0):
-            return None
+            return args, kwargs
         head = module.get_output_embeddings()
         # The soft-cap the model would apply to what its head returns (read where the model reads it), applied in
         # the loss instead and switched off on the model until `after`.
         cap = getattr(module.config, _SOFTCAP, None)
         head.__dict__[_PENDING] = {"labels": kwargs.pop("labels"), "shift_labels": kwargs.pop("shift_labels", None),
                                    "num_items_in_batch": kwargs.get("num_items_in_batch"), "chunk": chunk,
-                                   "softcap": cap}
+                                   "softcap": cap, "trained_rows": trained_rows}
         if cap is not None:
             setattr(module.config, _SOFTCAP, None)
         module.__dict__[_ACTIVE] = cap
