@@ -601,8 +601,10 @@ def eos_ids(model, tokenizer) -> list[int]:
 def generate(
     model, tokenizer, prompts: list[Prompt], *, batch_size: int = 8, max_new_tokens: int = 64, do_sample: bool = False,
     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, on_result=None,
+    token_ids: list[list[int]] | None = None,
 ) -> list[dict]:
-    """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids."""
+    """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids.
+    `token_ids`: the prompts already tokenized (one list per prompt), used instead of tokenizing their text."""
     import torch
 
     if seed is not None:
@@ -623,7 +625,8 @@ def generate(
     results: list[dict] = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        encoded = [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch]
+        encoded = (token_ids[start : start + batch_size] if token_ids is not None
+                   else [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch])
         for k, ids in enumerate(encoded):
             if not ids:
                 raise GenerationError(f"prompt #{start + k + 1} is empty (no tokens to continue from)")
