@@ -64,6 +64,7 @@ class Engine:
         self._stop = threading.Event()
         self._manager = None
         self.error: str | None = None  # set when the worker died: the server answers 503 from then on
+        self.max_running = 0  # the most requests generated together so far (GET /stats)
         self._thread = threading.Thread(target=self._run, name="finetune-engine", daemon=True)
 
     # -------------------------------------------------------------------------------- from any thread
@@ -76,13 +77,20 @@ class Engine:
     def submit(self, request: Request) -> None:
         if request.model not in self.names:
             raise KeyError(request.model)
+        if self.error is not None:
+            request.on_output([], True, self.error)
+            return
         self._inbox.put(request)
 
     def cancel(self, request_id: str) -> None:
         self._cancelled.put(request_id)
 
+    def shutdown(self) -> None:
+        """Ask the worker to stop (returns at once): what is waiting or in flight ends with an error."""
+        self._stop.set()
+
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker; what is in flight is failed, not finished."""
+        """Stop the worker and transformers' manager, waiting at most about `timeout` seconds for each."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -118,13 +126,17 @@ class Engine:
                     self._collect_continuous()
                 else:
                     self._run_queue_batch()
-        except Exception as e:  # the worker is gone: every waiting and running request gets the error
+            self.error = "the server is stopping"
+        except Exception as e:  # the worker is gone
             import traceback
 
             traceback.print_exc()
             self.error = f"the generation engine stopped: {type(e).__name__}: {e}"
-            for request in [*self._inflight.values(), *(r for d in self._waiting.values() for r in d)]:
-                request.on_output([], True, self.error)
+        # Every waiting and running request gets the error, and what arrives later too (submit checks it).
+        self._take_inbox(block=False)
+        for request in [*self._inflight.values(), *(r for d in self._waiting.values() for r in d)]:
+            request.on_output([], True, self.error)
+        self._inflight.clear()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -161,20 +173,25 @@ class Engine:
             self._active = name
 
     def _switch(self, adapter: str | None) -> None:
-        if not hasattr(self.model, "set_adapter"):
+        """Every LoRA layer on (that adapter) or off: a PeftModel's, and those injected in place into an offloaded
+        model (finetune.inference.generate.attach_adapter), alike."""
+        if len(self.names) == 1:
             return
-        if adapter is None:
-            self.model.base_model.disable_adapter_layers()
-        else:
-            self.model.base_model.enable_adapter_layers()
-            self.model.set_adapter(adapter)
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.base.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(adapter is not None)
+                if adapter is not None:
+                    module.set_adapter(adapter)
 
     def _others_waiting(self) -> bool:
         return any(d for name, d in self._waiting.items() if name != self._active)
 
     def _admit_continuous(self) -> None:
-        # Another model's requests waiting: admit no more of this one, so its batch drains and that model gets a turn.
-        if self._active is None or self._others_waiting():
+        # Another model's requests waiting: admit no more of this one once its batch runs, so the batch drains and
+        # that model gets its turn.
+        if self._active is None or (self._inflight and self._others_waiting()):
             return
         waiting = self._waiting[self._active]
         while waiting and len(self._inflight) < self.max_concurrent:
@@ -182,6 +199,7 @@ class Engine:
             self._inflight[request.id] = request
             self._manager.add_request(request.prompt_ids, request_id=request.id, max_new_tokens=request.max_new_tokens,
                                       streaming=request.stream, eos_token_id=self.stop_ids)
+        self.max_running = max(self.max_running, len(self._inflight))
 
     def _collect_continuous(self) -> None:
         if not self._inflight:
@@ -205,6 +223,7 @@ class Engine:
         batch = [waiting.popleft() for _ in range(min(len(waiting), self.max_concurrent))]
         for request in batch:
             self._inflight[request.id] = request
+        self.max_running = max(self.max_running, len(batch))
         try:
             prompts = [Prompt(r.prompt_ids, self.tokenizer.decode(r.prompt_ids), True) for r in batch]
             results = generate(self.model, self.tokenizer, prompts, batch_size=len(batch),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -314,6 +315,11 @@ def build_app(service: Service):
                                             next(n for n, a in service.names.items() if a is None)}
                                            for name, adapter in service.names.items()]}
 
+    @app.get("/stats")
+    async def stats():
+        """Not OpenAI's: how the engine batches, and the most requests it generated together so far."""
+        return {"batching": service.engine.batching, "max_running": service.engine.max_running}
+
     def submit(name: str, prompt_ids: list[int], max_new_tokens: int, stream: bool) -> tuple[str, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -427,6 +433,11 @@ def main(argv: list[str] | None = None) -> None:
     except GenerationError as e:
         print(f"finetune serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from finetune import process
+
+    # Stopped: the process (`finetune serve` itself, not a caller) ends without the interpreter's shutdown, which
+    # took seconds more tearing down torch and the threads (seconds of the stop the user waits for).
+    process.end_finished_process(0, own_process=True)
 
 
 def serve(args: ServeArgs) -> None:
@@ -460,11 +471,25 @@ def serve(args: ServeArgs) -> None:
     log(f"finetune serve: {', '.join(names)} ({engine.batching} batching, context {max_model_len} tokens, loaded in "
         f"{time.time() - started:.1f} s) on http://{args.host}:{args.port}/v1"
         + (" (API key required)" if args.api_key else ""))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # The engine stops first: open responses end at once with an error ("the server is stopping") instead of
+            # running to their last token, so the graceful shutdown has nothing left to wait for.
+            engine.shutdown()
+            super().handle_exit(sig, frame)
+
+    # uvicorn raises the signal again once stopped, for the handler it found: a no-op, so the run returns here.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    t = time.time()
     try:
-        uvicorn.Server(config).run()
+        Server(config).run()
+        t = time.time()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.close(timeout=2.0)
-        log("finetune serve: stopped")
+        log(f"finetune serve: stopped ({time.time() - t:.1f} s after the server's last response)")
 
 
 if __name__ == "__main__":
