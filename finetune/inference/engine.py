@@ -173,17 +173,10 @@ class Engine:
             self._active = name
 
     def _switch(self, adapter: str | None) -> None:
-        """Every LoRA layer on (that adapter) or off: a PeftModel's, and those injected in place into an offloaded
-        model (finetune.inference.generate.attach_adapter), alike."""
-        if len(self.names) == 1:
-            return
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        if len(self.names) > 1:
+            from finetune.inference.generate import use_adapter
 
-        for module in self.base.modules():
-            if isinstance(module, BaseTunerLayer):
-                module.enable_adapters(adapter is not None)
-                if adapter is not None:
-                    module.set_adapter(adapter)
+            use_adapter(self.base, adapter)
 
     def _others_waiting(self) -> bool:
         return any(d for name, d in self._waiting.items() if name != self._active)

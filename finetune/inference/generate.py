@@ -495,6 +495,18 @@ def attach_adapter(model, adapter: str):
     return model
 
 
+def use_adapter(model, adapter: str | None) -> None:
+    """Every LoRA layer of `model` on, with `adapter` active, or (None) off: the base model's function. A PeftModel's
+    layers and those attach_adapter injects into an offloaded model alike."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(adapter is not None)
+            if adapter is not None:
+                module.set_adapter(adapter)
+
+
 def _module_tensors(module, recurse: bool):
     from accelerate.utils import named_module_tensors
 
