@@ -42,7 +42,7 @@ if [ "$(uname -s)" = Linux ] && ! { [ -e /usr/include/libaio.h ] || ldconfig -p 
          "RHEL/Fedora: sudo dnf install libaio-devel). Everything else works without it." >&2
   fi
 fi
-# The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench,trackers] but torch (installed
+# The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench,trackers,serve,eval] but torch (installed
 # above for this machine) with its hashes; scripts/lock.sh refreshes it. --no-deps: the lock is the whole set, so
 # nothing newer slips in beside it. bench: TRL, which tests/test_bench_throughput.py runs against.
 pip_install --no-deps --require-hashes -r requirements.lock
