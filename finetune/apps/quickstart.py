@@ -155,7 +155,7 @@ class QuickstartConfig:
                                              "1e-3, 1e-5).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
-    harness_examples: int = _flag(20, help="Held-out records that lm-evaluation-harness scores before and after (its "
+    harness_examples: int = _flag(16, help="Held-out records that lm-evaluation-harness scores before and after (its "
                                            "task finetune_quickstart, as `finetune eval` runs it; 0: not run; needs "
                                            "pip install 'finetune[eval]').")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
