@@ -305,3 +305,38 @@ def test_quantized_base_through_the_engine_equals_its_own_generate(files, one_th
         assert engine.max_running >= 2
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_stops_at_its_stop_token_as_generate_does(smollm2_dir, capsys):
+    """SmolLM2-135M-Instruct (the quickstart's model, its real ChatML template and <|im_end|>): short answers end at
+    the stop token (finish_reason "stop"), token for token transformers' greedy generate, concurrently too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    stop_ids = [model.generation_config.eos_token_id, tok.eos_token_id]
+    questions = ["What is the capital of France? Answer in one word.", "Say hello.",
+                 "Extract the order as JSON with keys name, city, item, quantity.\nAda Lovelace would like 3 units of "
+                 "blue cup sent to Oslo."]
+    want = []
+    for q in questions:
+        ids = tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=60, do_sample=False, eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        assert new[-1] in stop_ids, tok.decode(new)  # each answer ends before 60 tokens
+        want.append(tok.decode(new[:-1], skip_special_tokens=True))
+    job, url = start({"model": smollm2_dir}, "--max_model_len", "512")
+    with job:
+        c = client(url)
+        for q, w in zip(questions, want):
+            got = c.chat.completions.create(model="model", messages=[{"role": "user", "content": q}], max_tokens=60)
+            assert (got.choices[0].message.content, got.choices[0].finish_reason) == (w, "stop")
+        assert concurrently(url, [("model", q, 60) for q in questions]) == want
+        took = stop(job, signal.SIGTERM)
+    with capsys.disabled():
+        print(f"\nfinetune serve (SmolLM2): {len(questions)} answers = generate, ended by <|im_end|>; SIGTERM -> "
+              f"exited in {took:.2f} s; answers: {want}")
