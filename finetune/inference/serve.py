@@ -19,6 +19,7 @@ seconds to finish, then the process ends. It listens on 127.0.0.1 unless --host 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -30,7 +31,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from starlette.requests import Request as HTTPRequest  # at module level: FastAPI reads the routes' annotations here
+try:  # at module level: FastAPI reads the routes' annotations here
+    from starlette.requests import Request as HTTPRequest
+except ImportError:  # the serve extra is not installed: main() says so
+    HTTPRequest = None
 
 from finetune.inference.generate import GenerationError, ModelArgs, _flag
 
@@ -424,6 +428,9 @@ def parse_args(argv: list[str] | None = None) -> ServeArgs:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if HTTPRequest is None or importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        print("finetune serve: FastAPI and uvicorn are not installed: pip install 'finetune[serve]'", file=sys.stderr)
+        raise SystemExit(2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from finetune.inference.generate import _quiet_libraries
 
