@@ -10,7 +10,7 @@
 # torch and its CUDA libraries are left out: scripts/setup.sh picks the build for the machine (CPU or CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=(--extra test --extra bench --extra trackers)  # trackers: tests/test_trackers.py reads back what wandb and MLflow wrote
+EXTRAS=(--extra test --extra bench --extra trackers --extra serve --extra ui --extra eval)  # trackers: tests/test_trackers.py reads back what wandb and MLflow wrote
 LEFT_OUT=(torch triton cuda-bindings cuda-pathfinder cuda-toolkit)
 UV_SPEC=uv==0.13.9
 [ -x .venv/bin/python ] || { echo "lock: no .venv; run bash scripts/setup.sh first" >&2; exit 2; }

@@ -55,7 +55,7 @@ if [ "$(uname -s)" = Linux ] && ! { command -v chromium >/dev/null 2>&1 && comma
          "chromium chromium-driver). finetune ui itself runs without them." >&2
   fi
 fi
-# The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench,trackers] but torch (installed
+# The tested versions, exactly: requirements.lock pins every dependency of finetune[test,bench,trackers,serve,ui,eval] but torch (installed
 # above for this machine) with its hashes; scripts/lock.sh refreshes it. --no-deps: the lock is the whole set, so
 # nothing newer slips in beside it. bench: TRL, which tests/test_bench_throughput.py runs against.
 pip_install --no-deps --require-hashes -r requirements.lock

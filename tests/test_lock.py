@@ -1,5 +1,5 @@
 """requirements.lock is what the tests run on: scripts/setup.sh installs it (hashes checked, --no-deps), so it must
-name every dependency of finetune[test,bench,trackers] but torch's build, every pin must sit inside pyproject's ranges and
+name every dependency of finetune[test,bench,trackers,serve,eval] but torch's build, every pin must sit inside pyproject's ranges and
 finetune.compat's tested ranges, and the environment running these tests must be the locked one. A lock refresh
 (bash scripts/lock.sh --upgrade) that moves a package outside compat's ranges fails here, naming it."""
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "requirements.lock"
 # Chosen per machine by scripts/setup.sh (a CPU or CUDA build), so not locked; nor are its CUDA libraries.
 MACHINE_CHOSEN = re.compile(r"^(torch|triton|cuda-.*|nvidia-.*)$")
-EXTRAS = ("test", "bench", "trackers")  # scripts/lock.sh's
+EXTRAS = ("test", "bench", "trackers", "serve", "ui", "eval")  # scripts/lock.sh's
 
 
 def locked() -> dict[str, tuple[str, list[str]]]:
@@ -52,7 +52,7 @@ def test_every_pin_is_exact_and_hashed():
 
 
 def test_the_lock_is_complete():
-    """Walk the requirements of finetune[test,bench,trackers] through the installed metadata: every one is locked, so
+    """Walk the requirements of finetune[test,bench,trackers,serve,eval] through the installed metadata: every one is locked, so
     `pip install --no-deps -r requirements.lock` leaves nothing out."""
     pins = locked()
     env = default_environment()

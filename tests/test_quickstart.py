@@ -190,7 +190,10 @@ def test_report_files(tmp_path):
                         "examples": 3, "max_new_tokens": 40, "completions": c}
     metrics = {
         "model": {"path": "m"}, "data": {"train_file": "t", "eval_file": "e", "train_records": 800, "eval_examples": 3},
-        "base": ev(["no", "no", "no"], 0.0), "finetuned": ev(refs[:2] + ["x"], 2 / 3),
+        "base": {**ev(["no", "no", "no"], 0.0), "harness": {"task": "finetune_quickstart", "exact_match": 0.25,
+                                                            "examples": 20}},
+        "finetuned": {**ev(refs[:2] + ["x"], 2 / 3), "harness": {"task": "finetune_quickstart", "exact_match": 0.5,
+                                                                  "examples": 20}},
         "training": {"method": "lora", "preset": "ddp", "processes": 2, "threads_per_process": 1, "device": "cpu",
                      "global_batch": 8, "learning_rate": 1e-3, "steps": 3, "stopped_by": "max_steps", "max_steps": 3,
                      "max_minutes": 1, "first_loss": 0.6, "last_loss": 0.1, "steps_logged": [1, 2, 3], "losses": [0.6, 0.3, 0.1]},
@@ -200,6 +203,8 @@ def test_report_files(tmp_path):
     Q.write_report(tmp_path / "report", metrics, records)
     report = (tmp_path / "report" / "report.md").read_text()
     assert "| exact match | 0.0% | 66.7% |" in report and "rose by 66.7 points" in report
+    assert "| lm-evaluation-harness `finetune_quickstart` exact match (first 20 records) | 25.0% | 50.0% |\n| eval loss" \
+        in report
     assert (tmp_path / "report" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.count("| yes / yes |") == 0 and report.count("| no / yes |") == 2
     assert sorted(p.name for p in (tmp_path).iterdir()) == ["report"]  # no staging folder left
@@ -211,7 +216,7 @@ def test_quickstart_short_run(smollm2_dir, tmp_path):
     out = tmp_path / "qs"
     proc = subprocess.run(
         [sys.executable, "-m", "finetune", "quickstart", "--model_name_or_path", str(smollm2_dir), "--max_steps", "3",
-         "--eval_examples", "8", "--max_minutes", "3", "--output_dir", str(out)],
+         "--eval_examples", "8", "--harness_examples", "8", "--max_minutes", "3", "--output_dir", str(out)],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
     )
@@ -233,6 +238,12 @@ def test_quickstart_short_run(smollm2_dir, tmp_path):
         assert number in text, number
     assert (report / "examples.md").is_file() and (out / "model" / "adapter_model.safetensors").is_file()
     assert f"report: {report.resolve()}/report.md" in proc.stdout  # the headline says where the report is
+    # lm-evaluation-harness on the same 8 held-out records, through the same chat template, greedy: the same exact
+    # match as the quickstart's own generate, before and after
+    for m in (b, t):
+        assert m["harness"]["examples"] == 8 and m["harness"]["exact_match"] == pytest.approx(m["exact_match"])
+    assert (f"| lm-evaluation-harness `finetune_quickstart` exact match (first 8 records) | "
+            f"{b['harness']['exact_match']:.1%} | {t['harness']['exact_match']:.1%} |") in text
     # The run's own report (`finetune report`): its curves and final metrics agree with the quickstart's numbers.
     run_report = out / "model" / "report"
     assert (run_report / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

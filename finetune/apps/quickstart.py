@@ -155,6 +155,9 @@ class QuickstartConfig:
                                              "1e-3, 1e-5).")
     eval_examples: int = _flag(80, help="Held-out records evaluated (the first N).")
     eval_batch_size: int = _flag(16, help="Prompts per generate call in the evaluations.")
+    harness_examples: int = _flag(16, help="Held-out records that lm-evaluation-harness scores before and after (its "
+                                           "task finetune_quickstart, as `finetune eval` runs it; 0: not run; needs "
+                                           "pip install 'finetune[eval]').")
     max_new_tokens: int | None = _flag(help="Greedy tokens per answer (default: longest reference + 8).")
     processes: int | None = _flag(help="Training processes (default: every GPU, or 2 on CPU).")
     eval_threads: int | None = _flag(
@@ -230,6 +233,8 @@ def validate(cfg: QuickstartConfig) -> list[str]:
         problems.append(f"--max_steps: must be at least 1, got {cfg.max_steps}")
     if cfg.max_minutes is not None and not cfg.max_minutes > 0:
         problems.append(f"--max_minutes: must be more than 0, got {cfg.max_minutes}")
+    if cfg.harness_examples < 0:
+        problems.append(f"--harness_examples: must be 0 or more, got {cfg.harness_examples}")
     for flag in ("per_device_train_batch_size", "eval_examples", "eval_batch_size"):
         if getattr(cfg, flag) is not None and getattr(cfg, flag) < 1:
             problems.append(f"--{flag}: must be at least 1, got {getattr(cfg, flag)}")
@@ -368,7 +373,8 @@ def read_eval_records(path: str, limit: int) -> list[dict]:
 
 
 def measure_model(model_dir: str, adapter: str | None, records: list[dict], *, batch_size: int,
-                  max_new_tokens: int | None, label: str, log, pairs: list[dict] | None = None) -> dict:
+                  max_new_tokens: int | None, label: str, log, pairs: list[dict] | None = None,
+                  harness: tuple[str, int] | None = None) -> dict:
     """Eval loss and perplexity on the reference answers (teacher forcing, answer tokens only), and exact match
     of greedy completions; returns the numbers and every completion. With `pairs` (preference records), also the
     preference accuracy: the share of pairs whose chosen completion has the higher log-probability, scored as DPO
@@ -414,8 +420,9 @@ def measure_model(model_dir: str, adapter: str | None, records: list[dict], *, b
     matches = [exact_match(c, ref) for c, ref in zip(completions, references)]
     eval_loss = total_loss / max(total_tokens, 1)
     preference = preference_metrics(model, tokenizer, pairs, batch_size) if pairs else {}
+    scored = harness_score(model, tokenizer, *harness, batch_size=batch_size, log=log) if harness else {}
     del model
-    return {**preference,
+    return {**preference, **scored,
         "eval_loss": eval_loss,
         "perplexity": math.exp(min(eval_loss, 50.0)),
         "exact_match": sum(matches) / len(matches),
@@ -425,6 +432,25 @@ def measure_model(model_dir: str, adapter: str | None, records: list[dict], *, b
         "max_new_tokens": max_new_tokens,
         "completions": completions,
     }
+
+
+def harness_score(model, tokenizer, eval_file: str, examples: int, *, batch_size: int, log) -> dict:
+    """lm-evaluation-harness on the loaded model: its task made from the held-out records (finetune eval's
+    finetune_quickstart), the first `examples` of them; {} where the harness is not installed."""
+    import importlib.util
+    import tempfile
+
+    from finetune.inference.eval import QUICKSTART_TASK, harness, write_quickstart_task
+
+    if importlib.util.find_spec("lm_eval") is None:
+        log("lm-evaluation-harness is not installed (pip install 'finetune[eval]'): its score is left out")
+        return {}
+    with tempfile.TemporaryDirectory(prefix="finetune-harness-") as folder:
+        write_quickstart_task(Path(folder), tokenizer, Path(eval_file))
+        result = harness(model, tokenizer, [QUICKSTART_TASK], include=[folder], limit=examples, batch_size=batch_size)
+    task = result[QUICKSTART_TASK]
+    return {"harness": {"task": QUICKSTART_TASK, "exact_match": task["exact_match"],
+                        "exact_match_stderr": task.get("exact_match_stderr"), "examples": task["samples"]}}
 
 
 def preference_metrics(model, tokenizer, pairs: list[dict], batch_size: int) -> dict:
@@ -694,7 +720,7 @@ records (`{metrics['data']['eval_file']}`) for evaluation.
 |---|---|---|
 | exact match | {b['exact_match']:.1%} | {t['exact_match']:.1%} |
 {preference}| field accuracy (JSON fields right) | {b['field_accuracy']:.1%} | {t['field_accuracy']:.1%} |
-| eval loss (answer tokens) | {b['eval_loss']:.4f} | {t['eval_loss']:.4f} |
+{harness_row(b, t)}| eval loss (answer tokens) | {b['eval_loss']:.4f} | {t['eval_loss']:.4f} |
 | perplexity | {b['perplexity']:.3f} | {t['perplexity']:.3f} |
 
 Exact match {'rose' if t['exact_match'] >= b['exact_match'] else 'fell'} by {abs(100 * (t['exact_match'] - b['exact_match'])):.1f} points. Exact match: the greedy completion (at most
@@ -719,6 +745,15 @@ Machine: {m['cpu_count']} CPU cores ({m.get('eval_threads')} used for evaluation
 `examples.md`; the training run's own report (`finetune report`: curves of loss, learning rate and tokens/s, final
 metrics) is `{metrics.get('output', {}).get('run_report', 'model/report')}/README.md`.
 """
+
+
+def harness_row(b: dict, t: dict) -> str:
+    """The lm-evaluation-harness row of the result table (`finetune eval`'s task on the first held-out records)."""
+    if "harness" not in b or "harness" not in t:
+        return ""
+    h, g = b["harness"], t["harness"]
+    return (f"| lm-evaluation-harness `{h['task']}` exact match (first {h['examples']} records) | "
+            f"{h['exact_match']:.1%} | {g['exact_match']:.1%} |\n")
 
 
 def own_curve(tr: dict) -> str | None:
@@ -813,8 +848,9 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
 
     t = time.time()
     labels = stage_labels(cfg.method)
+    harness = (cfg.eval_file, cfg.harness_examples) if cfg.harness_examples else None
     base = measure_model(model_dir, None, records, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                         label=labels[0], log=log, pairs=pairs)
+                         label=labels[0], log=log, pairs=pairs, harness=harness)
     timings["eval_base"] = time.time() - t
     log(f"{labels[0]}: exact match {base['exact_match']:.1%}, eval loss {base['eval_loss']:.4f}"
         + (f", preference accuracy {base['preference_accuracy']:.1%}" if pairs else "") + f" ({timings['eval_base']:.0f} s)")
@@ -831,7 +867,7 @@ def run(cfg: QuickstartConfig, log=None) -> dict:
     adapter = str(run_dir) if cfg.tuning == "lora" else None
     tuned = measure_model(str(run_dir) if cfg.tuning == "full" else model_dir, adapter, records,
                           batch_size=cfg.eval_batch_size, max_new_tokens=base["max_new_tokens"], label=labels[1],
-                          log=log, pairs=pairs)
+                          log=log, pairs=pairs, harness=harness)
     timings["eval_finetuned"] = time.time() - t
     gguf_file = None
     if cfg.export == gguf_writer.GGUF.name:

@@ -495,6 +495,18 @@ def attach_adapter(model, adapter: str):
     return model
 
 
+def use_adapter(model, adapter: str | None) -> None:
+    """Every LoRA layer of `model` on, with `adapter` active, or (None) off: the base model's function. A PeftModel's
+    layers and those attach_adapter injects into an offloaded model alike."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(adapter is not None)
+            if adapter is not None:
+                module.set_adapter(adapter)
+
+
 def _module_tensors(module, recurse: bool):
     from accelerate.utils import named_module_tensors
 
@@ -601,8 +613,10 @@ def eos_ids(model, tokenizer) -> list[int]:
 def generate(
     model, tokenizer, prompts: list[Prompt], *, batch_size: int = 8, max_new_tokens: int = 64, do_sample: bool = False,
     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, on_result=None,
+    token_ids: list[list[int]] | None = None,
 ) -> list[dict]:
-    """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids."""
+    """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids.
+    `token_ids`: the prompts already tokenized (one list per prompt), used instead of tokenizing their text."""
     import torch
 
     if seed is not None:
@@ -623,7 +637,8 @@ def generate(
     results: list[dict] = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        encoded = [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch]
+        encoded = (token_ids[start : start + batch_size] if token_ids is not None
+                   else [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch])
         for k, ids in enumerate(encoded):
             if not ids:
                 raise GenerationError(f"prompt #{start + k + 1} is empty (no tokens to continue from)")
@@ -664,18 +679,32 @@ def _flag(default: Any = None, help: str = "", **meta: Any) -> Any:
 
 
 @dataclass
-class GenerateArgs:
-    """What to load, the prompts, and how to decode"""
+class ModelArgs:
+    """The model to load and how it is placed: the flags `finetune generate`, `serve`, `chat` and `eval` share"""
 
     model_name_or_path: str | None = _flag(help="Local base model folder or Hub repo id (org/name)",
                                            required=True, aliases=("model",))
     model_revision: str = _flag(default="main", help="Branch, tag or commit of a Hub model.")
-    adapter: str | None = _flag(help="LoRA adapter folder (from finetune train --use_peft) to attach.")
     device_map: str | None = _flag(help=f"{', '.join(PRESET_MAPS)}, or a JSON file of module -> device (devices: GPU "
                                         "index, cpu, disk). Default: the whole model on one device.")
     max_memory: str | None = _flag(help="Per-device limits, e.g. cpu=2GiB,disk=20GiB or 0=20GiB,cpu=30GiB. Only the "
                                         "devices listed are used (name disk to allow disk offload).")
     offload_folder: str | None = _flag(help="Folder for weights offloaded to disk (default: a temporary folder).")
+    torch_dtype: str = _flag("auto", help="auto, float32, bfloat16, float16.")
+    attn_implementation: str = _flag("sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
+    trust_remote_code: bool = _flag(False, help="Run Python code shipped with the model folder.")
+    load_in_8bit: bool = _flag(False, help="Quantize the base to 8-bit (bitsandbytes).")
+    load_in_4bit: bool = _flag(False, help="Quantize the base to 4-bit (bitsandbytes).")
+    bnb_4bit_quant_type: str = _flag("nf4", help="nf4 or fp4.")
+    use_bnb_nested_quant: bool = _flag(False, help="Double quantization for 4-bit.")
+    bnb_4bit_compute_dtype: str = _flag("auto", help="auto (the model dtype), float32, bfloat16, float16.")
+
+
+@dataclass
+class GenerateArgs(ModelArgs):
+    """What to load, the prompts, and how to decode"""
+
+    adapter: str | None = _flag(help="LoRA adapter folder (from finetune train --use_peft) to attach.")
     prompt: list[str] = _flag(list, help="A prompt.", repeat=True)
     prompts: str | None = _flag(help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]}.")
     chat: bool = _flag(False, help="Send plain-text prompts through the chat template as a user message.")
@@ -688,14 +717,6 @@ class GenerateArgs:
     top_p: float = _flag(1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability.")
     top_k: int = _flag(0, help="Sample from the k most likely tokens (0: all).")
     seed: int = _flag(0, help="Seed for sampling.")
-    torch_dtype: str = _flag("auto", help="auto, float32, bfloat16, float16.")
-    attn_implementation: str = _flag("sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
-    trust_remote_code: bool = _flag(False, help="Run Python code shipped with the model folder.")
-    load_in_8bit: bool = _flag(False, help="Quantize the base to 8-bit (bitsandbytes).")
-    load_in_4bit: bool = _flag(False, help="Quantize the base to 4-bit (bitsandbytes).")
-    bnb_4bit_quant_type: str = _flag("nf4", help="nf4 or fp4.")
-    use_bnb_nested_quant: bool = _flag(False, help="Double quantization for 4-bit.")
-    bnb_4bit_compute_dtype: str = _flag("auto", help="auto (the model dtype), float32, bfloat16, float16.")
 
 
 def command():
@@ -706,18 +727,49 @@ def command():
                    epilog=__doc__.split("\n\n", 1)[1])
 
 
-def check_args(parsed) -> list[str]:
-    """The flags' own problems, all at once (what needs the model or the machine is checked when loading)."""
+def model_problems(args: ModelArgs) -> list[str]:
+    """The model flags' own problems (dtype, quantization, attention kernel, offload folder), before anything loads."""
+    from finetune.config.training import family_problems, writable_problem
     from finetune.models import quant
 
+    problems = []
+    if args.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of auto, float32, bfloat16, float16")
+    problems += quant.problems(args)
+    if args.model_name_or_path and Path(args.model_name_or_path).is_dir():
+        problems += family_problems(args)  # an attention kernel the model's family lacks (Gemma-2's sdpa)
+    if args.offload_folder and (problem := writable_problem("--offload_folder", args.offload_folder)):
+        problems.append(problem)
+    return problems
+
+
+def load_options(args: ModelArgs, adapter: str | None = None) -> LoadOptions:
+    """The model flags as load_for_inference takes them; a Hub repo id resolved to its snapshot folder first (before
+    any weights are read: the folder is then loaded like any local one)."""
+    from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
+
+    if looks_like_repo_id(args.model_name_or_path):
+        try:
+            args.model_name_or_path = resolve_model(args.model_name_or_path, args.model_revision).folder
+        except HubError as e:
+            raise GenerationError(str(e)) from None
+    return LoadOptions(
+        model_name_or_path=args.model_name_or_path, adapter=adapter, device_map=args.device_map,
+        max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder, torch_dtype=args.torch_dtype,
+        attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+        load_in_8bit=args.load_in_8bit, load_in_4bit=args.load_in_4bit, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        use_bnb_nested_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=args.bnb_4bit_compute_dtype,
+    )
+
+
+def check_args(parsed) -> list[str]:
+    """The flags' own problems, all at once (what needs the model or the machine is checked when loading)."""
     args: GenerateArgs = parsed.args
     problems = []
     for key in ("batch_size", "max_new_tokens"):
         if getattr(args, key) < 1:
             problems.append(f"--{key}: must be at least 1, got {getattr(args, key)}")
-    if args.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        problems.append(f"--torch_dtype: '{args.torch_dtype}' is not one of auto, float32, bfloat16, float16")
-    problems += quant.problems(args)
+    problems += model_problems(args)
     if args.do_sample and args.temperature <= 0:
         problems.append(f"--temperature: must be above 0 when sampling (--do_sample), got {args.temperature}; for "
                         "greedy decoding drop --do_sample")
@@ -729,14 +781,10 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--adapter {args.adapter}: no such folder")
     if args.prompts and (problem := prompts_file_problem(args.prompts)):
         problems.append(problem)
-    from finetune.config.training import family_problems, writable_problem
+    from finetune.config.training import writable_problem
 
-    if args.model_name_or_path and Path(args.model_name_or_path).is_dir():
-        problems += family_problems(args)  # an attention kernel the model's family lacks (Gemma-2's sdpa)
-    for flag, folder in (("--offload_folder", args.offload_folder),
-                         ("--output", Path(args.output).parent if args.output else None)):
-        if folder and (problem := writable_problem(flag, folder)):
-            problems.append(problem)
+    if args.output and (problem := writable_problem("--output", Path(args.output).parent)):
+        problems.append(problem)
     if args.output and Path(args.output).is_dir():
         problems.append(f"--output {args.output}: is a folder; give a file name for the JSON lines")
     return problems
@@ -776,20 +824,7 @@ def run(args: GenerateArgs) -> list[dict]:
     problems = check_args(SimpleNamespace(args=args))
     if problems:
         raise GenerationError("; ".join(problems))
-    from finetune.models.hub import HubError, looks_like_repo_id, resolve_model
-
-    if looks_like_repo_id(args.model_name_or_path):
-        try:  # before any weights are read: the snapshot folder is then loaded like any local folder
-            args.model_name_or_path = resolve_model(args.model_name_or_path, args.model_revision).folder
-        except HubError as e:
-            raise GenerationError(str(e)) from None
-    opts = LoadOptions(
-        model_name_or_path=args.model_name_or_path, adapter=args.adapter, device_map=args.device_map,
-        max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder, torch_dtype=args.torch_dtype,
-        attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
-        load_in_8bit=args.load_in_8bit, load_in_4bit=args.load_in_4bit, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-        use_bnb_nested_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=args.bnb_4bit_compute_dtype,
-    )
+    opts = load_options(args, args.adapter)
     model, tokenizer, placed = load_for_inference(opts)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     print(describe_device_map(placed, base), file=sys.stderr, flush=True)

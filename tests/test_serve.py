@@ -1,0 +1,342 @@
+"""`finetune serve`, started as a real process on a free loopback port and called with the official `openai` client:
+greedy completions equal transformers' own `generate` on the same chat-template rendering (base and two LoRA adapters,
+streamed and not), 8 concurrent requests batched and each equal to its answer alone, bad requests answered with 4xx
+JSON while the server keeps serving, an API key, and SIGTERM / Ctrl-C ending it within seconds."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from finetune.models import tiny
+from launch import BIN, Launched, env, free_port, REPO
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+PROMPTS = ["count: red blue green", "reverse: the cat sat on the long road", "hi", "copy: one two three four five six",
+           "sort: dog cat bird", "find: river stone", "name: light dark small large quick", "list: a b c d e f g h"]
+TIGHT = "cpu=600KB,disk=1GB"  # the embeddings and the first blocks in memory, the rest on disk
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = tiny.build(root / "model", style="chatml", hidden=64, layers=4)
+    return dict(root=root, model=model, a=tiny.save_random_adapter(model, root / "a", r=4, seed=1),
+                b=tiny.save_random_adapter(model, root / "b", r=4, seed=2))
+
+
+class Reference:
+    """transformers' own greedy `generate`, one prompt at a time, on the model (and adapter) the server loads."""
+
+    def __init__(self, files):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.files = files
+        self.tokenizer = AutoTokenizer.from_pretrained(files["model"])
+        self.models = {"model": AutoModelForCausalLM.from_pretrained(files["model"]).eval()}
+        self.stop = [self.models["model"].generation_config.eos_token_id, self.tokenizer.eos_token_id]
+
+    def model(self, name: str):
+        if name not in self.models:
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(self.files["model"])
+            self.models[name] = PeftModel.from_pretrained(base, str(self.files[name])).eval()
+        return self.models[name]
+
+    def __call__(self, name: str, prompt: str, max_tokens: int, chat: bool = True) -> tuple[str, str, int]:
+        """(text, finish_reason, completion tokens)"""
+        import torch
+
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        else:
+            ids = self.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = self.model(name).generate(**ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=self.stop,
+                                            pad_token_id=self.stop[0])
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        reason = "length"
+        if new and new[-1] in self.stop:
+            new, reason = new[:-1], "stop"
+        return self.tokenizer.decode(new, skip_special_tokens=True), reason, len(new)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    return Reference(files)
+
+
+def start(files, *flags, port: int | None = None) -> tuple[Launched, str]:
+    port = port or free_port()
+    job = Launched([str(BIN / "finetune"), "serve", "--model_name_or_path", str(files["model"]), "--served_model_name", "model",
+                    "--port", str(port), *map(str, flags)], REPO, env())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if job.returncode is not None:
+            job.drain()
+            raise AssertionError(f"finetune serve exited ({job.returncode}):\n{job.output[-4000:]}")
+        try:
+            urllib.request.urlopen(url + "/stats", timeout=2).read()
+            return job, url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.25)
+    job.abort()
+    raise AssertionError(f"finetune serve did not answer within 240 s:\n{job.output[-4000:]}")
+
+
+def stop(job: Launched, sig: int, bound: float = 20.0) -> float:
+    """Send `sig`, return the seconds until the process ended (it must within `bound`)."""
+    t = time.monotonic()
+    job.proc.send_signal(sig)
+    ended = job.wait(bound)
+    took = time.monotonic() - t
+    if not ended:
+        job.abort()
+    assert ended, f"finetune serve still running {bound} s after signal {sig}:\n{job.output[-4000:]}"
+    assert job.finish() == [], job.output[-3000:]
+    return took
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    job, url = start(files, "--adapter", f"a={files['a']}", "--adapter", f"b={files['b']}", "--api_key", KEY,
+                     "--max_concurrent", "8", "--max_model_len", "256")
+    with job:
+        yield job, url
+
+
+def client(url: str, key: str = KEY):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=120, max_retries=0)
+
+
+def stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/stats", timeout=10).read())
+
+
+def test_lists_models_and_listens_on_loopback_only(server):
+    import psutil
+
+    job, url = server
+    assert [m.id for m in client(url).models.list().data] == ["model", "a", "b"]
+    addresses = {c.laddr.ip for c in psutil.Process(job.proc.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert addresses == {"127.0.0.1"}, addresses
+
+
+@pytest.mark.parametrize("name", ["model", "a", "b"])
+def test_greedy_equals_transformers_generate(server, reference, name):
+    _, url = server
+    c = client(url)
+    for prompt in PROMPTS[:3]:
+        want, reason, count = reference(name, prompt, 20)
+        got = c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}], max_tokens=20)
+        assert (got.choices[0].message.content, got.choices[0].finish_reason, got.usage.completion_tokens) == \
+            (want, reason, count), prompt
+        chunks = list(c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=20, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+        assert chunks[-1].choices[0].finish_reason == reason
+        assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1  # streamed, not in one piece
+    want, reason, _ = reference(name, PROMPTS[3], 12, chat=False)
+    got = c.completions.create(model=name, prompt=PROMPTS[3], max_tokens=12)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, reason)
+    # the adapters change the answers (else this test could not tell them apart)
+    if name != "model":
+        assert reference(name, PROMPTS[0], 20)[0] != reference("model", PROMPTS[0], 20)[0]
+
+
+def concurrently(url: str, jobs: list[tuple[str, str, int]]) -> list[str]:
+    barrier = threading.Barrier(len(jobs))
+    out: list = [None] * len(jobs)
+
+    def one(i, name, prompt, n):
+        c = client(url)
+        barrier.wait(30)
+        try:
+            out[i] = c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=n).choices[0].message.content
+        except Exception as e:  # reported by the assertion below
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a request did not return within 180 s"
+    return out
+
+
+def test_eight_concurrent_requests_are_batched_and_each_gets_its_answer_alone(server, reference):
+    _, url = server
+    jobs = [("a", p, 16 + 4 * i) for i, p in enumerate(PROMPTS)]
+    got = concurrently(url, jobs)
+    assert got == [reference(*job)[0] for job in jobs]
+    after = stats(url)
+    assert after["batching"] == "continuous"
+    assert after["max_running"] >= 4, after  # generated together, not in turn
+    # requests for the three models at once: each adapter's requests run apart, none gets another's answer
+    mixed = [(("model", "a", "b")[i % 3], p, 16) for i, p in enumerate(PROMPTS)]
+    assert concurrently(url, mixed) == [reference(*job)[0] for job in mixed]
+
+
+def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, reference):
+    _, url = server
+    c = client(url)
+    good = dict(model="a", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8)
+    want = reference("a", PROMPTS[0], 8)[0]
+
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(**{**good, "model": "c"})
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    assert "this server serves: model, a, b" in e.value.body["message"]
+    assert c.chat.completions.create(**good).choices[0].message.content == want
+
+    status, body = post(url, b'{"model": "a", "messages": [')
+    assert status == 400 and "not valid JSON" in body["error"]["message"], body
+    assert c.chat.completions.create(**good).choices[0].message.content == want
+
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**{**good, "max_tokens": 250})  # 256-token context; the prompt is longer than 6
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens", e.value.body
+    assert c.chat.completions.create(**good).choices[0].message.content == want
+
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").chat.completions.create(**good)
+    status, body = post(url, json.dumps(good).encode(), key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError, match="greedily"):
+        c.chat.completions.create(**{**good, "temperature": 0.7})
+    assert c.chat.completions.create(**good).choices[0].message.content == want
+
+
+def test_sigterm_during_a_streamed_reply_ends_it_within_seconds(server, capsys):
+    job, url = server
+    stream = client(url).chat.completions.create(model="b", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                  max_tokens=180, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    took = stop(job, signal.SIGTERM)
+    with capsys.disabled():
+        print(f"\nfinetune serve: SIGTERM during a streamed reply -> exited in {took:.2f} s")
+    assert took < 10
+    assert "finetune serve: stopped" in job.output
+
+
+@pytest.mark.slow
+def test_offloaded_base_with_an_adapter_batches_in_a_queue_and_ctrl_c_stops_it(files, reference, capsys):
+    """A base offloaded to disk (transformers' continuous batching cannot place it) is served through the batching
+    queue; greedy answers equal the model's in one piece; Ctrl-C (SIGINT) ends it."""
+    job, url = start(files, "--adapter", f"a={files['a']}", "--device_map", "auto", "--max_memory", TIGHT)
+    with job:
+        assert stats(url)["batching"] == "queue"
+        assert "disk offload folder:" in job.output
+        jobs = [("a", p, 12) for p in PROMPTS[:4]]
+        got = concurrently(url, jobs)
+        assert got == [reference(*j)[0] for j in jobs]
+        assert stats(url)["max_running"] >= 2
+        took = stop(job, signal.SIGINT)
+        with capsys.disabled():
+            print(f"\nfinetune serve (disk offload, queue): Ctrl-C -> exited in {took:.2f} s")
+        assert took < 10
+
+
+def test_quantized_base_through_the_engine_equals_its_own_generate(files, one_thread):
+    """An 8-bit base (bitsandbytes), loaded as `finetune generate --load_in_8bit` loads it, through the engine's
+    continuous batching: each request's tokens equal transformers' generate on that same quantized model."""
+    import torch
+
+    from finetune.inference.engine import Engine, Request
+    from finetune.inference.generate import LoadOptions, load_for_inference
+
+    model, tok, _ = load_for_inference(LoadOptions(model_name_or_path=str(files["model"]), adapter=str(files["a"]),
+                                                   load_in_8bit=True), log=lambda *a: None)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for p in PROMPTS[:4]]
+    alone = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=[2],
+                                 pad_token_id=2)
+            alone.append(out[0, len(ids):].tolist())
+    engine = Engine(model, tok, {"a": "default"}, batching="continuous", max_model_len=128).start()
+    try:
+        done = threading.Event()
+        got: dict[int, list[int]] = {}
+
+        def on_output(i):
+            def f(tokens, finished, error):
+                assert error is None, error
+                if finished:
+                    got[i] = tokens
+                    if len(got) == len(prompts):
+                        done.set()
+            return f
+
+        for i, ids in enumerate(prompts):
+            engine.submit(Request(f"r{i}", "a", ids, 10, on_output(i)))
+        assert done.wait(120), got
+        assert [got[i] for i in range(len(prompts))] == alone
+        assert engine.max_running >= 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_smollm2_stops_at_its_stop_token_as_generate_does(smollm2_dir, capsys):
+    """SmolLM2-135M-Instruct (the quickstart's model, its real ChatML template and <|im_end|>): short answers end at
+    the stop token (finish_reason "stop"), token for token transformers' greedy generate, concurrently too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    stop_ids = [model.generation_config.eos_token_id, tok.eos_token_id]
+    questions = ["What is the capital of France? Answer in one word.", "Say hello.",
+                 "Extract the order as JSON with keys name, city, item, quantity.\nAda Lovelace would like 3 units of "
+                 "blue cup sent to Oslo."]
+    want = []
+    for q in questions:
+        ids = tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=60, do_sample=False, eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        assert new[-1] in stop_ids, tok.decode(new)  # each answer ends before 60 tokens
+        want.append(tok.decode(new[:-1], skip_special_tokens=True))
+    job, url = start({"model": smollm2_dir}, "--max_model_len", "512")
+    with job:
+        c = client(url)
+        for q, w in zip(questions, want):
+            got = c.chat.completions.create(model="model", messages=[{"role": "user", "content": q}], max_tokens=60)
+            assert (got.choices[0].message.content, got.choices[0].finish_reason) == (w, "stop")
+        assert concurrently(url, [("model", q, 60) for q in questions]) == want
+        took = stop(job, signal.SIGTERM)
+    with capsys.disabled():
+        print(f"\nfinetune serve (SmolLM2): {len(questions)} answers = generate, ended by <|im_end|>; SIGTERM -> "
+              f"exited in {took:.2f} s; answers: {want}")
