@@ -317,8 +317,9 @@ def load_for_inference(opts: LoadOptions, log=None):
 
     from finetune.config import check_model_folder
     from finetune.models.adapter import AdapterError, check_adapter
-    from finetune.models.load import (WeightsError, check_loading_info, empty_model, ensure_pad_token, is_vision,
-                                       load_processor, model_class, quiet_load_report, resolve_dtype)
+    from finetune.models.load import (PROCESSOR_FILES, WeightsError, check_loading_info, empty_model,
+                                       ensure_pad_token, is_vision, load_processor, model_class, quiet_load_report,
+                                       resolve_dtype)
     from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -418,11 +419,6 @@ def load_for_inference(opts: LoadOptions, log=None):
             raise GenerationError(f"--adapter {opts.adapter} could not be applied to {opts.model_name_or_path}: {e}") from None
     model.eval()
     return model, tokenizer, placed
-
-
-# The files a saved processor adds to a tokenizer's (transformers 5 writes processor_config.json; published folders
-# of older releases hold preprocessor_config.json).
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 def processor_of(model):
