@@ -12,9 +12,10 @@ from finetune.data.formats.base import Format
 from finetune.data.formats.messages import Messages
 from finetune.data.formats.sharegpt import ShareGPT
 from finetune.data.formats.text import Text
+from finetune.data.formats.vision import Vision
 
-FORMATS: dict[str, Format] = {f.name: f for f in (Text(), Alpaca(), Messages(), ShareGPT())}
-DETECTION = ("messages", "sharegpt", "alpaca", "text")
+FORMATS: dict[str, Format] = {f.name: f for f in (Text(), Alpaca(), Messages(), ShareGPT(), Vision())}
+DETECTION = ("vision", "messages", "sharegpt", "alpaca", "text")
 
 
 def names() -> tuple[str, ...]:

@@ -60,6 +60,10 @@ class Format:
     keys: str = ""  # the keys that identify it, as the "cannot tell the format" message lists them
     chat: bool = False  # always rendered with the tokenizer's chat template
     prompted: bool = True  # a record splits into a prompt and its answer (what GRPO generates from)
+    images: bool = False  # its records may hold images, rendered by a vision-language model's processor
+    # The format that reads this one's records for a vision-language model (messages -> vision), so a data set whose
+    # first record has no image still goes through the processor.
+    with_images: str | None = None
 
     def detects(self, record: dict) -> bool:
         raise NotImplementedError

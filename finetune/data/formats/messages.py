@@ -36,6 +36,7 @@ class Messages(Format):
     name = "messages"
     keys = "'messages'"
     chat = True
+    with_images = "vision"
 
     def detects(self, record: dict) -> bool:
         return "messages" in record
