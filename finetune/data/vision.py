@@ -21,6 +21,7 @@ from typing import Any, Iterable
 from finetune.constants import IGNORE_INDEX
 from finetune.data import formats
 from finetune.data.errors import DataError
+from finetune.data.formats.base import text_only
 from finetune.data.formats.vision import image_refs
 
 ATTRIBUTE = "finetune_processor"
@@ -50,10 +51,9 @@ def fingerprint(tokenizer) -> str:
 
 
 def offline() -> bool:
-    from huggingface_hub import is_offline_mode
-
-    flags = (os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return is_offline_mode() or any(flags)
+    """HF_HUB_OFFLINE (or datasets' and transformers' own flags) set, read now (huggingface_hub reads it at import)."""
+    return any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,9 +195,7 @@ def tokenize_many(tokenizer, records: Iterable[tuple[dict, str]], fmt: str, comp
         messages, tools = formats.get(fmt).conversation(record, where)
         refs = image_refs(record)
         if refs and processor is None:
-            raise DataError(f"{where}: the record has {len(refs)} image{'s' if len(refs) != 1 else ''}, and the model "
-                            f"({tokenizer.name_or_path}) is text-only: it has no image processor. Use a vision-language "
-                            "model (docs/vision.md lists the families), or leave the images out of the data")
+            raise text_only(where, len(refs), tokenizer.name_or_path)
         if processor is None:  # text records of the vision format, for a text-only model
             examples = P.encode_chats(tokenizer, [P.chat_layout(tokenizer, messages, where, tools, renderer)], completion_only)[0]
             out.append([Example(ids, labels, "", [], 0) for ids, labels in examples])

@@ -53,6 +53,14 @@ def record_tools(record: dict, where: str) -> list[dict] | None:
     return tools or None
 
 
+def text_only(where: str, images: int, model: str = "") -> DataError:
+    """Images given to a model without an image processor."""
+    model = f" ({model})" if model else ""
+    return DataError(f"{where}: the record has {images} image{'s' if images != 1 else ''}, and the model{model} is "
+                     "text-only: it has no image processor. Use a vision-language model (docs/vision.md lists the "
+                     "families), or leave the images out of the data")
+
+
 class Format:
     """One record format. `where` in every message is the record's file:line (or data set:row)."""
 
