@@ -59,7 +59,8 @@ TESTED: dict[str, Tested] = {
         ">=5.23,<5.25",
         "the Trainer path's checkpoint hooks (private Trainer methods), reloading for verification inside a ZeRO-3 "
         "run, `finetune generate --device_map auto|balanced|sequential`, and the fast chat-template rendering of "
-        "data preparation (it calls transformers' private chat-template helpers)",
+        "data preparation (it calls transformers' private chat-template helpers), and vision-language processors "
+        "without torchvision (processors_without_video)",
     ),
     "accelerate": Tested(
         ">=1.15,<1.16",
@@ -438,6 +439,82 @@ def offload_hooks(model):
             if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
                 out.append((name, module, h))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 5.23-5.24 without torchvision: a vision-language processor with a video processor (Qwen2.5-VL,
+# Qwen3-VL, SmolVLM) cannot be built or loaded. Its video processor class needs torchvision (the name resolves to a
+# dummy), and ProcessorMixin.check_argument_for_proper_class, looking for the base class VideoProcessorMixin, reads
+# VIDEO_PROCESSOR_MAPPING._extra_content from that dummy: "type object 'VIDEO_PROCESSOR_MAPPING' has no attribute
+# '_extra_content'". The image processors fall back to their ...Pil classes by themselves. finetune passes images
+# only, so without torchvision a processor is built without its video processor: ProcessorMixin.get_attributes
+# leaves video_processor out (the constructors pass their video_processor on positionally, which then goes
+# unused), and from_args_and_dict gives a constructor that requires one (SmolVLMProcessor) None. A processor saved
+# so has no video processor in processor_config.json; transformers with torchvision loads the default one of its
+# model type beside it. Where torchvision imports, nothing is changed.
+
+
+class _NoVideoProcessor:
+    """What a processor built without torchvision holds as its video processor: no defaults (SmolVLMProcessor's
+    apply_chat_template reads num_frames and fps, and passes them on unused when there is no video); anything else
+    says why there is none."""
+
+    num_frames = None
+    fps = None
+
+    def __getattr__(self, name):
+        raise AttributeError(f"video_processor.{name}: this processor has no video processor (torchvision is not "
+                             "installed; finetune passes images only)")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("videos need the model's video processor, which needs torchvision (not installed)")
+
+
+def processors_without_video() -> bool:
+    """Build and load vision-language processors without torchvision (above): True where the patch is in place
+    (torchvision missing), False where torchvision is installed and processors need no help."""
+    import inspect
+
+    from transformers import processing_utils
+    from transformers.utils import is_torchvision_available
+
+    mixin = processing_utils.ProcessorMixin
+    if is_torchvision_available():
+        return False
+    if getattr(mixin, "_finetune_without_video", False):
+        return True
+    get_attributes = mixin.get_attributes.__func__
+    from_args_and_dict = mixin.from_args_and_dict.__func__
+
+    def attributes(cls):
+        return [a for a in get_attributes(cls) if a != "video_processor"]
+
+    def from_args(cls, args, processor_dict, **kwargs):
+        if "video_processor" in inspect.signature(cls.__init__).parameters:
+            kwargs.setdefault("video_processor", None)
+        return from_args_and_dict(cls, args, processor_dict, **kwargs)
+
+    init = mixin.__init__
+
+    def init_without_video(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if "video_processor" in get_attributes(type(self)) and getattr(self, "video_processor", None) is None:
+            self.video_processor = _NoVideoProcessor()  # read for its defaults (SmolVLM's apply_chat_template)
+
+    to_dict = mixin.to_dict
+
+    def to_dict_without_video(self):
+        out = to_dict(self)
+        if isinstance(out.get("video_processor"), _NoVideoProcessor):
+            del out["video_processor"]  # nothing to save: the folder keeps no video processor
+        return out
+
+    mixin.get_attributes = classmethod(attributes)
+    mixin.from_args_and_dict = classmethod(from_args)
+    mixin.__init__ = init_without_video
+    mixin.to_dict = to_dict_without_video
+    mixin._finetune_without_video = True
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -165,6 +165,14 @@ def qwen3_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """NAME -> the folder of a tiny random vision-language model of that family with its real processor
+    (finetune.models.tiny.tiny_vlm; tiny.VLMS), built once per session."""
+    root = tmp_path_factory.mktemp("tiny_vlm")
+    return lambda name: tiny.tiny_vlm(name, root / name)
+
+
 @pytest.fixture
 def cache_dir(tmp_path) -> Path:
     return tmp_path / "tokenized-cache"

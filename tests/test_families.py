@@ -79,7 +79,8 @@ def test_llama_parameter_count_equals_the_model(config, total, tmp_path):
 def test_unknown_family_is_refused_by_name(tmp_path):
     with pytest.raises(families.FamilyError, match=r"no model family for model_type 'gpt_neox' "
                                                    r"\(known: llama, qwen2, qwen3, mistral, gemma2, gemma3_text, "
-                                                   r"gemma3, phi3, qwen3_moe, mixtral\)"):
+                                                   r"phi3, qwen3_moe, mixtral, gemma3, qwen2_5_vl, qwen3_vl, smolvlm, "
+                                                   r"idefics3, llava, llava_next\)"):
         families.family_of({"model_type": "gpt_neox", "hidden_size": 8})
     with pytest.raises(families.FamilyError, match=r"no model family for GGUF architecture 'falcon' "
                                                    r"\(known: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe\)"):

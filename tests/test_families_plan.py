@@ -64,7 +64,7 @@ REAL = {
         sliding_window=4096),
 }
 FAMILY = {"Qwen3-8B": "qwen3", "Qwen2.5-7B": "qwen2", "Qwen3-30B-A3B": "qwen3_moe", "Mixtral-8x7B-v0.1": "mixtral",
-          "gemma-3-12b-it": "gemma3", "Phi-3-mini-4k-instruct": "phi3", "Mistral-7B-v0.1": "mistral"}
+          "gemma-3-12b-it": "gemma3_mm", "Phi-3-mini-4k-instruct": "phi3", "Mistral-7B-v0.1": "mistral"}
 
 
 def meta_model(d: dict):

@@ -1,4 +1,5 @@
-"""Loading tokenizers and Llama-style models: dtype, quantization, LoRA. Shared by every training path."""
+"""Loading tokenizers, processors and models (text, and vision-language: Family.vision): dtype, quantization, LoRA.
+Shared by every training path."""
 
 from __future__ import annotations
 
@@ -77,11 +78,51 @@ from finetune.models.quant import QUANT_TYPES, check_quantized_setup, is_quantiz
 
 def empty_model(model_path: str, dtype, trust_remote_code: bool = False):
     """The model's modules with parameters on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model_class(config).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def is_vision(config) -> bool:
+    """Whether CONFIG (a transformers config or a config.json dict) is a vision-language family's (Family.vision)."""
+    family = families.find(config)
+    return bool(family is not None and family.vision)
+
+
+def model_class(config, task: str = "CAUSAL_LM"):
+    """transformers' Auto class that builds CONFIG's model for TASK (TASKS): a vision-language family's
+    AutoModelForImageTextToText (its *ForConditionalGeneration: tower, projector and language model) for the causal
+    LM; TASKS' class otherwise (a text model loads exactly as it always has)."""
+    import transformers
+
+    if task == "CAUSAL_LM" and is_vision(config):
+        return transformers.AutoModelForImageTextToText
+    return getattr(transformers, TASKS[task][0])
+
+
+def load_processor(folder, trust_remote_code: bool = False):
+    """A vision-language model folder's processor (AutoProcessor: its image processor, tokenizer and chat template),
+    built without torchvision where it is missing (finetune.compat.processors_without_video); WeightsError naming the
+    folder when it holds none."""
+    from transformers import AutoProcessor
+
+    from finetune.compat import processors_without_video
+
+    processors_without_video()
+    try:
+        processor = AutoProcessor.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        raise WeightsError(f"--model_name_or_path {folder}: its processor cannot be loaded "
+                           f"({str(e).strip().splitlines()[0][:300]}); a vision-language model folder needs the "
+                           "processor files of the model it was trained from (processor_config.json or "
+                           "preprocessor_config.json, the tokenizer files, chat_template.jinja)") from None
+    if not hasattr(processor, "image_processor"):  # AutoProcessor's fallback for a folder with a tokenizer only
+        raise WeightsError(f"--model_name_or_path {folder}: it holds a tokenizer but no image processor "
+                           "(processor_config.json or preprocessor_config.json); copy the processor files of the model "
+                           "it was trained from into the folder")
+    return processor
 
 
 def quantized_device_map() -> dict:
@@ -140,9 +181,9 @@ def new_head_keys(info: dict, task: str) -> tuple[dict, list[str]]:
 def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     """Load the model; with ZeRO-3 the TrainingArguments must already exist so weights load partitioned. `task`: the
     model class the method trains (TASKS)."""
-    import transformers
+    from transformers import AutoConfig
 
-    auto, head_kwargs, new_keys, _ = TASKS[task]
+    _, head_kwargs, new_keys, _ = TASKS[task]
     check_quantized_setup(model_cfg)
     if model_cfg.use_peft:
         check_lora_targets(model_cfg)
@@ -156,8 +197,10 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     if new_keys:
         # A head the checkpoint lacks is drawn from the global RNG: seeded, so every rank (and a rerun) draws it alike.
         torch.manual_seed(training_args.seed if training_args else 0)
+    auto = model_class(AutoConfig.from_pretrained(model_cfg.model_name_or_path,
+                                                  trust_remote_code=model_cfg.trust_remote_code), task)
     with quiet_load_report():
-        model, info = getattr(transformers, auto).from_pretrained(
+        model, info = auto.from_pretrained(
             model_cfg.model_name_or_path,
             dtype=dtype,
             attn_implementation=model_cfg.attn_implementation,
@@ -257,7 +300,7 @@ def describe_quantization(model, model_cfg, quant) -> str:
 def check_lora_targets(model_cfg) -> None:
     """--lora_target_modules naming no module of the model: WeightsError with the names there are, before any weight
     is read (the model is built on the meta device, which costs no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from finetune.errors import did_you_mean
 
@@ -268,7 +311,7 @@ def check_lora_targets(model_cfg) -> None:
     # Outside ZeRO-3: under it from_config would partition the meta copy and re-initialize it, which fails on meta
     # tensors (and would gather with collectives); the names are all this check needs.
     with torch.device("meta"), outside_zero3():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        model = model_class(config).from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     names = [name for name, _ in model.named_modules() if name]
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]

@@ -7,17 +7,23 @@ from typing import Any
 
 from finetune.models.families.base import Family, Linear, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import GEMMA2
-from finetune.models.families.gemma3 import GEMMA3
+from finetune.models.families.gemma3 import GEMMA3, GEMMA3_MM
+from finetune.models.families.llava import LLAVA, LLAVA_NEXT
 from finetune.models.families.llama import LLAMA
 from finetune.models.families.mistral import MISTRAL
 from finetune.models.families.mixtral import MIXTRAL
 from finetune.models.families.phi3 import PHI3
 from finetune.models.families.qwen2 import QWEN2
+from finetune.models.families.qwen2_5_vl import QWEN2_5_VL
 from finetune.models.families.qwen3 import QWEN3
 from finetune.models.families.qwen3_moe import QWEN3_MOE
+from finetune.models.families.qwen3_vl import QWEN3_VL
+from finetune.models.families.smolvlm import SMOLVLM
 
 # The first family of a GGUF architecture is the one its files import as (Mistral is written as "llama").
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL,
+                                # vision-language (Family.vision): a vision tower and projector beside the decoder
+                                GEMMA3_MM, QWEN2_5_VL, QWEN3_VL, SMOLVLM, LLAVA, LLAVA_NEXT)
 
 # The family of a config.json without model_type (transformers needs the key; configs written by hand for
 # `finetune plan` may leave it out, and were always read as Llama).
@@ -32,11 +38,17 @@ class FamilyError(ValueError):
 
 
 def find(config_or_model_type: Any) -> Family | None:
-    """The family of a model_type, a config.json dict or a transformers config; None when no family covers it."""
+    """The family of a model_type, a config.json dict or a transformers config; None when no family covers it. A
+    multimodal config is its own model_type's family (llava, not its language model's llama) where one covers it."""
     model_type = _model_type(config_or_model_type)
     if model_type is None:
         return UNNAMED
-    return next((f for f in FAMILIES if model_type in f.model_types), None)
+    top = config_or_model_type.get("model_type") if isinstance(config_or_model_type, dict) else None
+    for kind in dict.fromkeys(k for k in (top, model_type) if k):
+        family = next((f for f in FAMILIES if kind in f.model_types), None)
+        if family is not None:
+            return family
+    return None
 
 
 def family_of(config_or_model_type: Any) -> Family:

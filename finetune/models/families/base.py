@@ -159,6 +159,16 @@ class Family(ABC):
     # tie_word_embeddings when config.json leaves it out (transformers' config class default).
     tied_default: bool = False
 
+    # A vision-language family (finetune.models.families.vision.VisionFamily): its checkpoints hold a vision tower and
+    # a projector beside the language model, load with AutoModelForImageTextToText and an AutoProcessor. A class
+    # attribute, not a field: what a family is, not a value of one instance.
+    vision = False
+
+    def vision_prefixes(self, config) -> tuple[str, ...]:
+        """The module-name prefixes (as in named_modules() of the model AutoModelForImageTextToText builds) of the
+        vision tower and the projector: what stays frozen by default. None for a text family."""
+        return ()
+
     # ---- shapes, for the planner ----
 
     def shape(self, d: dict[str, Any]) -> ModelShape:

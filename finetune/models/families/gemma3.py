@@ -4,9 +4,9 @@ decoder under model.language_model. after a SigLIP vision tower and a projector.
 norms per layer, head_dim 256 by default, tied embeddings) with Qwen3's per-head q/k RMSNorms (after o_proj), and no
 logit soft-caps; sdpa works.
 
-LoRA's default targets are the language model's projections only: the vision tower has q_proj, k_proj and v_proj
-of its own, which a bare name would also wrap (peft matches target_modules anywhere), so for a multimodal
-checkpoint the names are narrowed to model.language_model.
+The multimodal checkpoints are their own family (gemma3_mm, a VisionFamily: finetune.models.families.vision): LoRA's
+default targets are the language model's projections only (the vision tower has q_proj, k_proj and v_proj of its
+own, which a bare name would also wrap), the tower and projector frozen by default.
 
 GGUF (llama.cpp's "gemma3", the text model): Gemma-2's layout (norms stored plus one, the q/k norms too) with an
 output tensor when untied and no soft-caps; llama.cpp fixes the sliding window on five layers of six, the sliding
@@ -18,12 +18,12 @@ which finetune does not write (gguf_model says so in one line)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import Gemma2Family
+from finetune.models.families.vision import VisionFamily, dense, ln
 
 LOCAL_THETA = 10000.0  # llama.cpp's rope base of Gemma-3's sliding layers (fixed: not read from the file)
 from finetune.models.families.llama import LlamaFamily
@@ -32,15 +32,6 @@ from finetune.models.families.qwen3 import qk_norms_saved
 
 @dataclass(frozen=True)
 class Gemma3Family(Gemma2Family):
-    def shape(self, d: dict[str, Any]) -> ModelShape:
-        import dataclasses
-
-        sh = super().shape(d)
-        if "text_config" in d and "hidden_size" not in d:  # the multimodal checkpoint: tied to the text embeddings
-            tied = bool(d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", True)))
-            sh = dataclasses.replace(sh, prefix="model.language_model.", tie_word_embeddings=tied, config=d)
-        return sh
-
     def attention_problem(self, attn_implementation: str) -> str | None:
         return LlamaFamily.attention_problem(self, attn_implementation)
 
@@ -62,34 +53,6 @@ class Gemma3Family(Gemma2Family):
                         Tensor(attn + "k_norm.weight", (sh.head_dim,), "norm")]
             out.append(t)
         return out
-
-    def front(self, sh: ModelShape) -> list[Tensor]:
-        """The multimodal checkpoint's SigLIP vision tower (with SigLIP's pooling head only where vision_use_head is set, which Gemma-3's checkpoints do not) and the
-        projector into the language model's width."""
-        if sh.prefix == "model.":
-            return []
-        v = {**_SIGLIP, **(sh.config.get("vision_config") or {})}
-        h, i, patch, ch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]), int(v["num_channels"])
-        vt = "model.vision_tower."
-        out = [Tensor(vt + "embeddings.patch_embedding.weight", (h, ch, patch, patch), "linear"),
-               Tensor(vt + "embeddings.patch_embedding.bias", (h,), "bias"),
-               Tensor(vt + "embeddings.position_embedding.weight", ((int(v["image_size"]) // patch) ** 2, h), "embed")]
-        for layer in range(int(v["num_hidden_layers"])):
-            p = f"{vt}encoder.layers.{layer}."
-            out += _ln(p + "layer_norm1", h)
-            for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
-                out += _dense(p + "self_attn." + proj, h, h)
-            out += _ln(p + "layer_norm2", h)
-            out += _dense(p + "mlp.fc1", i, h) + _dense(p + "mlp.fc2", h, i)
-        out += _ln(vt + "post_layernorm", h)
-        if v.get("vision_use_head", True):  # SigLIP's pooling head (Gemma-3's checkpoints turn it off)
-            out += [Tensor(vt + "head.probe", (1, 1, h), "embed"),
-                    Tensor(vt + "head.attention.in_proj_weight", (3 * h, h), "linear"),
-                    Tensor(vt + "head.attention.in_proj_bias", (3 * h,), "bias")]
-            out += _dense(vt + "head.attention.out_proj", h, h) + _ln(vt + "head.layernorm", h)
-            out += _dense(vt + "head.mlp.fc1", i, h) + _dense(vt + "head.mlp.fc2", h, i)
-        return out + [Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, sh.hidden_size), "linear"),
-                      Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "norm")]
 
     # ---- GGUF ----
 
@@ -155,35 +118,69 @@ class Gemma3Family(Gemma2Family):
                 "rope_parameters": {"full_attention": full,
                                     "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_THETA}}}
 
-    def peft_target_modules(self, config, names: list[str]) -> list[str] | str:
-        if getattr(config, "model_type", None) != "gemma3":
-            return names
-        return rf"model\.language_model\..*\.({'|'.join(map(re.escape, names))})"
 
 
-# Gemma3Config's vision tower (SiglipVisionConfig as Gemma-3 sets it) for keys a config.json leaves out.
-_SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896, patch_size=14,
-               num_channels=3)
+@dataclass(frozen=True)
+class Gemma3VisionFamily(VisionFamily, Gemma3Family):
+    """The multimodal checkpoints (Gemma3ForConditionalGeneration): the same decoder under model.language_model.,
+    after the SigLIP tower (model.vision_tower) and the projector (model.multi_modal_projector: an RMSNorm of the
+    tower's width, average-pooled to mm_tokens_per_image per image, then one matrix into the decoder's width)."""
 
+    # Gemma3TextConfig's and Gemma3Config's vision tower (SiglipVisionConfig as Gemma-3 sets it) defaults, for keys
+    # a config.json leaves out (gemma-3-4b-it's names neither its vocabulary nor its heads).
+    text_defaults = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=256)
+    vision_defaults = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
+                           patch_size=14, num_channels=3)
 
-def _ln(name: str, h: int) -> list[Tensor]:
-    return [Tensor(name + ".weight", (h,), "norm"), Tensor(name + ".bias", (h,), "bias")]
-
-
-def _dense(name: str, out: int, inp: int) -> list[Tensor]:
-    return [Tensor(name + ".weight", (out, inp), "linear"), Tensor(name + ".bias", (out,), "bias")]
+    def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
+        """The SigLIP vision tower (with SigLIP's pooling head only where vision_use_head is set, which Gemma-3's
+        checkpoints do not) and the projector into the language model's width."""
+        h, i, patch, ch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]), int(v["num_channels"])
+        vt = "model.vision_tower."
+        out = [Tensor(vt + "embeddings.patch_embedding.weight", (h, ch, patch, patch), "linear"),
+               Tensor(vt + "embeddings.patch_embedding.bias", (h,), "bias"),
+               Tensor(vt + "embeddings.position_embedding.weight", ((int(v["image_size"]) // patch) ** 2, h), "embed")]
+        for layer in range(int(v["num_hidden_layers"])):
+            p = f"{vt}encoder.layers.{layer}."
+            out += ln(p + "layer_norm1", h)
+            for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
+                out += dense(p + "self_attn." + proj, h, h)
+            out += ln(p + "layer_norm2", h)
+            out += dense(p + "mlp.fc1", i, h) + dense(p + "mlp.fc2", h, i)
+        out += ln(vt + "post_layernorm", h)
+        if v.get("vision_use_head", True):  # SigLIP's pooling head (Gemma-3's checkpoints turn it off)
+            out += [Tensor(vt + "head.probe", (1, 1, h), "embed"),
+                    Tensor(vt + "head.attention.in_proj_weight", (3 * h, h), "linear"),
+                    Tensor(vt + "head.attention.in_proj_bias", (3 * h,), "bias")]
+            out += dense(vt + "head.attention.out_proj", h, h) + ln(vt + "head.layernorm", h)
+            out += dense(vt + "head.mlp.fc1", i, h) + dense(vt + "head.mlp.fc2", h, i)
+        return out + [Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, sh.hidden_size), "linear"),
+                      Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "norm")]
 
 
 GEMMA3 = Gemma3Family(
     name="gemma3",
     sliding_pattern=6,  # Gemma3TextConfig's sliding_window_pattern: five sliding layers, then a global one
-    model_types=("gemma3_text", "gemma3"),
-    hf_classes=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    model_types=("gemma3_text",),
+    hf_classes=("Gemma3ForCausalLM",),
     tied_default=True,
     gguf_arch="gemma3",
     gguf_required=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                    "model.layers.0.self_attn.q_norm.weight", "model.layers.0.mlp.down_proj.weight"),
     chat_templates=("gemma",),
     big_layers=62,  # Gemma-3-27B
+    swa_pattern=6,
+)
+GEMMA3_MM = Gemma3VisionFamily(
+    name="gemma3_mm",
+    sliding_pattern=6,
+    model_types=("gemma3",),
+    hf_classes=("Gemma3ForConditionalGeneration",),
+    tied_default=True,
+    gguf_arch="gemma3",
+    gguf_required=GEMMA3.gguf_required,
+    chat_templates=("gemma",),
+    big_layers=62,
     swa_pattern=6,
 )

@@ -1,0 +1,76 @@
+"""LLaVA 1.5 (LlavaForConditionalGeneration, model_type llava) and LLaVA-NeXT (LlavaNextForConditionalGeneration,
+model_type llava_next, "LLaVA 1.6"): a Llama-layout decoder (Vicuna/Llama, or Mistral in llava-v1.6-mistral) under
+model.language_model., after a CLIP vision tower (model.vision_tower: a class embedding, a bias-free patch
+embedding, a position embedding of (image_size / patch_size)^2 + 1, the pre-LayerNorm, the encoder, a final
+LayerNorm; its vision_feature_layer's output is taken, -2 in the published checkpoints) and a two-layer GELU
+projector (model.multi_modal_projector). LLaVA-NeXT tiles the image over image_grid_pinpoints and adds one learned
+vector (model.image_newline, a parameter, not a module) at the end of each row of patches; it is part of the
+projector: frozen by default with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.llama import LlamaFamily
+from finetune.models.families.vision import VisionFamily, clip_layers, dense, ln
+
+# The language models whose layout is Llama's (the text_config model_types of the published LLaVA checkpoints).
+LLAMA_LAYOUT = ("llama", "mistral")
+
+
+@dataclass(frozen=True)
+class LlavaFamily(VisionFamily, LlamaFamily):
+    # LlamaConfig's defaults (LlavaConfig's text_config class when config.json names none) and LlavaConfig's vision
+    # tower (CLIP ViT-L/14 at 336 pixels).
+    text_defaults = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=32, num_attention_heads=32)
+    vision_defaults = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_channels=3,
+                           image_size=336, patch_size=14, projection_dim=768)
+
+    def text_dict(self, d: dict[str, Any]) -> dict[str, Any]:
+        text = super().text_dict(d)
+        kind = text.get("model_type", "llama")
+        if kind == "mistral":  # MistralConfig's defaults differ from Llama's in the MLP width and the kv heads
+            text = {**self.text_defaults, "intermediate_size": 14336, "num_key_value_heads": 8,
+                    **(d.get("text_config") or {})}
+        if kind not in LLAMA_LAYOUT:
+            raise ValueError(f"text_config.model_type '{kind}': finetune's {self.name} family reads a Llama-layout "
+                             f"language model ({', '.join(LLAMA_LAYOUT)})")
+        return text
+
+    def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
+        h, p = int(v["hidden_size"]), int(v["patch_size"])
+        vt = "model.vision_tower."
+        out = self.newline(sh)
+        out += [Tensor(vt + "embeddings.class_embedding", (h,), "embed"),
+                Tensor(vt + "embeddings.patch_embedding.weight", (h, int(v["num_channels"]), p, p), "linear"),
+                Tensor(vt + "embeddings.position_embedding.weight", ((int(v["image_size"]) // p) ** 2 + 1, h), "embed")]
+        out += ln(vt + "pre_layrnorm", h) + clip_layers(vt, v) + ln(vt + "post_layernorm", h)
+        pr = "model.multi_modal_projector."
+        return out + dense(pr + "linear_1", sh.hidden_size, h) + dense(pr + "linear_2", sh.hidden_size, sh.hidden_size)
+
+    def newline(self, sh: ModelShape) -> list[Tensor]:
+        """Parameters registered before the tower: none in LLaVA 1.5."""
+        return []
+
+
+@dataclass(frozen=True)
+class LlavaNextFamily(LlavaFamily):
+    towers = ("model.image_newline", "model.vision_tower", "model.multi_modal_projector")
+
+    def newline(self, sh: ModelShape) -> list[Tensor]:
+        return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]
+
+
+LLAVA = LlavaFamily(
+    name="llava",
+    model_types=("llava",),
+    hf_classes=("LlavaForConditionalGeneration",),
+)
+LLAVA_NEXT = LlavaNextFamily(
+    name="llava_next",
+    model_types=("llava_next",),
+    hf_classes=("LlavaNextForConditionalGeneration",),
+)

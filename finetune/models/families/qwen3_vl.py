@@ -1,0 +1,53 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, model_type qwen3_vl): Qwen3's decoder (per-head q/k RMSNorms, head_dim
+128) under model.language_model., with interleaved multimodal rope (rope_scaling.mrope_section, mrope_interleaved),
+after a ViT under model.visual: a 3-d patch embedding with a bias, a learned position embedding
+(num_position_embeddings, interpolated to the image's grid), LayerNorm blocks with a fused qkv and a GELU MLP
+(linear_fc1, linear_fc2), the merger (LayerNorm, two linears over spatial_merge_size squared patches) and one more
+merger per deepstack_visual_indexes entry (its LayerNorm after the merge), whose outputs are added to the first
+decoder layers' hidden states. model.visual is the tower and projectors: frozen by default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.qwen3 import Qwen3Family
+from finetune.models.families.vision import VisionFamily, dense, ln
+
+
+@dataclass(frozen=True)
+class Qwen3VLFamily(VisionFamily, Qwen3Family):
+    towers = ("model.visual",)
+    # Qwen3VLTextConfig's and Qwen3VLVisionConfig's defaults for keys a config.json leaves out.
+    text_defaults = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=128)
+    vision_defaults = dict(depth=27, hidden_size=1152, intermediate_size=4304, in_channels=3, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+
+    def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
+        h, i, p, t = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]), int(v["temporal_patch_size"])
+        merged, out_h = h * int(v["spatial_merge_size"]) ** 2, int(v["out_hidden_size"])
+        vt = "model.visual."
+        out = [Tensor(vt + "patch_embed.proj.weight", (h, int(v["in_channels"]), t, p, p), "linear"),
+               Tensor(vt + "patch_embed.proj.bias", (h,), "bias"),
+               Tensor(vt + "pos_embed.weight", (int(v["num_position_embeddings"]), h), "embed")]
+        for layer in range(int(v["depth"])):
+            b = f"{vt}blocks.{layer}."
+            out += ln(b + "norm1", h) + ln(b + "norm2", h) + dense(b + "attn.qkv", 3 * h, h) + dense(b + "attn.proj", h, h)
+            out += dense(b + "mlp.linear_fc1", i, h) + dense(b + "mlp.linear_fc2", h, i)
+        out += ln(vt + "merger.norm", h) + dense(vt + "merger.linear_fc1", merged, merged)
+        out += dense(vt + "merger.linear_fc2", out_h, merged)
+        for k in range(len(v["deepstack_visual_indexes"])):
+            m = f"{vt}deepstack_merger_list.{k}."
+            out += ln(m + "norm", merged) + dense(m + "linear_fc1", merged, merged) + dense(m + "linear_fc2", out_h, merged)
+        return out
+
+
+QWEN3_VL = Qwen3VLFamily(
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    hf_classes=("Qwen3VLForConditionalGeneration",),
+    chat_templates=("chatml",),
+)
