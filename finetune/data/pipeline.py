@@ -21,7 +21,7 @@ from pathlib import Path
 
 from finetune import compat
 from finetune.constants import IGNORE_INDEX
-from finetune.data import forked, formats, mix, vision
+from finetune.data import forked, formats, images, mix, vision
 from finetune.data import prepare as P
 from finetune.data.packing import pack_dataset
 from finetune.data.prepare import DataError, DataStats
@@ -198,8 +198,6 @@ class Tokenize:
                 yield record, where
 
         if self.images:
-            from finetune.data import vision
-
             tokenized = [[(e.input_ids, e.labels, e) for e in examples] for examples in
                          vision.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only, self.base)]
         else:
@@ -235,7 +233,7 @@ class Tokenize:
         return out
 
 
-def _features(images: bool = False):
+def _features(with_images: bool = False):
     import datasets
 
     # int32: token ids fit, and it halves the cache against Python ints' int64.
@@ -244,7 +242,7 @@ def _features(images: bool = False):
         "_status": datasets.Value("int8"), "_trained": datasets.Value("int32"), "_split": datasets.Value("int32"),
         "_no_end": datasets.Value("int8"),
     }
-    if images:
+    if with_images:
         # The images as datasets.Image values: a path stays a path, bytes (an image column, a URL) are kept.
         features.update(text=datasets.Value("large_string"), images=datasets.List(datasets.Image()))
     return datasets.Features(features)
@@ -288,17 +286,17 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     fmt = cfg.dataset_format
     if fmt == "auto":
         fmt = P.detect_format(*first_record(ds, prefix))
-    if vision.processor_of(tokenizer) is not None and formats.get(fmt).with_images:
+    if images.processor_of(tokenizer) is not None and formats.get(fmt).with_images:
         fmt = formats.get(fmt).with_images  # a vision-language model reads a set's text records as its image records
     if formats.get(fmt).chat:
         P.require_chat_template(tokenizer, fmt, str(name))
-    images = formats.get(fmt).images
-    if images:
+    has_images = formats.get(fmt).images
+    if has_images:
         ds = _undecoded(ds)
     base = None if hub is not None else Path(cfg.dataset).resolve() if Path(cfg.dataset).is_dir() else Path(cfg.dataset).resolve().parent
     fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
                   tuple(f["filename"] for f in ds.cache_files), base=base)
-    mapped = map_records(ds, fn, work, num_proc=num_proc, features=_features(images), what=name)
+    mapped = map_records(ds, fn, work, num_proc=num_proc, features=_features(has_images), what=name)
     # datasets opens the map's output memory-mapped, and reading its stream in touches pages (about 40% of the file:
     # 320 MB at 1M conversations) that would stay in RSS; the training reads them again as it needs them.
     files = [f["filename"] for f in mapped.cache_files]
@@ -557,14 +555,14 @@ def _fingerprint(cfg, tokenizer, hub=None) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
-    h.update(vision.fingerprint(tokenizer).encode())
+    h.update(images.fingerprint(tokenizer).encode())
     return h.hexdigest()[:24]
 
 
 def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
     """Return (datasets.Dataset with input_ids/labels, DataStats), tokenized once per node (once per job on a shared
     cache folder) with a multi-process `Dataset.map` while the other ranks wait, then packed where asked."""
-    processor = vision.processor_of(tokenizer)
+    processor = images.processor_of(tokenizer)
     if processor is not None and (getattr(cfg, "packing", False) or getattr(cfg, "padding_free", False)):
         # Packed rows would need each record's own positions, mrope's 3-D ones included, and its images in order.
         flag = "--packing" if getattr(cfg, "packing", False) else "--padding_free"

@@ -855,7 +855,7 @@ def make_collator(cfg, tokenizer):
     """
     from finetune.data.packing import PackedCollator, collator_layout
 
-    from finetune.data.vision import VisionCollator, processor_of
+    from finetune.data.images import VisionCollator, processor_of
 
     if processor_of(tokenizer) is not None:  # a vision-language model: its processor makes the batches
         return VisionCollator(processor_of(tokenizer), tokenizer.pad_token_id)

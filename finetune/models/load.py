@@ -12,7 +12,7 @@ import torch
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
-from finetune.models.freeze import freeze_vision, is_vision
+from finetune.models.freeze import freeze_vision
 
 
 class WeightsError(ValueError):

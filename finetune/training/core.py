@@ -560,7 +560,7 @@ def consolidated_state_dict(ds_engine, module):
 
 def save_processor(tokenizer, folder) -> None:
     """A vision-language model's processor beside its tokenizer, so the folder reloads with AutoProcessor."""
-    from finetune.data.vision import processor_of
+    from finetune.data.images import processor_of
 
     if processor_of(tokenizer) is not None:
         processor_of(tokenizer).save_pretrained(folder)

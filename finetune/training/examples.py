@@ -91,35 +91,20 @@ def datasets_or_exit(cfg, method, local_rank: int):
     return tokenizer, method.examples(dataset, key), method.examples(eval_dataset, eval_key), stats
 
 
-def is_vision_model(folder) -> bool:
-    """A vision-language model folder: its config has a vision tower's (vision_config)."""
-    config = Path(folder) / "config.json"
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
-
-
 def attach_processor(model_cfg, tokenizer) -> None:
     """A vision-language model's processor (its image processor and chat template, around the tokenizer as loaded),
     given to the data pipeline through the tokenizer (finetune.data.vision); --chat_template still wins."""
-    if not is_vision_model(model_cfg.model_name_or_path):
-        return
-    from transformers import AutoProcessor
+    from finetune.data import images
+    from finetune.models.load import is_vision, load_processor
 
-    from finetune.data import vision
-    from finetune.models.load import WeightsError
-
-    folder = model_cfg.model_name_or_path
-    try:
-        processor = AutoProcessor.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
-    except (OSError, ValueError, TypeError, ImportError, AttributeError) as e:
-        raise WeightsError(f"--model_name_or_path {folder}: a vision-language model whose processor cannot be loaded "
-                           f"({str(e).strip().splitlines()[0][:300]}); copy the processor files of the model it was "
-                           "trained from (processor_config.json or preprocessor_config.json) into the folder") from None
-    if getattr(processor, "image_processor", None) is None:
+    config = Path(model_cfg.model_name_or_path) / "config.json"
+    if not config.is_file() or not is_vision(json.loads(config.read_text())):
         return
+    processor = load_processor(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
     processor.tokenizer = tokenizer
     if getattr(model_cfg, "chat_template", None) or not processor.chat_template:
         processor.chat_template = tokenizer.chat_template
-    vision.attach(tokenizer, processor)
+    images.attach(tokenizer, processor)
 
 
 def read_split(output_dir) -> dict | None:

@@ -83,7 +83,7 @@ def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resum
     """The Trainer of the run's method (finetune.methods): the Trainer as it is where it computes the method's loss
     (SFT), else MethodTrainer with the method's Session; what else the method needs (DPO's reference) is made here,
     before any update."""
-    from finetune.data.vision import processor_of
+    from finetune.data.images import processor_of
     from finetune.training.hf_trainer import MethodTrainer, Trainer
 
     # A vision-language model's processor is what its checkpoints and final folder save (tokenizer included).
