@@ -406,6 +406,27 @@ def fill_zero_sizes(plugin, model) -> None:
             plugin.fill_match(key, must_match=False, **{key: value})
 
 
+# Qwen2.5-VL's and Qwen3-VL's *ForConditionalGeneration in transformers 5.23-5.24 say accepts_loss_kwargs = False
+# (copied from Gemma-3's inner model, transformers #37208), yet their forward hands **kwargs, num_items_in_batch
+# among them, to the loss function. The Trainer then averages each micro-batch's mean over gradient accumulation
+# (and ranks) instead of taking the global batch's token mean: a tiny Qwen2.5-VL's first step was 4.5e-3 off in
+# 2 x 2 micro-batches, exact in one of 4. The models whose forward passes the count on are told so.
+LOSS_KWARGS_MISDECLARED = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+
+
+def declare_loss_kwargs(model) -> bool:
+    """The model's accepts_loss_kwargs set to True where transformers misdeclares it; True when it was."""
+    import inspect
+
+    if type(model).__name__ not in LOSS_KWARGS_MISDECLARED or getattr(model, "accepts_loss_kwargs", True):
+        return False
+    kinds = [p.kind for p in inspect.signature(type(model).forward).parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:  # a release that no longer passes kwargs on: left as declared
+        return False
+    model.accepts_loss_kwargs = True
+    return True
+
+
 @contextmanager
 def outside_zero3():
     """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,

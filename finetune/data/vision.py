@@ -64,6 +64,9 @@ def encode(tokenizer, processor, text: str, spans: list[tuple[int, int]], images
     ids, offsets = list(enc["input_ids"][0]), [tuple(o) for o in enc["offset_mapping"][0]]
     replacements = (enc.get("text_replacement_offsets") or [[]])[0]
     expanded = _shift(len(text), replacements)
+    # A turn the template ends with no special token before more text (LLaVA-1.5's "answer USER: ...") ends at its
+    # last character, not its trailing space: SentencePiece folds that space into the next word ("▁USER").
+    spans = [(a, b if b == len(text) else a + len(text[a:b].rstrip())) for a, b in spans]
     moved = [(_shift(a, replacements), _shift(b, replacements)) for a, b in spans]
     ids, labels = P._span_labels(tokenizer, ids, offsets, expanded, moved, completion_only, special)
     if len(ids) > len(offsets):  # EOS appended by the masking (a template that ends a turn with no special token)
@@ -75,6 +78,13 @@ def encode(tokenizer, processor, text: str, spans: list[tuple[int, int]], images
             labels[t] = IGNORE_INDEX
             image_end = t + 1
     return Example(ids, labels, text, stored, image_end)
+
+
+def as_parts(message: dict) -> dict:
+    """A string content as one text part, as TRL gives processors' templates every message (SmolVLM's, LLaVA's
+    iterate the content as parts; Gemma-3's and Qwen's render both alike)."""
+    content = message.get("content")
+    return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
 
 
 def tokenize_many(tokenizer, records: Iterable[tuple[dict, str]], fmt: str, completion_only: bool,
@@ -95,6 +105,7 @@ def tokenize_many(tokenizer, records: Iterable[tuple[dict, str]], fmt: str, comp
             out.append([Example(ids, labels, "", [], 0) for ids, labels in examples])
             continue
         opened = [open_image(ref, where, k, base) for k, ref in enumerate(refs)]
+        messages = [as_parts(m) for m in messages]
         full, spans = P.chat_layout(tokenizer, messages, where, tools, renderer)
         if full is not None:
             pieces = [(full, spans)]

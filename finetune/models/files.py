@@ -96,6 +96,11 @@ def _model_type_problems(folder: Path, config: dict, trust_remote_code: bool = F
                 "\"llama\")"]
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return []
+    from finetune.models import families
+
+    family = families.find(config)
+    if family is not None and family.vision:  # a vision-language model: AutoModelForImageTextToText loads it
+        return []
     if config.get("auto_map"):
         if trust_remote_code:
             return []

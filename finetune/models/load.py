@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
-from finetune.compat import guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
+from finetune.compat import declare_loss_kwargs, guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
 from finetune.models.freeze import freeze_vision
 
@@ -215,6 +215,7 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
         print(f"model: {', '.join(fresh)} not in {model_cfg.model_name_or_path}: a new {type(model).__name__} head, "
               f"initialized (seed {training_args.seed if training_args else 0})", flush=True)
     check_loading_info(info, model_cfg.model_name_or_path)
+    declare_loss_kwargs(model)  # the Trainer's global-batch token mean for Qwen's VLMs (finetune.compat)
     if is_vision(model.config) and getattr(model_cfg, "freeze_vision_tower", True) and not model_cfg.use_peft:
         freeze_vision(model)  # full fine-tuning of the language model (LoRA freezes everything but its adapters)
     from finetune.models.hub import stamp_config

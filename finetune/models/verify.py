@@ -232,11 +232,17 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     import torch
     import transformers
 
-    from finetune.models.load import TASKS, saved_task
+    from finetune.models.load import TASKS, model_class, saved_task
 
     folder = Path(folder)
     task, head_kwargs = saved_task(folder)  # a reward model's sequence-classification head, or the causal LM
     auto = getattr(transformers, TASKS[task][0])
+    config = folder / "config.json" if (folder / "config.json").is_file() else None
+    if config is None and (folder / "adapter_config.json").is_file():
+        base = base_model or json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        config = Path(base) / "config.json" if base else None
+    if config is not None and config.is_file():  # a vision-language model reloads as AutoModelForImageTextToText
+        auto = model_class(json.loads(config.read_text()), task)
     kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
