@@ -287,3 +287,21 @@ def test_hub_image_dataset(tok, vlm, data, tmp_path):
     path, ids, labels = json.loads(r.stdout.strip().splitlines()[-1])
     want, _ = prepare(tok, data, tmp_path / "cache", max_seq_length=256)
     assert path == "tinyorg/pics" and ids == list(want["input_ids"]) and labels == list(want["labels"])
+
+
+def test_methods_without_images_refuse_image_records():
+    """DPO's pairs, KTO's examples and GRPO's prompts do not carry images yet: a record with one is refused by file
+    and line, naming the method and the fix, instead of training on the placeholder text alone."""
+    from finetune.data import preference, prompts, unpaired
+
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "Red."}],
+            "rejected": [{"role": "assistant", "content": "Blue."}], "images": ["img/0.png"]}
+    with pytest.raises(DataError, match=r"p\.jsonl:3: the record has 1 image, and preference training \(DPO, .*\) "
+                                        r"does not train on images yet \(SFT does: docs/vision\.md\)"):
+        preference.pair_of(pair, "p.jsonl:3", chat=True)
+    example = {"prompt": prompt, "completion": [{"role": "assistant", "content": "Red."}], "label": True}
+    with pytest.raises(DataError, match=r"k\.jsonl:1: the record has 1 image, and KTO does not train on images"):
+        unpaired.example_of(example, "k.jsonl:1", chat=True)
+    with pytest.raises(DataError, match=r"g\.jsonl:2: the record has 1 image, and generating methods \(GRPO, RLOO\)"):
+        prompts.prompt_of(None, RECORDS[0], "vision", "g.jsonl:2")

@@ -21,6 +21,7 @@ from finetune.data import prepare as P
 from finetune.data import preference as PR
 from finetune.data.preference import padded_rows
 from finetune.data.formats.base import record_tools
+from finetune.data.formats.vision import refuse_images
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
 FORMAT = "unpaired"
@@ -40,6 +41,7 @@ def example_of(record: dict, where: str, chat: bool, form: str | None = None) ->
     `form` (the file's first record's)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
+    refuse_images(record, where, "KTO")
     for key in KEYS:
         if key not in record or record[key] is None:
             hint = (" (paired records: --method dpo, simpo or orpo)" if "chosen" in record

@@ -23,6 +23,27 @@ def image_refs(record: dict) -> list:
     return list(images) if isinstance(images, (list, tuple)) else [] if images is None else images
 
 
+def image_count(record: dict) -> int:
+    """The images a record of any method's format holds: its `images` (or `image`), or image parts in its turns."""
+    parts = 0
+    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+        turns = record.get(key)
+        for m in turns if isinstance(turns, list) else [turns] if isinstance(turns, dict) else []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                parts += sum(isinstance(p, dict) and p.get("type") == "image" for p in content)
+    refs = image_refs(record) if isinstance(record.get("images", []), (list, tuple, type(None))) else [record["images"]]
+    return max(len(refs), parts)
+
+
+def refuse_images(record: dict, where: str, what: str) -> None:
+    """DataError for a record with images given to a method that does not train on them (only SFT does)."""
+    n = image_count(record) if isinstance(record, dict) else 0
+    if n:
+        raise DataError(f"{where}: the record has {n} image{'s' if n != 1 else ''}, and {what} does not train on "
+                        "images yet (SFT does: docs/vision.md); leave the images out, or train with --method sft")
+
+
 def _parts(content: Any, where: str) -> int:
     """The number of image parts of a list content; DataError naming the part that is not text or image."""
     count = 0
