@@ -49,22 +49,26 @@ def root(tmp_path_factory):
             n = len(r.get("images", []))
             records.append(dict(r, images=[f"img/{(k + j) % 4}.png" for j in range(n)]) if n else r)
     write_jsonl(root / "data.jsonl", records)
+    # Under ZeRO-3 every record needs an image (finetune.training.examples.check_images_under_zero3).
+    write_jsonl(root / "images.jsonl", [r for r in records if r.get("images")])
     return root
 
 
 _runs: dict[tuple[str, str], list[float]] = {}
+ZERO3 = ("-zero3", "-zero3-offload", "-zero3-single")
 
 
 def train(root: Path, fam: str, name: str) -> list[float]:
     if (fam, name) not in _runs:
         folder = tiny.tiny_vlm(fam, root / fam)
-        if name == "single":
+        if name.startswith("single"):
             cmd, micro, accum, preset = [sys.executable, TRAIN], 2, 2, "ddp"
         else:
             path, preset = RUNS[name]
             cmd, micro, accum = PATHS[path](), 1, 2
         out = root / f"{fam}-{name}"
-        result = run(cmd + ["--config", preset, "--model_name_or_path", str(folder), "--dataset", str(root / "data.jsonl"),
+        data = root / ("images.jsonl" if name.endswith(ZERO3) else "data.jsonl")
+        result = run(cmd + ["--config", preset, "--model_name_or_path", str(folder), "--dataset", str(data),
                             "--output_dir", str(out), "--dataset_cache_dir", str(root / f"cache-{fam}"),
                             "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
                             *FLAGS], timeout=900).check()
@@ -76,10 +80,23 @@ def train(root: Path, fam: str, name: str) -> list[float]:
 
 @pytest.mark.parametrize("fam, name", matrix(EVERY, COVER))
 def test_two_processes_equal_one(root, fam, name):
-    ref, got = train(root, fam, "single"), train(root, fam, name)
+    ref, got = train(root, fam, "single-zero3-single" if "zero3" in name else "single"), train(root, fam, name)
     assert len(ref) == len(got) == STEPS
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
     print(f"\n{fam} {name}: per-step losses vs one process: largest relative difference {worst:.2e} "
           f"(loss {ref[0]:.4f} -> {ref[-1]:.4f})")
     assert ref[-1] < ref[0]  # it trains
     assert worst <= 1e-4, (ref, got)
+
+
+def test_text_records_beside_images_are_refused_under_zero3(root):
+    """Under ZeRO-3 a rank whose micro-batch has no image would skip the vision tower's gathers: refused before
+    training, by number, with the presets that take such data."""
+    folder = tiny.tiny_vlm("gemma3", root / "gemma3")
+    result = run(PATHS["trainer"]() + ["--config", "ds_configs/zero3_no_offload.json", "--model_name_or_path",
+                                       str(folder), "--dataset", str(root / "data.jsonl"), "--output_dir",
+                                       str(root / "refused"), "--dataset_cache_dir", str(root / "cache-gemma3"),
+                                       *FLAGS], timeout=600)
+    assert result.returncode == 2, result.output[-3000:]
+    assert ("--config ds_configs/zero3_no_offload.json: 4 of the 16 examples of --dataset have no image; under ZeRO-3 "
+            "every rank runs the vision tower together") in result.output

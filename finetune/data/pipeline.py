@@ -189,7 +189,7 @@ class Tokenize:
             compat.release_mapped_pages(self.sources)
         out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
         if self.images:
-            out.update(text=[], images=[])
+            out.update(text=[], images=[], _no_image=[])
 
         def records():  # each validated just before it is rendered, so the first bad record is the one reported
             for k, index in enumerate(indices):
@@ -230,6 +230,7 @@ class Tokenize:
                     kept = not status & DROPPED
                     out["text"].append(example.text if kept else "")
                     out["images"].append(example.images if kept else [])
+                    out["_no_image"].append(int(kept and not example.images))
         return out
 
 
@@ -244,7 +245,8 @@ def _features(with_images: bool = False):
     }
     if with_images:
         # The images as datasets.Image values: a path stays a path, bytes (an image column, a URL) are kept.
-        features.update(text=datasets.Value("large_string"), images=datasets.List(datasets.Image()))
+        features.update(text=datasets.Value("large_string"), images=datasets.List(datasets.Image()),
+                        _no_image=datasets.Value("int8"))
     return datasets.Features(features)
 
 
@@ -314,9 +316,12 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
         no_trained_end_truncated=int((no_end & ((status & TRUNCATED) != 0)).sum()),
         end_tokens=", ".join(tokenizer.convert_ids_to_tokens(sorted(fn.end_ids))),
     )
+    if has_images:
+        stats.without_images = _column_sum(files, "_no_image")
     if not stats.examples:
         raise DataError(f"{name}: no examples left after filtering ({stats.summary()})")
-    commit(mapped, keep, ["_status", "_trained", "_split", "_no_end"], work / "final", asdict(stats))
+    commit(mapped, keep, ["_status", "_trained", "_split", "_no_end"] + (["_no_image"] if has_images else []),
+           work / "final", asdict(stats))
     del mapped, ds
     return stats
 
@@ -340,6 +345,19 @@ def _bookkeeping(files: list[str], memory_pool=None):
                 lengths = pc.list_value_length(batch.column("input_ids"), memory_pool=memory_pool)
                 parts[-1].append(np.array(lengths.to_numpy(zero_copy_only=False), copy=True))
     return tuple(np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in parts)
+
+
+def _column_sum(files: list[str], column: str) -> int:
+    """The sum of an int column of the map's files, read batch by batch (as _bookkeeping)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    for name in files:
+        with pa.OSFile(name, "rb") as f, pa.ipc.open_stream(f) as reader:
+            for batch in reader:
+                total += int(pc.sum(batch.column(column)).as_py() or 0)
+    return total
 
 
 def commit(mapped, keep, drop: list[str], final: Path, stats: dict) -> None:

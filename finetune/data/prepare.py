@@ -735,6 +735,8 @@ class DataStats:
     end_tokens: str = ""
     # Image records that truncation at max_seq_length would have cut inside or before an image's tokens (dropped).
     dropped_image_cut: int = 0
+    # Examples of an image data set that hold no image (text records beside the image records).
+    without_images: int = 0
 
     @property
     def packing_efficiency(self) -> float:
