@@ -37,7 +37,7 @@ def detect(record: dict, where: str) -> Format:
     for name in DETECTION:
         if FORMATS[name].detects(record):
             return FORMATS[name]
-    keys = [f.keys for f in FORMATS.values()]
+    keys = [f.keys for f in FORMATS.values() if f.keys]
     keys = f"{', '.join(keys[:-1])} or {keys[-1]}"
     if PREFERENCE_KEYS & set(record):
         # Preference data given to supervised fine-tuning: the fix is the method, not --dataset_format.

@@ -60,7 +60,7 @@ def _parts(content: Any, where: str) -> int:
 
 class Vision(Messages):
     name = "vision"
-    keys = "'messages' with 'images'"
+    keys = ""  # its records are `messages` ones (with images): the "cannot tell the format" message lists those
     images = True  # rendered by the model's processor (finetune.data.vision), images and all
 
     def detects(self, record: dict) -> bool:
