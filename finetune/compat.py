@@ -579,6 +579,32 @@ def processors_without_video() -> bool:
     return True
 
 
+def keep_direct_tensors_in_memory(model) -> list[str]:
+    """accelerate 1.15's disk offload loads a module's own tensors when its forward runs (AlignDevicesHook with
+    offload, place_submodules off). transformers 5.24's generate reads some of a vision-language model's outside any
+    forward: its image-feature pre-pass (_prepare_multimodal_encoder_kwargs_for_generation) calls get_image_features
+    directly, and LLaVA-NeXT's reads model.image_newline, a parameter of the container module, still on the meta
+    device there ("Cannot copy out of meta tensor"). Those tensors of a module with children (a few vectors) are
+    loaded once into memory on the hook's device and the hook stops offloading them. Their names, for the log."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    kept = []
+    for name, module, hook in offload_hooks(model):
+        # A container (a child with weights of its own), not a leaf with an activation child (a MoE's experts).
+        if hook.place_submodules or not any(next(c.parameters(), None) is not None for c in module.children()):
+            continue
+        own = [n for n, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+               if t.device.type == "meta"]
+        if not own:
+            continue
+        device = hook.execution_device if hook.execution_device is not None else "cpu"
+        for tensor in own:
+            set_module_tensor_to_device(module, tensor, device, value=hook.weights_map[tensor])
+            kept.append(f"{name}.{tensor}" if name else tensor)
+        hook.offload = False  # its only tensors are the ones now in memory
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------
 # transformers 5.23-5.24 (transformers.utils.chat_template_utils) and jinja2 3.1 (jinja2.runtime): a chat template
 # rendered without apply_chat_template's per-call work, for data preparation (finetune.data.prepare.ChatRenderer;

@@ -264,3 +264,56 @@ def test_processors_without_torchvision_are_patched_where_it_is_missing():
     from finetune.compat import processors_without_video
 
     assert processors_without_video() is (not is_torchvision_available())
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", ["full", "lora"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "llava" else pytest.mark.slow) for n in VLMS])
+def test_text_activations_are_the_planners(name, variant, tiny_vlm):
+    """On text (no image), the bytes autograd saves in one training forward of the tiny model are the planner's to the
+    byte, full fine-tuning and the default LoRA: Qwen's mrope keeps one more [rows, seq, head_dim] tensor than a 1-d
+    rope, Gemma-3 with both kinds of layer one more for its second rope. (The vision tower's activations on images
+    are not in the planner.)"""
+    import types
+
+    from test_plan import _saved_bytes
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.models.load import add_lora
+    from finetune.plan import planner as plan
+
+    folder = tiny_vlm(name)
+    d = json.loads((folder / "config.json").read_text())
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if variant == "lora":
+        model = add_lora(model, types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.05,
+                                                      lora_target_modules=["all-linear"], _hub=None), seed=0)
+    model.train()
+    b, s = 2, 48
+    ids = torch.randint(3, 1000, (b, s), generator=torch.Generator().manual_seed(0))
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=b, seq_len=s, grad_ckpt=False,
+                        use_peft=variant == "lora", lora_r=4, lora_dropout=0.05, padding_mask=False,
+                        lora_targets=("all-linear",), loss_chunk=0)
+    want, got = plan.activations(job).saved, _saved_bytes(model, ids, torch.ones_like(ids))
+    print(f"{name} {variant}: planner {want:,} bytes saved, measured {got:,}")
+    assert want == got
+
+
+def test_gemma3_text_with_a_global_layer_saves_what_the_planner_says():
+    """Gemma-3's text model with its 5:1 pattern (a global layer among sliding ones): the second rope counted."""
+    from family_configs import tiny_model
+    from test_plan import _saved_bytes
+
+    from finetune.plan import planner as plan
+
+    model = tiny_model("gemma3", num_hidden_layers=6)
+    model.config.use_cache = False
+    model.train()
+    d = model.config.to_dict()
+    assert d["layer_types"][-1] == "full_attention" and d["layer_types"][0] == "sliding_attention"
+    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(0))
+    job = plan.Workload(plan.model_shape(d), plan.Strategy("ddp", 0), micro_batch=2, seq_len=48, grad_ckpt=False,
+                        use_peft=False, lora_r=4, lora_dropout=0.05, padding_mask=False, lora_targets=("all-linear",),
+                        loss_chunk=0)
+    assert plan.activations(job).saved == _saved_bytes(model, ids, torch.ones_like(ids)) == 4_643_980

@@ -13,6 +13,12 @@ An "id" field is copied to the output. Output: one JSON line per prompt, in inpu
 `completion` (plus `finish_reason`: eos or length, and `completion_tokens`), to `--output FILE` or stdout.
 Greedy decoding unless `--do_sample`; generation stops at EOS or after `--max_new_tokens`.
 
+A vision-language model (docs/families.md) takes images: `--image PATH` (repeatable) puts them, in order, before the
+text of every `--prompt`; a prompts file's record names its own ({"prompt": TEXT, "images": [PATH, ...]}, or
+{"messages": [...], "images": [...]} with one {"type": "image"} part per image in TRL's format), paths relative to
+the file. The model folder's processor renders and tokenizes them (its chat template, its image-token expansion),
+so a prompt with images always goes through the chat template.
+
 Where each block of the model landed (device map) and the peak memory are printed to stderr. Greedy output
 does not depend on the placement: a sharded or disk-offloaded model produces the same tokens as the model in
 one piece (tests/test_generate.py checks it token for token).
@@ -307,12 +313,13 @@ def load_for_inference(opts: LoadOptions, log=None):
     Every user mistake raises GenerationError before the weights are read.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from finetune.config import check_model_folder
     from finetune.models.adapter import AdapterError, check_adapter
-    from finetune.models.load import (WeightsError, check_loading_info, empty_model, ensure_pad_token,
-                                       quiet_load_report, resolve_dtype)
+    from finetune.models.load import (PROCESSOR_FILES, WeightsError, check_loading_info, empty_model,
+                                       ensure_pad_token, is_vision, load_processor, model_class, quiet_load_report,
+                                       resolve_dtype)
     from finetune.models.quant import quantization_config
 
     log = log or (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -368,15 +375,25 @@ def load_for_inference(opts: LoadOptions, log=None):
         kwargs["offload_folder"] = opts.offload_folder
         log(f"disk offload folder: {opts.offload_folder}")
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        opts.adapter if opts.adapter and (Path(opts.adapter) / "tokenizer_config.json").is_file() else opts.model_name_or_path,
-        trust_remote_code=opts.trust_remote_code,
-    )
+    processor = None
+    if is_vision(meta.config):
+        # The adapter's own processor files where training saved them beside it, else the base folder's.
+        saved = opts.adapter and any((Path(opts.adapter) / f).is_file() for f in PROCESSOR_FILES)
+        try:
+            processor = load_processor(opts.adapter if saved else opts.model_name_or_path, opts.trust_remote_code)
+        except WeightsError as e:
+            raise GenerationError(str(e)) from None
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            opts.adapter if opts.adapter and (Path(opts.adapter) / "tokenizer_config.json").is_file() else opts.model_name_or_path,
+            trust_remote_code=opts.trust_remote_code,
+        )
     ensure_pad_token(tokenizer)
     tokenizer.padding_side = "left"
     try:
         with quiet_load_report():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = model_class(meta.config).from_pretrained(
                 opts.model_name_or_path, dtype=dtype, attn_implementation=opts.attn_implementation,
                 trust_remote_code=opts.trust_remote_code, use_safetensors=True, output_loading_info=True, **kwargs,
             )
@@ -391,6 +408,9 @@ def load_for_inference(opts: LoadOptions, log=None):
             ) from None
         raise
     model._finetune_offload_tmp = offload_tmp  # keep the temporary offload folder alive with the model
+    model._finetune_processor = processor  # a vision-language model's processor (processor_of)
+    if processor is not None and (kept := compat.keep_direct_tensors_in_memory(model)):
+        log(f"kept in memory (read outside the forward of their offloaded module): {', '.join(kept)}")
     placed = dict(getattr(model, "hf_device_map", None) or {"": _single_device(model)})
     if opts.adapter:
         try:
@@ -399,6 +419,11 @@ def load_for_inference(opts: LoadOptions, log=None):
             raise GenerationError(f"--adapter {opts.adapter} could not be applied to {opts.model_name_or_path}: {e}") from None
     model.eval()
     return model, tokenizer, placed
+
+
+def processor_of(model):
+    """The processor load_for_inference loaded with a vision-language model (None for a text model)."""
+    return getattr(model, "_finetune_processor", None)
 
 
 def _offload_hooks(model):
@@ -518,6 +543,58 @@ class Prompt:
     text: str  # what the model sees (after the chat template)
     chat: bool
     id: Any = None
+    images: list = field(default_factory=list)  # PIL images, in the order of the prompt's image parts
+
+
+def open_images(paths: list[str], where: str, base: Path | None = None) -> list:
+    """The images at PATHS (relative to BASE), as RGB PIL images; GenerationError naming WHERE and the path."""
+    from PIL import Image, UnidentifiedImageError
+
+    out = []
+    for path in paths:
+        if not isinstance(path, str):
+            raise GenerationError(f"{where}: an image path must be a string, got {path!r}")
+        if re.match(r"^[a-z][a-z0-9+.-]*://", path):
+            raise GenerationError(f"{where}: image '{path}' is a URL; give a local file (finetune generate reads no "
+                                  "network)")
+        file = (base / path) if base is not None and not Path(path).is_absolute() else Path(path)
+        if not file.is_file():
+            raise GenerationError(f"{where}: image '{path}' not found ({file})")
+        try:
+            with Image.open(file) as im:
+                out.append(im.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as e:
+            raise GenerationError(f"{where}: image '{path}' cannot be read ({e})") from None
+    return out
+
+
+def render_vision(processor, original: Any, images: list, where: str) -> Prompt:
+    """A prompt for a vision-language model, through its processor's chat template: a string is one user message
+    whose images come first; a message list may carry {"type": "image"} parts, one per image."""
+    if isinstance(original, list):
+        messages = []
+        for i, msg in enumerate(original):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise GenerationError(f"{where}: message {i} should be {{'role': str, 'content': str or list}}")
+            content = msg.get("content")
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            if not isinstance(content, list) or not all(isinstance(c, dict) and c.get("type") in ("text", "image")
+                                                        for c in content):
+                raise GenerationError(f"{where}: message {i}'s content should be a string or a list of "
+                                      "{'type': 'text', 'text': ...} and {'type': 'image'} parts")
+            messages.append({**msg, "content": content})
+        parts = sum(c["type"] == "image" for m in messages for c in m["content"])
+        if parts != len(images):
+            raise GenerationError(f"{where}: {parts} image part(s) in the messages but {len(images)} image(s) given")
+    else:
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": original}]}]
+    if not getattr(processor, "chat_template", None):
+        raise GenerationError(f"{where}: a vision-language prompt needs the processor's chat template, and it has none")
+    last_is_assistant = messages[-1]["role"] == "assistant"
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=not last_is_assistant,
+                                         continue_final_message=last_is_assistant)
+    return Prompt(original, text, True, images=images)
 
 
 def render(tokenizer, original: Any, as_chat: bool, where: str) -> Prompt:
@@ -536,10 +613,19 @@ def render(tokenizer, original: Any, as_chat: bool, where: str) -> Prompt:
     return Prompt(original, original, False)
 
 
-def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None, chat: bool) -> list[Prompt]:
+def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None, chat: bool,
+                 images: list[str] | None = None, processor=None) -> list[Prompt]:
+    """The prompts, rendered; IMAGES (--image) go with every --prompt. PROCESSOR: a vision-language model's, which
+    renders every prompt (images or not); without one, images are refused."""
     out: list[Prompt] = []
+    if images and processor is None:
+        raise GenerationError("--image: this model is a text model; images need a vision-language model "
+                              "(docs/families.md lists them)")
+    opened = open_images(images or [], "--image")
     for i, text in enumerate(prompts or []):
-        out.append(render(tokenizer, text, chat, f"--prompt #{i + 1}"))
+        where = f"--prompt #{i + 1}"
+        out.append(render_vision(processor, text, opened, where) if processor is not None
+                   else render(tokenizer, text, chat, where))
     if prompts_file:
         p = Path(prompts_file)
         if problem := prompts_file_problem(prompts_file):
@@ -553,7 +639,21 @@ def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None,
             except json.JSONDecodeError as e:
                 raise GenerationError(f"{where}: invalid JSON ({e.msg})") from None
             rid = None
-            if isinstance(rec, dict):
+            if isinstance(rec, dict) and processor is not None:
+                rid = rec.get("id")
+                paths = rec.get("images") or []
+                if not isinstance(paths, list):
+                    raise GenerationError(f"{where}: 'images' should be a list of image paths")
+                record_images = open_images(paths, where, p.parent)
+                original = rec["messages"] if isinstance(rec.get("messages"), list) and rec["messages"] else (
+                    rec.get("prompt") if isinstance(rec.get("prompt"), str) else rec.get("text"))
+                if not isinstance(original, (str, list)):
+                    raise GenerationError(f"{where}: expected a 'prompt' or 'text' string, or a non-empty 'messages' list")
+                prompt = render_vision(processor, original, record_images, where)
+            elif isinstance(rec, dict) and rec.get("images"):
+                raise GenerationError(f"{where}: 'images' given, but this model is a text model; images need a "
+                                      "vision-language model (docs/families.md lists them)")
+            elif isinstance(rec, dict):
                 rid = rec.get("id")
                 if isinstance(rec.get("messages"), list) and rec["messages"]:
                     prompt = render(tokenizer, rec["messages"], True, where)
@@ -564,7 +664,7 @@ def read_prompts(tokenizer, prompts: list[str] | None, prompts_file: str | None,
                 else:
                     raise GenerationError(f"{where}: expected a 'prompt' or 'text' string, or a non-empty 'messages' list")
             elif isinstance(rec, str):
-                prompt = render(tokenizer, rec, chat, where)
+                prompt = render_vision(processor, rec, [], where) if processor is not None else render(tokenizer, rec, chat, where)
             else:
                 raise GenerationError(f"{where}: expected a JSON object or string")
             prompt.id = rid
@@ -620,18 +720,24 @@ def generate(
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    processor = processor_of(model)
     results: list[dict] = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        encoded = [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch]
-        for k, ids in enumerate(encoded):
-            if not ids:
-                raise GenerationError(f"prompt #{start + k + 1} is empty (no tokens to continue from)")
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long, device=device)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long, device=device)
+    for start, batch in batches(prompts, batch_size, by_images=processor is not None):
+        if processor is not None:
+            inputs = vision_inputs(processor, batch, device)
+            width = inputs["input_ids"].shape[1]
+        else:
+            encoded = [tokenizer(p.text, add_special_tokens=not p.chat)["input_ids"] for p in batch]
+            for k, ids in enumerate(encoded):
+                if not ids:
+                    raise GenerationError(f"prompt #{start + k + 1} is empty (no tokens to continue from)")
+            width = max(len(ids) for ids in encoded)
+            inputs = {"input_ids": torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long,
+                                                device=device),
+                      "attention_mask": torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded],
+                                                     dtype=torch.long, device=device)}
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+            out = model.generate(**inputs, **gen_kwargs)
         for prompt, row in zip(batch, out[:, width:].tolist()):
             finish = "length"
             for i, token in enumerate(row):
@@ -646,6 +752,31 @@ def generate(
             if on_result:
                 on_result(result)
     return results
+
+
+def batches(prompts: list[Prompt], size: int, by_images: bool):
+    """(index of the first, prompts) in order, SIZE at most; BY_IMAGES: a batch holds prompts with images or prompts
+    without, not both (a processor takes images for every text of a call or for none)."""
+    start = 0
+    while start < len(prompts):
+        end = start + 1
+        while end < len(prompts) and end - start < size and (
+                not by_images or bool(prompts[end].images) == bool(prompts[start].images)):
+            end += 1
+        yield start, prompts[start:end]
+        start = end
+
+
+def vision_inputs(processor, batch: list[Prompt], device) -> dict:
+    """The processor's tensors for BATCH (left-padded token ids, pixel values and whatever the model takes with them:
+    image grids, token types), on DEVICE. The tokenizer adds its special tokens unless the rendered text begins with
+    the BOS token, as transformers' own processor apply_chat_template decides (LLaVA's template writes no BOS: its
+    tokenizer adds it; Gemma-3's writes it)."""
+    images = [p.images for p in batch] if batch[0].images else None
+    bos = processor.tokenizer.bos_token
+    inputs = processor(text=[p.text for p in batch], images=images, padding=True, return_tensors="pt",
+                       add_special_tokens=not (bos is not None and batch[0].text.startswith(bos)))
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
 
 
 def peak_rss_bytes() -> int:
@@ -677,7 +808,10 @@ class GenerateArgs:
                                         "devices listed are used (name disk to allow disk offload).")
     offload_folder: str | None = _flag(help="Folder for weights offloaded to disk (default: a temporary folder).")
     prompt: list[str] = _flag(list, help="A prompt.", repeat=True)
-    prompts: str | None = _flag(help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]}.")
+    prompts: str | None = _flag(help="JSONL file of prompts: {'prompt': ...}, {'text': ...} or {'messages': [...]} "
+                                     "(a vision-language model's may add 'images': [PATH, ...], relative to the file).")
+    image: list[str] = _flag(list, help="An image for every --prompt, before its text (repeatable; a vision-language "
+                                        "model only).", repeat=True)
     chat: bool = _flag(False, help="Send plain-text prompts through the chat template as a user message.")
     output: str | None = _flag(help="Write JSON lines here (default: stdout).")
     with_ids: bool = _flag(False, help="Add the completion token ids to each output line.")
@@ -725,6 +859,11 @@ def check_args(parsed) -> list[str]:
         problems.append(f"--top_p: must be in (0, 1] when sampling, got {args.top_p}")
     if not args.prompt and not args.prompts:
         problems.append("no prompts: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    if args.image and not args.prompt:
+        problems.append("--image: goes with --prompt (a prompts file names each record's own 'images')")
+    for path in args.image:
+        if not re.match(r"^[a-z][a-z0-9+.-]*://", path) and not Path(path).is_file():
+            problems.append(f"--image {path}: no such file")
     if args.adapter and not Path(args.adapter).is_dir():
         problems.append(f"--adapter {args.adapter}: no such folder")
     if args.prompts and (problem := prompts_file_problem(args.prompts)):
@@ -793,7 +932,7 @@ def run(args: GenerateArgs) -> list[dict]:
     model, tokenizer, placed = load_for_inference(opts)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     print(describe_device_map(placed, base), file=sys.stderr, flush=True)
-    prompts = read_prompts(tokenizer, args.prompt, args.prompts, args.chat)
+    prompts = read_prompts(tokenizer, args.prompt, args.prompts, args.chat, args.image, processor_of(model))
 
     out = open(args.output, "w") if args.output else sys.stdout
 

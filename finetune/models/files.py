@@ -99,7 +99,7 @@ def _model_type_problems(folder: Path, config: dict, trust_remote_code: bool = F
     from finetune.models import families
 
     family = families.find(config)
-    if family is not None and family.vision:  # a vision-language model: AutoModelForImageTextToText loads it
+    if family is not None and family.vision:  # a vision-language family's (AutoModelForImageTextToText)
         return []
     if config.get("auto_map"):
         if trust_remote_code:

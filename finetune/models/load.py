@@ -102,6 +102,11 @@ def model_class(config, task: str = "CAUSAL_LM"):
     return getattr(transformers, TASKS[task][0])
 
 
+# The files a saved processor adds to a tokenizer's (transformers 5 writes processor_config.json; published folders
+# of older releases hold preprocessor_config.json).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 def load_processor(folder, trust_remote_code: bool = False):
     """A vision-language model folder's processor (AutoProcessor: its image processor, tokenizer and chat template),
     built without torchvision where it is missing (finetune.compat.processors_without_video); WeightsError naming the

@@ -252,7 +252,7 @@ def tiny_vlm(name: str, folder: str | Path, seed: int = 0, data: Path | None = N
     import tempfile
 
     folder = Path(folder)
-    stamp = f"{name} seed={seed} v1"
+    stamp = f"{name} seed={seed} v2"
     if (folder / ".tiny_vlm").is_file() and (folder / ".tiny_vlm").read_text() == stamp:
         return folder
     if name not in VLMS:
@@ -297,8 +297,9 @@ def _gemma3(tmp: Path, data):
     tokens = 4  # mm_tokens_per_image: the 2 x 2 patches of a 28-pixel image, pooled 1:1
     processor = Gemma3Processor(Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tok,
                                 chat_template=tok.chat_template, image_seq_length=tokens)
-    text = dict(VLM_TEXT, vocab_size=262208, query_pre_attn_scalar=8, sliding_window=16,
-                layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+    # Gemma-3's five sliding layers to one global (llama.cpp's gemma3 fixes that pattern).
+    text = dict(VLM_TEXT, vocab_size=262208, query_pre_attn_scalar=8, sliding_window=16, num_hidden_layers=6,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"], pad_token_id=tok.pad_token_id,
                 bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, 1])
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                   patch_size=14, vision_use_head=False)

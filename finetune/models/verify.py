@@ -232,17 +232,10 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     import torch
     import transformers
 
-    from finetune.models.load import TASKS, model_class, saved_task
+    from finetune.models.load import model_class, saved_task
 
     folder = Path(folder)
     task, head_kwargs = saved_task(folder)  # a reward model's sequence-classification head, or the causal LM
-    auto = getattr(transformers, TASKS[task][0])
-    config = folder / "config.json" if (folder / "config.json").is_file() else None
-    if config is None and (folder / "adapter_config.json").is_file():
-        base = base_model or json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        config = Path(base) / "config.json" if base else None
-    if config is not None and config.is_file():  # a vision-language model reloads as AutoModelForImageTextToText
-        auto = model_class(json.loads(config.read_text()), task)
     kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -259,6 +252,7 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
             )
         from finetune.models.load import quiet_load_report
 
+        auto = model_class(transformers.AutoConfig.from_pretrained(base_path), task)
         with quiet_load_report():  # a reward model's base has no score head: the adapter's (modules_to_save) replaces it
             base = auto.from_pretrained(base_path, **head_kwargs, **kwargs)
         if quantization is None and device is not None:
@@ -272,6 +266,7 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     if not (folder / "config.json").is_file():
         raise VerificationError(f"{folder}: neither config.json nor adapter_config.json was written")
     try:
+        auto = model_class(transformers.AutoConfig.from_pretrained(str(folder)), task)
         model, info = auto.from_pretrained(str(folder), output_loading_info=True, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise VerificationError(f"{folder}: from_pretrained failed: {type(e).__name__}: {e}") from e
@@ -285,6 +280,49 @@ def reload(folder: str | Path, *, base_model: str | None = None, dtype=None, dev
     if quantization is None and device is not None:
         model.to(device)
     return model.eval(), "model"
+
+
+def _weights_diff(model, reference, folder) -> float:
+    """The largest difference between the reloaded model's parameters and the reference's, name for name."""
+    mine = dict(model.named_parameters())
+    theirs = {_strip(k): v for k, v in reference.named_parameters()}
+    if set(mine) != set(theirs):
+        missing = sorted(set(theirs) ^ set(mine))
+        raise VerificationError(f"{folder}: the reloaded model's parameters are not the saved one's ({', '.join(missing[:3])})")
+    diff = max((mine[k].detach().float().cpu() - theirs[k].detach().float().cpu()).abs().max().item() for k in mine)
+    if not diff == 0.0:
+        raise VerificationError(f"{folder}: the reloaded weights differ from the saved ones by up to {diff:.3g}")
+    return diff
+
+
+def verify_processor(written: str | Path, source: str | Path) -> int:
+    """A vision-language model folder's processor reloads to the source's: both render and tokenize a fixed
+    conversation with a fixed image alike (every tensor equal: token ids with the image's tokens, pixel values,
+    grids). The number of token ids, for the log; VerificationError names the difference."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from finetune.models.load import WeightsError, load_processor
+
+    image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (48, 80, 3), dtype=np.uint8))
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]}]
+    outputs = []
+    for folder in (source, written):
+        try:
+            processor = load_processor(folder)
+        except WeightsError as e:
+            raise VerificationError(str(e)) from None
+        text = processor.apply_chat_template(conversation, tokenize=False)
+        outputs.append(processor(text=[text], images=[[image]], return_tensors="pt"))
+    want, got = outputs
+    if set(want) != set(got) or not all(torch.equal(torch.as_tensor(want[k]), torch.as_tensor(got[k])) for k in want):
+        differ = sorted(k for k in set(want) | set(got) if k not in want or k not in got
+                        or not torch.equal(torch.as_tensor(want[k]), torch.as_tensor(got[k])))
+        raise VerificationError(f"{written}: its processor renders a conversation with an image differently from "
+                                f"{source}'s ({', '.join(differ)})")
+    return int(want["input_ids"].shape[1])
 
 
 def verify_saved(
@@ -330,6 +368,10 @@ def verify_saved(
     else:
         tensor_diff = _load_reference_into(model, reference, kind)
         expected = logits_of(model, ids)
+    if is_module and kind == "model" and getattr(model.config, "vision_config", None) is not None:
+        # A vision-language model: the text-only input above leaves its vision tower and projector out; their
+        # weights are compared one by one.
+        tensor_diff = _weights_diff(model, reference, folder)
     if expected.shape != reloaded.shape:
         raise VerificationError(f"{folder}: reloaded logits have shape {list(reloaded.shape)}, expected {list(expected.shape)}")
     diff = (expected - reloaded).abs().max().item()

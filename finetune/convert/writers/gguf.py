@@ -547,6 +547,106 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str, sou
     return diff, bound, weight_diff_vs_hf
 
 
+def processor_settings(model_dir: Path) -> dict:
+    """The image processor's settings as llama.cpp's converter reads them: preprocessor_config.json, then
+    processor_config.json with its image_processor's keys at the top level."""
+    settings: dict = {}
+    if (model_dir / "preprocessor_config.json").is_file():
+        settings.update(json.loads((model_dir / "preprocessor_config.json").read_text()))
+    if (model_dir / "processor_config.json").is_file():
+        cfg = json.loads((model_dir / "processor_config.json").read_text())
+        settings.update({**cfg, **(cfg.get("image_processor") or {})})
+    return settings
+
+
+def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> list[tuple[str, object, str]]:
+    """The vision tower and projector of MODEL_DIR as llama.cpp's mmproj file at PATH (f16 or f32), from the
+    checkpoint's safetensors as llama.cpp's converter reads them: the family's tensors (MmprojTower) under the gguf
+    package's MMPROJ names, typed by the converter's rules. [(GGUF name, stored array, checkpoint name)]."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    preprocessor = processor_settings(model_dir)
+    if "image_mean" not in preprocessor:
+        raise ExportError(f"{model_dir}: no image processor settings (processor_config.json or "
+                          "preprocessor_config.json): the mmproj file needs its image mean and std")
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, int(family.mmproj_vision(config)["num_hidden_layers"]))
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    for adder, value in family.mmproj_metadata(config, preprocessor, f16):
+        getattr(writer, adder)(value)
+    position = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_POS]
+    written = []
+    try:
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    source = family.mmproj_source(key)
+                    if source is None:
+                        continue
+                    for part, array in family.mmproj_parts(source, f.get_tensor(key).float().numpy()):
+                        gguf_name = table.get_name(part, try_suffixes=(".weight", ".bias"))
+                        if gguf_name is None:
+                            raise ExportError(f"{file}: {key} has no name in llama.cpp's mmproj table (as {part})")
+                        force = family.mmproj_force(source, gguf_name, f16)
+                        if array.ndim <= 1 or gguf_name.endswith("_norm.weight"):
+                            kind = "F32"
+                        elif force:
+                            kind = force
+                        elif gguf_name.startswith(position) or not gguf_name.endswith(".weight"):
+                            kind = "F32"
+                        else:
+                            kind = "F16" if f16 else "F32"
+                        data = np.ascontiguousarray(array, dtype=np.float16 if kind == "F16" else np.float32)
+                        writer.add_tensor(gguf_name, data)
+                        written.append((gguf_name, data, key))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return written
+
+
+def verify_mmproj(path: Path, written: list, family, source_model) -> int:
+    """Read the mmproj file back with the gguf package: a "clip" file of type mmproj with the family's projector,
+    every tensor under its name with its shape, type and values as written, and as many values as the model's vision
+    tower and projector hold (nothing left out). The number of tensors."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {f.name: f for f in reader.fields.values()}
+
+    def text(key: str) -> str | None:
+        field = fields.get(key)
+        return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+    kinds = (text("general.architecture"), text("general.type"), text("clip.projector_type"))
+    if kinds != ("clip", "mmproj", family.projector):
+        raise VerificationError(f"{path}: architecture, type and projector {kinds}, expected "
+                                f"('clip', 'mmproj', '{family.projector}')")
+    stored = {t.name: t for t in reader.tensors}
+    if sorted(stored) != sorted(n for n, _, _ in written):
+        raise VerificationError(f"{path}: holds {len(stored)} tensors, {len(written)} were written")
+    for gguf_name, data, key in written:
+        t = stored[gguf_name]
+        got = np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist())))
+        want_type = gguf.GGMLQuantizationType.F16 if data.dtype == np.float16 else gguf.GGMLQuantizationType.F32
+        if t.tensor_type != want_type or got.shape != data.shape or not np.array_equal(got, data):
+            raise VerificationError(f"{path}: {gguf_name} ({key}) does not read back as written")
+    prefixes = family.vision_prefixes(source_model.config)
+    tower = sum(p.numel() for n, p in source_model.named_parameters()
+                if any(n == q or n.startswith(q + ".") for q in prefixes))
+    if tower != sum(int(d.size) for _, d, _ in written):
+        raise VerificationError(f"{path}: holds {sum(int(d.size) for _, d, _ in written):,} values, the vision tower "
+                                f"and projector {tower:,}")
+    return len(written)
+
+
 def check_output(output: Path, overwrite: bool) -> None:
     if output.suffix != ".gguf":
         raise ExportError(f"{output}: a GGUF output file name must end in .gguf")
@@ -560,7 +660,10 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
                  modelfile: bool = True) -> GGUFReport:
     """Write, verify and rename into place MODEL_DIR as OUTPUT (.gguf), with an Ollama Modelfile beside it."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from finetune.models.families.vision import MmprojTower
+    from finetune.models.load import model_class
 
     start = time.perf_counter()
     model_dir, output = Path(model_dir), Path(output).absolute()
@@ -574,7 +677,7 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     family = _writable_family(config, model_dir)
     tokenizer = load_tokenizer(model_dir)
     check_tokenizer(model_dir, tokenizer[1])
-    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
+    model, info = model_class(config).from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
     try:  # weights from_pretrained did not find would be written as random values, and verified against themselves
         check_loading_info(info, model_dir, flag="finetune export")
     except WeightsError as e:
@@ -589,20 +692,39 @@ def write_folder(model_dir: str | Path, output: str | Path, *, gguf_type: str = 
     done = False
     tmp = output.parent / f".{output.stem}.partial-{os.getpid()}.gguf"
     mf_tmp = output.parent / f".Modelfile.partial-{os.getpid()}"
+    # A vision tower llama.cpp's multimodal tool reads: its mmproj file beside the language model's (f16 unless the
+    # language model is f32, as llama.cpp's converter is usually run for it).
+    mmproj = output.parent / f"mmproj-{output.name}" if isinstance(family, MmprojTower) else None
+    if mmproj is not None and "image_mean" not in processor_settings(model_dir):
+        log(f"no mmproj file: {model_dir} holds no image processor settings (processor_config.json or "
+            "preprocessor_config.json); copy the processor files of the model it was trained from to write one")
+        mmproj = None
+    mm_tmp = output.parent / f".mmproj-{output.stem}.partial-{os.getpid()}.gguf"
     try:
         tensors, tok = write_unverified(model, model_dir, tmp, gguf_type, output.stem, tokenizer)
         logit_diff, bound, weight_diff = GGUF().verify(tmp, model, tokenizer=tok["tokenizer"], tensors=tensors,
                                                        gguf_type=gguf_type, source=source)
+        if mmproj is not None:
+            if mmproj.exists() and not overwrite:
+                raise ExportError(f"{mmproj} already exists; pass --overwrite to replace it")
+            f16 = gguf_type != "f32"
+            written = write_mmproj(family, model_dir, mm_tmp, f"mmproj-{output.stem}", f16)
+            count = verify_mmproj(mm_tmp, written, family, source)
         style = None
         if modelfile:
             text, style = modelfile_text(output.name, tok["tokenizer"], family.chat_templates)
             mf_tmp.write_text(text)
         os.replace(tmp, output)
+        if mmproj is not None:
+            os.replace(mm_tmp, mmproj)
+            log(f"wrote {mmproj}: the vision tower and projector for llama.cpp's multimodal tool (projector "
+                f"{family.projector}, {count} tensors, {'f16' if f16 else 'f32'}), read back as written")
         if modelfile:
             os.replace(mf_tmp, output.parent / "Modelfile")
         done = True
     finally:
         tmp.unlink(missing_ok=True)
+        mm_tmp.unlink(missing_ok=True)
         mf_tmp.unlink(missing_ok=True)
         if made_parent and not done and not any(output.parent.iterdir()):
             output.parent.rmdir()

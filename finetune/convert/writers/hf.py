@@ -55,10 +55,28 @@ def _move_into_place(staging: Path, output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def copy_tokenizer(sources: list[Path], dest: Path) -> Path | None:
-    """Save the tokenizer of the first source folder that has one (through AutoTokenizer, so it is loadable)."""
+def copy_tokenizer(sources: list[Path], dest: Path, vision: bool = False) -> Path | None:
+    """Save the tokenizer of the first source folder that has one (through AutoTokenizer, so it is loadable); a
+    vision-language model's whole processor (image processor, tokenizer, chat template: load_processor), verified to
+    render as its source's (verify_processor)."""
     from transformers import AutoTokenizer
 
+    if vision:
+        from finetune.models.load import PROCESSOR_FILES, WeightsError, load_processor
+        from finetune.models.verify import verify_processor
+
+        for src in sources:
+            if src is not None and any((src / f).is_file() for f in PROCESSOR_FILES):
+                try:
+                    load_processor(src).save_pretrained(str(dest))
+                except WeightsError as e:
+                    raise ExportError(str(e)) from None
+                tokens = verify_processor(dest, src)
+                log(f"processor of {src} saved and verified (a conversation with an image: {tokens} tokens alike)")
+                return src
+        raise ExportError(f"no processor in {', '.join(str(s) for s in sources if s is not None)}: a vision-language "
+                          "model's folder needs its processor files (processor_config.json or preprocessor_config.json, "
+                          "the tokenizer, chat_template.jinja); copy them from the model it was trained from")
     for src in sources:
         if src is not None and (src / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(src))
@@ -81,8 +99,8 @@ def merge_adapter(
     from peft import PeftModel
 
     from finetune.models.adapter import AdapterError, check_adapter
-    from finetune.models.load import (TASKS, WeightsError, check_loading_info, empty_model, new_head_keys,
-                                      resolve_dtype, saved_task)
+    from finetune.models.load import (WeightsError, check_loading_info, empty_model, is_vision, model_class,
+                                      new_head_keys, resolve_dtype, saved_task)
 
     adapter, output_dir = Path(adapter), Path(output_dir)
     if not (adapter / "adapter_config.json").is_file():
@@ -103,15 +121,16 @@ def merge_adapter(
     # Merge in fp32, where merged vs base + adapter is checked to --atol; cast to --torch_dtype afterwards.
     # A reward model's adapter (task SEQ_CLS) merges into its base with the score head it trained (modules_to_save).
     task, head_kwargs = saved_task(adapter)
-    base, info = getattr(transformers, TASKS[task][0]).from_pretrained(base_path, dtype=torch.float32,
-                                                                       output_loading_info=True, **head_kwargs)
+    base_config = transformers.AutoConfig.from_pretrained(base_path)
+    base, info = model_class(base_config, task).from_pretrained(base_path, dtype=torch.float32,
+                                                                output_loading_info=True, **head_kwargs)
     try:
         check_loading_info(new_head_keys(info, task)[0], base_path, flag="base model")
     except WeightsError as e:
         raise ExportError(str(e)) from None
     with compat.quiet_checkpointing_alias():
         model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False).eval()
-    ids = fixed_input(model.get_base_model().config.vocab_size)
+    ids = fixed_input(model.get_base_model().config.get_text_config().vocab_size)
     with_adapter = logits_of(model, ids)
     merged = model.merge_and_unload()
     merged.eval()
@@ -134,7 +153,7 @@ def merge_adapter(
     staging = _staging(output_dir)
     try:
         merged.save_pretrained(str(staging), safe_serialization=True, max_shard_size=max_shard_size)
-        copy_tokenizer([adapter, Path(base_path)], staging)
+        copy_tokenizer([adapter, Path(base_path)], staging, vision=is_vision(base_config))
         report = HF().verify(staging, merged, atol=atol, input_ids=ids)
         _move_into_place(staging, output_dir)
     finally:
@@ -184,9 +203,9 @@ def convert_zero_checkpoint(
 ) -> dict:
     """Write a ZeRO checkpoint's weights as a plain HF folder and verify it against the consolidated state dict."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
-    from finetune.models.load import resolve_dtype
+    from finetune.models.load import is_vision, model_class, resolve_dtype
 
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
     ckpt_dir, _ = _find_zero_checkpoint(checkpoint, tag)
@@ -207,7 +226,7 @@ def convert_zero_checkpoint(
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = AutoConfig.from_pretrained(str(config_src))
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        skeleton = model_class(config).from_config(config, dtype=dtype)
     expected = set(skeleton.state_dict())
     tied = {k for k in expected if k not in state and _is_tied(skeleton, k)}
     missing = sorted(expected - set(state) - tied)
@@ -223,7 +242,7 @@ def convert_zero_checkpoint(
         skeleton.save_pretrained(str(staging), state_dict=dict(state), safe_serialization=True, max_shard_size=max_shard_size)
         if (config_src / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(str(config_src)).save_pretrained(str(staging))
-        copy_tokenizer([ckpt_dir, Path(base_model) if base_model else None], staging)
+        copy_tokenizer([ckpt_dir, Path(base_model) if base_model else None], staging, vision=is_vision(config))
         report = HF().verify(staging, state, atol=atol)
         _move_into_place(staging, output_dir)
     finally:

@@ -23,7 +23,7 @@ from typing import Any
 
 from finetune.models.families.base import Family, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import Gemma2Family
-from finetune.models.families.vision import VisionFamily, dense, ln
+from finetune.models.families.vision import MmprojTower, VisionFamily, dense, ln
 
 LOCAL_THETA = 10000.0  # llama.cpp's rope base of Gemma-3's sliding layers (fixed: not read from the file)
 from finetune.models.families.llama import LlamaFamily
@@ -43,6 +43,15 @@ class Gemma3Family(Gemma2Family):
 
     def layer_saved_per_batch(self, sh: ModelShape, run: Saving, first: bool = False) -> int:
         return super().layer_saved_per_batch(sh, run, first) + 2 * 4 * sh.head_dim  # the q/k norms' (1 + weight)
+
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """Gemma-2's, and where both kinds of layer are present (6 layers and more), the second rope's (the global
+        layers' base) position embedding: one more [rows, seq, head_dim] tensor kept for backward (measured: 12,288
+        bytes at 2 x 48 tokens, head_dim 32, fp32)."""
+        out = super().model_saved_extra(sh, run)
+        if len({self.sliding_window(sh, layer) is None for layer in range(sh.num_layers)}) == 2:
+            out["rope of the other layer kind"] = run.a * run.tokens * sh.head_dim
+        return out
 
     def layer_tensors(self, sh: ModelShape, layer: int, p: str) -> list[Tensor]:
         out = []
@@ -121,7 +130,7 @@ class Gemma3Family(Gemma2Family):
 
 
 @dataclass(frozen=True)
-class Gemma3VisionFamily(VisionFamily, Gemma3Family):
+class Gemma3VisionFamily(VisionFamily, MmprojTower, Gemma3Family):
     """The multimodal checkpoints (Gemma3ForConditionalGeneration): the same decoder under model.language_model.,
     after the SigLIP tower (model.vision_tower) and the projector (model.multi_modal_projector: an RMSNorm of the
     tower's width, average-pooled to mm_tokens_per_image per image, then one matrix into the decoder's width)."""
@@ -131,7 +140,39 @@ class Gemma3VisionFamily(VisionFamily, Gemma3Family):
     text_defaults = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256)
     vision_defaults = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
-                           patch_size=14, num_channels=3)
+                           patch_size=14, num_channels=3, num_attention_heads=16)
+
+    projector = "gemma3"
+
+    def mmproj_source(self, name: str) -> str | None:
+        # Gemma3VisionModel.filter_tensors: the tower and projector, not SigLIP's unused head; "_weight" -> ".weight".
+        # transformers 5 saves the tower without the vision_model level the published checkpoints (and llama.cpp's
+        # table) have: put back.
+        if not name.startswith(("multi_modal_projector.", "vision_tower.")) or "vision_model.head." in name:
+            return None
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        return name.replace("_weight", ".weight")
+
+    def mmproj_parts(self, name: str, array) -> list[tuple[str, Any]]:
+        # Gemma3VisionModel.modify_tensors: the projector's RMSNorm stored as 1 + weight (Gemma3RMSNorm's scale).
+        return [(name, array + 1 if "soft_emb_norm.weight" in name else array)]
+
+    def mmproj_force(self, source: str, gguf_name: str, f16: bool) -> str | None:
+        if "input_projection" in source:
+            return "F16"  # llama.cpp's converter: always (ggml-org/llama.cpp#13025)
+        if ".embeddings." in source:
+            return "F32"
+        return super().mmproj_force(source, gguf_name, f16)
+
+    def mmproj_metadata(self, config: dict[str, Any], preprocessor: dict[str, Any], f16: bool) -> list[tuple[str, Any]]:
+        v = self.mmproj_vision(config)
+        meta = super().mmproj_metadata(config, preprocessor, f16) + [("add_vision_use_gelu", True)]
+        per_side = int(int(preprocessor.get("image_seq_length", 256)) ** 0.5)
+        scale = (int(v["image_size"]) // int(v["patch_size"])) // per_side
+        if scale > 0 and scale != 4:  # written only where it is not llama.cpp's default
+            meta.append(("add_vision_projector_scale_factor", scale))
+        return meta
 
     def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
         """The SigLIP vision tower (with SigLIP's pooling head only where vision_use_head is set, which Gemma-3's

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import ModelShape, Saving, Tensor
 from finetune.models.families.qwen2 import Qwen2Family
 from finetune.models.families.vision import VisionFamily, dense
 
@@ -19,6 +19,11 @@ from finetune.models.families.vision import VisionFamily, dense
 @dataclass(frozen=True)
 class Qwen25VLFamily(VisionFamily, Qwen2Family):
     towers = ("model.visual",)
+
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """mrope's cos and sin are gathered per section from the three position rows (temporal, height, width): one
+        more [rows, seq, head_dim] copy than a 1-d rope's, kept for backward."""
+        return {**super().model_saved_extra(sh, run), "mrope: sections gathered": run.a * run.tokens * sh.head_dim}
     # Qwen2_5_VLVisionConfig's defaults for keys a config.json leaves out.
     vision_defaults = dict(depth=32, hidden_size=3584, intermediate_size=3420, in_channels=3, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import ModelShape, Saving, Tensor
 from finetune.models.families.qwen3 import Qwen3Family
 from finetune.models.families.vision import VisionFamily, dense, ln
 
@@ -19,6 +19,11 @@ from finetune.models.families.vision import VisionFamily, dense, ln
 @dataclass(frozen=True)
 class Qwen3VLFamily(VisionFamily, Qwen3Family):
     towers = ("model.visual",)
+
+    def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
+        """Interleaved mrope's cos and sin, gathered from the three position rows: one more [rows, seq, head_dim]
+        copy than a 1-d rope's, kept for backward."""
+        return {**super().model_saved_extra(sh, run), "mrope: sections gathered": run.a * run.tokens * sh.head_dim}
     # Qwen3VLTextConfig's and Qwen3VLVisionConfig's defaults for keys a config.json leaves out.
     text_defaults = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=32, head_dim=128)

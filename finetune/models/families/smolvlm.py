@@ -12,18 +12,35 @@ from typing import Any
 
 from finetune.models.families.base import ModelShape, Tensor
 from finetune.models.families.llama import LlamaFamily
-from finetune.models.families.vision import VisionFamily, clip_layers, dense, ln
+from finetune.models.families.vision import MmprojTower, VisionFamily, clip_layers, dense, ln
 
 
 @dataclass(frozen=True)
-class SmolVLMFamily(VisionFamily, LlamaFamily):
+class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
     language = "model.text_model."
     towers = ("model.vision_model", "model.connector")
     # LlamaConfig's defaults (the text_config class of both configs) and SmolVLMVisionConfig's.
     text_defaults = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                          num_attention_heads=32)
     vision_defaults = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_channels=3,
-                           image_size=224, patch_size=32)
+                           image_size=224, patch_size=32, num_attention_heads=16)
+
+    projector = "idefics3"
+    layer_norm_eps = 1e-5
+
+    def mmproj_source(self, name: str) -> str | None:
+        # SmolVLMModel.filter_tensors: the tower and the connector.
+        return name if ("vision_tower" in name or "vision_model" in name or "model.connector" in name) else None
+
+    def mmproj_force(self, source: str, gguf_name: str, f16: bool) -> str | None:
+        return "F32" if ".embeddings." in source else super().mmproj_force(source, gguf_name, f16)
+
+    def mmproj_metadata(self, config: dict[str, Any], preprocessor: dict[str, Any], f16: bool) -> list[tuple[str, Any]]:
+        v = self.mmproj_vision(config)
+        return super().mmproj_metadata(config, preprocessor, f16) + [
+            ("add_vision_projector_scale_factor", int(config.get("scale_factor", 2))),
+            ("add_vision_use_gelu", True),
+            ("add_vision_preproc_image_size", int((preprocessor.get("size") or {}).get("longest_edge", v["image_size"])))]
 
     def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
         h, p = int(v["hidden_size"]), int(v["patch_size"])
@@ -40,4 +57,8 @@ SMOLVLM = SmolVLMFamily(
     name="smolvlm",
     model_types=("smolvlm", "idefics3"),
     hf_classes=("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"),
+    gguf_arch="llama",  # llama.cpp writes its language model (SmolLM2) as Llama's; Q/K permuted
+    gguf_required=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                   "model.layers.0.mlp.down_proj.weight"),
+    chat_templates=(),
 )

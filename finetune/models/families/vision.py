@@ -58,6 +58,28 @@ class VisionFamily:
         """The names under the language model only (peft matches a regular expression against the whole name)."""
         return rf"{re.escape(self.language)}.*\.({'|'.join(map(re.escape, names))})"
 
+    def gguf_refusal(self, config) -> str | None:
+        return super().gguf_refusal(config.get_text_config())  # type: ignore[misc]
+
+    def gguf_model(self, model) -> tuple[Any, str | None]:
+        """The language model as its text family's causal LM over the same modules (no copy): the decoder and the LM
+        head, as llama.cpp's converter writes a multimodal checkpoint's text file; the tower and projector go to the
+        mmproj file (MmprojTower) where llama.cpp reads this family's, else nowhere (the line says which)."""
+        import copy
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        text_config = copy.deepcopy(model.config.get_text_config())
+        # The multimodal model ties its head by its own top-level key (transformers' tie_weights reads model.config).
+        text_config.tie_word_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
+        with torch.device("meta"):  # no weights allocated: both modules are replaced by the checkpoint's
+            lm = AutoModelForCausalLM.from_config(text_config)
+        lm.model, lm.lm_head = model.get_submodule(self.language.rstrip(".")), model.lm_head
+        where = ("llama.cpp reads them from a separate mmproj file" if isinstance(self, MmprojTower)
+                 else "llama.cpp's converter has no projector of this family")
+        return lm.eval(), f"the file holds the language model only: the vision tower and projector are not included ({where})"
+
 
 # ---- the towers' building blocks, as transformers names them ----
 
@@ -83,3 +105,49 @@ def clip_layers(p: str, v: dict[str, Any]) -> list[Tensor]:
         out += ln(q + "layer_norm1", h) + dense(q + "mlp.fc1", i, h) + dense(q + "mlp.fc2", h, i)
         out += ln(q + "layer_norm2", h)
     return out
+
+
+class MmprojTower:
+    """The vision tower and projector as llama.cpp's multimodal tool (mtmd) reads them: a second GGUF file (mmproj,
+    general.architecture "clip") beside the language model's, written as llama.cpp's convert_hf_to_gguf.py (its
+    MmprojModel and the family's subclass) writes it from the checkpoint's safetensors. Mixed into a VisionFamily
+    whose projector llama.cpp's converter supports; `projector` is its clip.projector_type."""
+
+    projector = ""
+    layer_norm_eps = 1e-6  # clip.vision.attention.layer_norm_epsilon when the vision config has none
+
+    def mmproj_source(self, name: str) -> str | None:
+        """The checkpoint tensor NAME as llama.cpp's table (the gguf package's MMPROJ TensorNameMap) knows it, or None
+        when the converter leaves it out of the mmproj file (the language model's)."""
+        raise NotImplementedError
+
+    def mmproj_parts(self, name: str, array) -> list[tuple[str, Any]]:
+        """[(table name, array)] of one kept tensor: itself (a fused or 3-d weight is split by the family)."""
+        return [(name, array)]
+
+    def mmproj_force(self, source: str, gguf_name: str, f16: bool) -> str | None:
+        """The type llama.cpp's converter forces on a tensor ("F16", "F32"), or None (the file's type): the patch
+        embedding follows the file (F16 in an f16 file, F32 otherwise)."""
+        if ".patch_embd.weight" in gguf_name or ".patch_merger.weight" in gguf_name:
+            return "F16" if f16 else "F32"
+        return None
+
+    def mmproj_metadata(self, config: dict[str, Any], preprocessor: dict[str, Any], f16: bool) -> list[tuple[str, Any]]:
+        """[(GGUFWriter adder, value)]: MmprojModel.set_gguf_parameters' keys, then the family's."""
+        text = {**config, **(config.get("text_config") or {})}
+        v = self.mmproj_vision(config)
+        return [("add_file_type", 1 if f16 else 0), ("add_clip_has_vision_encoder", True),
+                ("add_vision_projection_dim", int(text["hidden_size"])),
+                ("add_vision_image_size", int(v["image_size"])), ("add_vision_patch_size", int(v["patch_size"])),
+                ("add_vision_embedding_length", int(v["hidden_size"])),
+                ("add_vision_feed_forward_length", int(v["intermediate_size"])),
+                ("add_vision_block_count", int(v["num_hidden_layers"])),
+                ("add_vision_head_count", int(v["num_attention_heads"])),
+                ("add_vision_image_mean", list(preprocessor["image_mean"])),
+                ("add_vision_image_std", list(preprocessor["image_std"])),
+                ("add_clip_projector_type", self.projector),
+                ("add_vision_attention_layernorm_eps", float(v.get("layer_norm_eps", self.layer_norm_eps)))]
+
+    def mmproj_vision(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The vision config as the converter reads it (its defaults for keys config.json leaves out)."""
+        return {**self.vision_defaults, **(config.get("vision_config") or {})}  # type: ignore[attr-defined]
