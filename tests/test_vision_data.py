@@ -27,6 +27,11 @@ def quiet(*_a, **_k):
     pass
 
 
+# The tests that need the tiny model (its real 262k-token Gemma-3 tokenizer: about 40 s to build on 2 busy cores) are
+# `slow`; the fast subset keeps the refusals that need none.
+needs_model = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     from test_families_parity import real_tokenizer
@@ -66,6 +71,7 @@ def prepare(tokenizer, dataset, cache, **kw):
     return prepare_dataset(DataConfig(dataset=str(dataset), dataset_cache_dir=str(cache), **kw), tokenizer, log=quiet)
 
 
+@needs_model
 def test_tokens_are_the_processors_and_only_answers_are_trained(tok, data, tmp_path):
     from PIL import Image
 
@@ -89,6 +95,7 @@ def test_tokens_are_the_processors_and_only_answers_are_trained(tok, data, tmp_p
         assert len(row["images"]) == len(images)
 
 
+@needs_model
 def test_collator_batches_what_the_processor_makes(tok, data, tmp_path, vlm):
     """A mixed batch (images and text only): the processor's pixel values and token types, the cached labels."""
     from transformers import AutoModelForImageTextToText
@@ -104,6 +111,7 @@ def test_collator_batches_what_the_processor_makes(tok, data, tmp_path, vlm):
     assert torch.isfinite(model(**batch).loss)
 
 
+@needs_model
 def test_truncation_never_cuts_an_image(tok, data, tmp_path, vlm):
     """A record whose cut falls before the end of its images' tokens is dropped and counted (and printed); one cut
     after them is truncated and trains."""
@@ -141,6 +149,7 @@ def arrow_rows(base: Path) -> list[dict]:
              "images": [str(base / p) for p in r.get("images", [])]} for r in RECORDS]
 
 
+@needs_model
 def test_an_image_column_gives_what_paths_give(tok, data, tmp_path):
     """A save_to_disk folder whose `images` is a datasets.Image column (the bytes embedded): the same tokens and
     labels as the JSON lines with paths, with the image files gone."""
@@ -171,6 +180,7 @@ def one_image(path: str) -> dict:
     return dict(GOOD, images=[path])
 
 
+@needs_model
 @pytest.mark.parametrize("bad, message", [
     (one_image("img/missing.png"), r"bad\.jsonl:2: images\[0\]: image file 'img/missing.png' not found \(looked for .*img/missing\.png\)"),
     (one_image("notes.txt"), r"bad\.jsonl:2: images\[0\]: 'notes.txt' cannot be read as an image \(UnidentifiedImageError"),
@@ -203,6 +213,7 @@ def test_images_for_a_text_only_model_are_refused(tiny_chatml, data, tmp_path):
             prepare(text_only, path, tmp_path / "cache", max_seq_length=256)
 
 
+@needs_model
 def test_a_url_is_fetched_online(tok, data, tmp_path, monkeypatch):
     """Online (no HF_HUB_OFFLINE), an image URL is fetched once, at tokenization, and cached as bytes."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -233,6 +244,7 @@ def test_a_url_is_fetched_online(tok, data, tmp_path, monkeypatch):
         server.shutdown()
 
 
+@needs_model
 def test_packing_is_refused_by_name(tok, data, tmp_path):
     with pytest.raises(DataError, match=r"--packing is not supported for vision-language models \(Gemma3Processor\)"):
         prepare(tok, data, tmp_path / "cache", max_seq_length=256, packing=True)

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from launch import matrix
 from vision_data import RECORDS, float64_loss, tiny_gemma3_vlm, write_images, write_jsonl
 
 
@@ -45,9 +46,12 @@ def reference(job):
     return float64_loss(model, RECORDS, root)
 
 
-@pytest.mark.parametrize("path, flags", [("trainer", ()), ("trainer", ("--loss_chunk_size", "0")),
-                                         ("loop", ()), ("trainer", ("--use_peft", "--lora_dropout", "0"))],
-                         ids=["trainer", "transformers-loss", "loop", "lora"])
+FIRST_STEP = [("trainer", ()), ("loop", ()), ("trainer", ("--loss_chunk_size", "0")),
+              ("trainer", ("--use_peft", "--lora_dropout", "0"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, flags", matrix(FIRST_STEP, FIRST_STEP[:2]))
 def test_first_step_loss_equals_float64(job, reference, isolated, one_thread, path, flags):
     got = train(job, f"first-{path}-{'-'.join(flags) or 'default'}", *flags, path=path)
     print(f"\nfirst-step loss {path} {' '.join(flags)}: {got[0]:.8f}, float64 {reference:.8f}, diff {abs(got[0] - reference):.1e}")
@@ -58,6 +62,7 @@ def changed(before: dict, after: dict, prefix: str) -> set[str]:
     return {k for k in before if k.startswith(prefix) and not torch.equal(before[k], after[k])}
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_keeps_the_vision_tower_frozen_unless_asked(job, isolated, one_thread):
     root, model, _ = job
     base = load_file(model / "model.safetensors")
@@ -72,6 +77,7 @@ def test_full_fine_tuning_keeps_the_vision_tower_frozen_unless_asked(job, isolat
     assert all(changed(base, unfrozen, p) for p in vision) and changed(base, unfrozen, "language_model.")
 
 
+@pytest.mark.slow
 def test_lora_targets_the_language_model_unless_asked(job):
     from finetune.config import ModelConfig
     from finetune.models.load import load_model
