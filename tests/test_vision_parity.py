@@ -97,6 +97,6 @@ def test_text_records_beside_images_are_refused_under_zero3(root):
                                        str(folder), "--dataset", str(root / "data.jsonl"), "--output_dir",
                                        str(root / "refused"), "--dataset_cache_dir", str(root / "cache-gemma3"),
                                        *FLAGS], timeout=600)
-    assert result.returncode == 2, result.output[-3000:]
+    assert result.returncode != 0 and "exitcode: 2" in result.output, result.output[-3000:]  # the ranks' exit 2
     assert ("--config ds_configs/zero3_no_offload.json: 4 of the 16 examples of --dataset have no image; under ZeRO-3 "
             "every rank runs the vision tower together") in result.output
