@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vision_data import ANSWERS, RECORDS, float64_loss, reference_labels, tiny_gemma3_vlm, write_images, write_jsonl
+from vision_data import ANSWERS, RECORDS, reference_labels, tiny_gemma3_vlm, write_images, write_jsonl
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.errors import DataError
