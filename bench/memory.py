@@ -202,7 +202,7 @@ def worker(argv: list[str]) -> None:
     core.install_loss(model, cfg)  # --loss_chunk_size, as every training path installs it
     timeline.append(("loaded", _rss(), _maxrss()))
     sampler.phase = "setup"
-    vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
+    vocab, seq = model.config.get_text_config().vocab_size, cfg.data.max_seq_length
     n_records = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     result: dict = {"rank": args.process_index, "world_size": args.world_size, "calls": []}
     if cfg.objective.method == "dpo":
@@ -350,7 +350,7 @@ def _dpo_trainer(cfg, model, n_pairs: int, sampler: _PhaseSampler):
     from finetune.models.load import load_tokenizer
     from finetune.training.trainer import make_trainer
 
-    vocab, seq = model.config.vocab_size, cfg.data.max_seq_length
+    vocab, seq = model.config.get_text_config().vocab_size, cfg.data.max_seq_length
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:

@@ -791,6 +791,10 @@ def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: 
 # mlflow (finetune.compat): 44 MB less in every process (measured on Gemma-2, Phi-3 and Qwen3-MoE's tiny models,
 # whose planned peaks went from +0.4..+0.8% to +5.9..+7.5% of the measured RSS).
 CPU_PROCESS_OVERHEAD = 511 * 10**6
+# A vision-language model's process (Family.vision) on top: its modeling module and the image-processing stack
+# transformers imports with AutoModelForImageTextToText. Measured 42-46 MB with bench/memory.py on the tiny LLaVA,
+# SmolVLM, Qwen2.5-VL and Gemma-3 models (2026-11-28, text records; images add their pixels, not counted here).
+CPU_VISION_OVERHEAD = 43 * 10**6
 # GPU: CUDA context, cuBLAS/NCCL workspaces and allocator slack on the device (not in max_memory_allocated);
 # and what each training process holds in host memory (CUDA and torch libraries). Allowances, not measured here.
 GPU_DEVICE_OVERHEAD = 2 * 10**9
@@ -833,7 +837,8 @@ def predict(job: Workload) -> Prediction:
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
     stage = job.strategy.stage
-    overhead = CPU_PROCESS_OVERHEAD if cpu else GPU_DEVICE_OVERHEAD
+    overhead = (CPU_PROCESS_OVERHEAD + (CPU_VISION_OVERHEAD if job.shape.family.vision else 0)) if cpu \
+        else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
