@@ -412,6 +412,68 @@ def fill_zero_sizes(plugin, model) -> None:
             plugin.fill_match(key, must_match=False, **{key: value})
 
 
+# Qwen2.5-VL's and Qwen3-VL's *ForConditionalGeneration in transformers 5.23-5.24 say accepts_loss_kwargs = False
+# (copied from Gemma-3's inner model, transformers #37208), yet their forward hands **kwargs, num_items_in_batch
+# among them, to the loss function. The Trainer then averages each micro-batch's mean over gradient accumulation
+# (and ranks) instead of taking the global batch's token mean: a tiny Qwen2.5-VL's first step was 4.5e-3 off in
+# 2 x 2 micro-batches, exact in one of 4. The models whose forward passes the count on are told so.
+LOSS_KWARGS_MISDECLARED = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+
+
+def declare_loss_kwargs(model) -> bool:
+    """The model's accepts_loss_kwargs set to True where transformers misdeclares it; True when it was."""
+    import inspect
+
+    if type(model).__name__ not in LOSS_KWARGS_MISDECLARED or getattr(model, "accepts_loss_kwargs", True):
+        return False
+    kinds = [p.kind for p in inspect.signature(type(model).forward).parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:  # a release that no longer passes kwargs on: left as declared
+        return False
+    model.accepts_loss_kwargs = True
+    return True
+
+
+# transformers 5.23-5.24's Trainer resumes a full model's checkpoint with model.load_state_dict(state_dict,
+# strict=False) on the file save_pretrained wrote, whose names are the checkpoint format's (revert_weight_conversion):
+# for a model with a conversion mapping (the vision-language models: language_model.model.* on disk,
+# model.language_model.* in the module) no name matches, nothing is loaded, and training resumes from the base
+# weights with a warning only (a tiny Gemma-3's resumed step 3 was its step 1's loss). The file is loaded again here
+# under the module's names, strictly.
+def reload_converted_checkpoint(model, folder) -> bool:
+    """Load `folder`'s model.safetensors (or its shards) into `model` by the module's own names where save_pretrained
+    renamed them; True when it did. ValueError naming the weights it could not place."""
+    import json as _json
+
+    from safetensors.torch import load_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(_json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    if not files:
+        return False
+    runtime = model.state_dict(keep_vars=True)  # the parameters themselves: a tied pair is one object
+    ids = {}
+    for name, tensor in runtime.items():
+        ids.setdefault(id(tensor), name)
+    names = {saved: ids[id(t)] for saved, t in revert_weight_conversion(model, dict(runtime)).items() if id(t) in ids}
+    if all(saved == name for saved, name in names.items()):
+        return False  # saved under the module's names: the Trainer's own load was right
+    state = {}
+    for f in files:
+        state.update(load_file(str(folder / f), device="cpu"))
+    unplaced = sorted(k for k in state if k not in names)
+    if unplaced:
+        raise ValueError(f"{folder}: {len(unplaced)} saved weights have no place in the model ({', '.join(unplaced[:3])})")
+    result = model.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
+    loaded = {id(runtime[names[k]]) for k in state}  # a tied weight (the LM head) is loaded through its twin
+    missing = [k for k in result.missing_keys if k in runtime and id(runtime[k]) not in loaded]
+    if missing:
+        raise ValueError(f"{folder}: {len(missing)} of the model's weights are not in the checkpoint ({', '.join(missing[:3])})")
+    return True
+
+
 @contextmanager
 def outside_zero3():
     """Reload as a plain model even inside a ZeRO-3 run: with the Trainer's DeepSpeed config registered,

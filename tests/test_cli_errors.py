@@ -308,7 +308,7 @@ def test_bad_chat_template_file(tiny_plain, tmp_path, run):
     proc = _data_run(run, "script", tiny_plain, data, tmp_path, "--chat_template", bad, "--dataset_format", "sharegtp")
     assert_user_error(proc, "finetune: 2 configuration problem(s):",
                       f"chat_template: {bad}:2: not a valid Jinja template: unexpected '}}'",
-                      "dataset_format: 'sharegtp' is not one of auto, text, alpaca, messages, sharegpt; did you mean 'sharegpt'?")
+                      "dataset_format: 'sharegtp' is not one of auto, text, alpaca, messages, sharegpt, vision; did you mean 'sharegpt'?")
 
 
 def test_chat_template_file_trains_a_base_model(tiny_plain, tmp_path, run):

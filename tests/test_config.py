@@ -277,7 +277,7 @@ def test_all_problems_in_one_error(tmp_path):
     expect = [
         "--learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'?",
         "--max_steps: expected an integer, got 'abc'",
-        "dataset_format: 'alpacca' is not one of auto, text, alpaca, messages, sharegpt; did you mean 'alpaca'?",
+        "dataset_format: 'alpacca' is not one of auto, text, alpaca, messages, sharegpt, vision; did you mean 'alpaca'?",
         f"model_name_or_path: {tmp_path / 'no-such-model'}: no such folder",
         "--config: unknown preset 'zero4'; did you mean 'zero3'?",
         f"dataset: {tmp_path / 'no-such-data.jsonl'}: no such file or folder",

@@ -79,6 +79,12 @@ class ModelConfig:
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Modules that get LoRA adapters; 'all-linear' = every linear projection except the LM head."},
     )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={"help": "Vision-language models: keep the vision tower and its projector frozen (the default), training "
+                          "the language model only. false: full fine-tuning trains them too, and --use_peft puts LoRA "
+                          "adapters on their linear layers as well (docs/vision.md). A text-only model refuses false."},
+    )
     loss_chunk_size: int = field(
         default=1024,
         metadata={"help": "Tokens per chunk of the cross-entropy: the LM head's logits are computed (and their "
@@ -789,6 +795,9 @@ def family_problems(model: ModelConfig) -> list[str]:
     family = families.find(d if isinstance(d, dict) else {})
     problem = family.attention_problem(model.attn_implementation) if family is not None else None
     problems = [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    if not getattr(model, "freeze_vision_tower", True) and isinstance(d, dict) and "vision_config" not in d:
+        problems.append(f"freeze_vision_tower: false trains a vision tower, and {model.model_name_or_path} is a "
+                        "text-only model (its config.json has no vision_config); leave the flag out")
     return problems + lora_target_problems(model, family, d)
 
 

@@ -21,15 +21,15 @@ from pathlib import Path
 
 from finetune import compat
 from finetune.constants import IGNORE_INDEX
-from finetune.data import forked, formats, mix
+from finetune.data import forked, formats, images, mix, vision
 from finetune.data import prepare as P
 from finetune.data.packing import pack_dataset
 from finetune.data.prepare import DataError, DataStats
 
 # Per-example status bits, stored next to the tokens while the map runs (then dropped): stats come from these columns.
 # A truncated example can still be dropped for having no trained token left; it counts in both, as before.
-TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS = 1, 2, 4
-DROPPED = DROPPED_LONG | DROPPED_NO_LABELS
+TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_IMAGE_CUT = 1, 2, 4, 8
+DROPPED = DROPPED_LONG | DROPPED_NO_LABELS | DROPPED_IMAGE_CUT
 # Fewer records than this per process: more processes cost more to start than they save.
 MIN_RECORDS_PER_PROC = 2000
 READ_BATCH = 10_000  # lines per Arrow batch when a text file is read (bounds the reader's memory)
@@ -174,17 +174,22 @@ class Tokenize:
     """The batched map function: records in, their examples out (with a status and trained-token count each)."""
 
     def __init__(self, tokenizer, fmt: str, completion_only: bool, max_seq_length: int, drop_long: bool, prefix: str | None,
-                 sources: tuple[str, ...] = ()):
+                 sources: tuple[str, ...] = (), base: Path | None = None):
         self.tokenizer, self.fmt, self.completion_only = tokenizer, fmt, completion_only
         self.max_seq_length, self.drop_long, self.prefix = max_seq_length, drop_long, prefix
         self.end_ids = P.end_of_turn_ids(tokenizer)
         self.sources, self.calls = sources, 0  # the source's Arrow files: their read pages are let go as we go
+        # Image records (finetune.data.vision): each example also keeps its rendered text and its images; `base` is
+        # the folder their relative paths start from.
+        self.images, self.base = formats.get(fmt).images, base
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         self.calls += 1
         if self.sources and self.calls % RELEASE_EVERY == 0:
             compat.release_mapped_pages(self.sources)
         out: dict[str, list] = {"input_ids": [], "labels": [], "_status": [], "_trained": [], "_split": [], "_no_end": []}
+        if self.images:
+            out.update(text=[], images=[], _no_image=[])
 
         def records():  # each validated just before it is rendered, so the first bad record is the one reported
             for k, index in enumerate(indices):
@@ -192,37 +197,75 @@ class Tokenize:
                 P.validate_record(record, self.fmt, where)
                 yield record, where
 
-        for pairs in P.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only):
-            for j, (ids, labels) in enumerate(pairs):
+        if self.images:
+            tokenized = [[(e.input_ids, e.labels, e) for e in examples] for examples in
+                         vision.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only, self.base)]
+        else:
+            tokenized = [[(ids, labels, None) for ids, labels in pairs] for pairs in
+                         P.tokenize_many(self.tokenizer, records(), self.fmt, self.completion_only)]
+        for pairs in tokenized:
+            for j, (ids, labels, example) in enumerate(pairs):
                 # A record the template splits per turn: its first example carries the count.
                 out["_split"].append(len(pairs) if len(pairs) > 1 and j == 0 else 0)
                 status = 0
                 if len(ids) > self.max_seq_length:
                     if self.drop_long:
                         status, ids, labels = DROPPED_LONG, [], []
+                    elif example is not None and example.image_end > self.max_seq_length:
+                        # The cut would lose an image's tokens, and the model needs every token of each image it
+                        # is given ("Image features and image tokens do not match"): the record is dropped.
+                        status, ids, labels = DROPPED_IMAGE_CUT, [], []
                     else:
                         status, ids, labels = TRUNCATED, ids[: self.max_seq_length], labels[: self.max_seq_length]
                 # Position 0 is never predicted (labels shift by one), so it cannot carry the only trained token.
                 trained = max(len(labels) - 1, 0) - labels[1:].count(IGNORE_INDEX)  # list.count: no Python loop per token
-                if not status & DROPPED_LONG and not trained:
+                if not status & (DROPPED_LONG | DROPPED_IMAGE_CUT) and not trained:
                     status, ids, labels = status | DROPPED_NO_LABELS, [], []
                 out["input_ids"].append(ids)
                 out["labels"].append(labels)
                 out["_status"].append(status)
                 out["_trained"].append(trained if not status & DROPPED else 0)
                 out["_no_end"].append(int(not status & DROPPED and not P.has_trained_end(labels, self.end_ids)))
+                if self.images:
+                    kept = not status & DROPPED
+                    out["text"].append(example.text if kept else "")
+                    out["images"].append(example.images if kept else [])
+                    out["_no_image"].append(int(kept and not example.images))
         return out
 
 
-def _features():
+def _features(with_images: bool = False):
     import datasets
 
     # int32: token ids fit, and it halves the cache against Python ints' int64.
-    return datasets.Features({
+    features = {
         "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
         "_status": datasets.Value("int8"), "_trained": datasets.Value("int32"), "_split": datasets.Value("int32"),
         "_no_end": datasets.Value("int8"),
-    })
+    }
+    if with_images:
+        # The images as datasets.Image values: a path stays a path, bytes (an image column, a URL) are kept.
+        features.update(text=datasets.Value("large_string"), images=datasets.List(datasets.Image()),
+                        _no_image=datasets.Value("int8"))
+    return datasets.Features(features)
+
+
+def _undecoded(ds):
+    """The data set with its image columns read as {"bytes", "path"} (finetune.data.vision opens them, naming the
+    record when one cannot be read), not decoded to PIL by datasets on access."""
+    import datasets
+
+    def undecoded(feature):
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        if isinstance(feature, (datasets.List, datasets.LargeList)):
+            return type(feature)(undecoded(feature.feature))
+        if isinstance(feature, datasets.Sequence):
+            return datasets.Sequence(undecoded(feature.feature), length=feature.length)
+        return feature
+
+    features = datasets.Features({name: undecoded(f) for name, f in ds.features.items()})
+    return ds.cast(features) if features != ds.features else ds
 
 
 def map_records(ds, fn, work: Path, *, num_proc: int, features, what: str):
@@ -245,11 +288,17 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
     fmt = cfg.dataset_format
     if fmt == "auto":
         fmt = P.detect_format(*first_record(ds, prefix))
+    if images.processor_of(tokenizer) is not None and formats.get(fmt).with_images:
+        fmt = formats.get(fmt).with_images  # a vision-language model reads a set's text records as its image records
     if formats.get(fmt).chat:
         P.require_chat_template(tokenizer, fmt, str(name))
+    has_images = formats.get(fmt).images
+    if has_images:
+        ds = _undecoded(ds)
+    base = None if hub is not None else Path(cfg.dataset).resolve() if Path(cfg.dataset).is_dir() else Path(cfg.dataset).resolve().parent
     fn = Tokenize(tokenizer, fmt, cfg.completion_only_loss, cfg.max_seq_length, cfg.drop_long_sequences, prefix,
-                  tuple(f["filename"] for f in ds.cache_files))
-    mapped = map_records(ds, fn, work, num_proc=num_proc, features=_features(), what=name)
+                  tuple(f["filename"] for f in ds.cache_files), base=base)
+    mapped = map_records(ds, fn, work, num_proc=num_proc, features=_features(has_images), what=name)
     # datasets opens the map's output memory-mapped, and reading its stream in touches pages (about 40% of the file:
     # 320 MB at 1M conversations) that would stay in RSS; the training reads them again as it needs them.
     files = [f["filename"] for f in mapped.cache_files]
@@ -261,14 +310,18 @@ def tokenize_source(cfg, tokenizer, hub, work: Path, *, num_proc: int, name: str
         path=str(name), format=fmt, records=len(ds), truncated=int(((status & TRUNCATED) != 0).sum()),
         dropped_long=int(((status & DROPPED_LONG) != 0).sum()),
         dropped_no_labels=int(((status & DROPPED_NO_LABELS) != 0).sum()), examples=int(keep.sum()),
+        dropped_image_cut=int(((status & DROPPED_IMAGE_CUT) != 0).sum()),
         tokens=int(lengths.sum()), trained_tokens=int(trained.sum()), max_seq_length=cfg.max_seq_length,
         split_records=int((split > 0).sum()), split_examples=int(split.sum()), no_trained_end=int(no_end.sum()),
         no_trained_end_truncated=int((no_end & ((status & TRUNCATED) != 0)).sum()),
         end_tokens=", ".join(tokenizer.convert_ids_to_tokens(sorted(fn.end_ids))),
     )
+    if has_images:
+        stats.without_images = _column_sum(files, "_no_image")
     if not stats.examples:
         raise DataError(f"{name}: no examples left after filtering ({stats.summary()})")
-    commit(mapped, keep, ["_status", "_trained", "_split", "_no_end"], work / "final", asdict(stats))
+    commit(mapped, keep, ["_status", "_trained", "_split", "_no_end"] + (["_no_image"] if has_images else []),
+           work / "final", asdict(stats))
     del mapped, ds
     return stats
 
@@ -292,6 +345,19 @@ def _bookkeeping(files: list[str], memory_pool=None):
                 lengths = pc.list_value_length(batch.column("input_ids"), memory_pool=memory_pool)
                 parts[-1].append(np.array(lengths.to_numpy(zero_copy_only=False), copy=True))
     return tuple(np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in parts)
+
+
+def _column_sum(files: list[str], column: str) -> int:
+    """The sum of an int column of the map's files, read batch by batch (as _bookkeeping)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    for name in files:
+        with pa.OSFile(name, "rb") as f, pa.ipc.open_stream(f) as reader:
+            for batch in reader:
+                total += int(pc.sum(batch.column(column)).as_py() or 0)
+    return total
 
 
 def commit(mapped, keep, drop: list[str], final: Path, stats: dict) -> None:
@@ -507,12 +573,19 @@ def _fingerprint(cfg, tokenizer, hub=None) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     h.update(repr((tokenizer.chat_template, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)).encode())
+    h.update(images.fingerprint(tokenizer).encode())
     return h.hexdigest()[:24]
 
 
 def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int = 42):
     """Return (datasets.Dataset with input_ids/labels, DataStats), tokenized once per node (once per job on a shared
     cache folder) with a multi-process `Dataset.map` while the other ranks wait, then packed where asked."""
+    processor = images.processor_of(tokenizer)
+    if processor is not None and (getattr(cfg, "packing", False) or getattr(cfg, "padding_free", False)):
+        # Packed rows would need each record's own positions, mrope's 3-D ones included, and its images in order.
+        flag = "--packing" if getattr(cfg, "packing", False) else "--padding_free"
+        raise DataError(f"{flag} is not supported for vision-language models ({type(processor).__name__}): image "
+                        f"records are not packed; leave {flag} out")
     dataset, stats = prepare(cfg, tokenizer, local_rank=local_rank, log=log, seed=seed)
     stats.padding_free = bool(getattr(cfg, "padding_free", False))
     if getattr(cfg, "packing", False):

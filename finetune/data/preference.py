@@ -21,6 +21,7 @@ from finetune.data import prepare as P
 from finetune.data.formats import shapes
 from finetune.data.formats.base import record_tools
 from finetune.data.formats.messages import check_role
+from finetune.data.formats.vision import refuse_images
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
 FORMAT = "preference"
@@ -57,6 +58,7 @@ def pair_of(record: dict, where: str, chat: bool) -> tuple:
     missing field, an empty completion or identical completions."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
+    refuse_images(record, where, "preference training (DPO, ORPO, SimPO, CPO, reward models)")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] is None:
             raise DataError(f"{where}: missing field '{key}' (format preference: prompt, chosen, rejected)"
@@ -157,6 +159,7 @@ def tokenize_completion(tokenizer, record: dict, where: str = "") -> tuple[list[
     it by (finetune score)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with prompt, completion")
+    refuse_images(record, where, "scoring")
     for key in ("prompt", "completion"):
         if record.get(key) is None:
             raise DataError(f"{where}: missing field '{key}' (a completion to score: prompt, completion; or a pair: "

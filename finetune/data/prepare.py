@@ -733,6 +733,10 @@ class DataStats:
     no_trained_end: int = 0
     no_trained_end_truncated: int = 0
     end_tokens: str = ""
+    # Image records that truncation at max_seq_length would have cut inside or before an image's tokens (dropped).
+    dropped_image_cut: int = 0
+    # Examples of an image data set that hold no image (text records beside the image records).
+    without_images: int = 0
 
     @property
     def packing_efficiency(self) -> float:
@@ -746,7 +750,10 @@ class DataStats:
         )
         return (
             f"data: {self.records} records ({self.format}) from {self.path}; {long_note}; "
-            f"{self.dropped_no_labels} with no trained tokens left dropped; {self.examples} examples, "
+            f"{self.dropped_no_labels} with no trained tokens left dropped; "
+            + (f"{self.dropped_image_cut} dropped because truncation at max_seq_length={self.max_seq_length} would cut "
+               "an image's tokens (raise --max_seq_length to keep them); " if self.dropped_image_cut else "")
+            + f"{self.examples} examples, "
             f"{self.tokens} tokens ({self.trained_tokens} trained), mean length {self.tokens / max(self.examples, 1):.1f}"
             + (f"\nnotice: the chat template rewrites earlier turns (as Qwen3's drops their reasoning), so "
                f"{self.split_records} conversation{'s' if self.split_records != 1 else ''} became {self.split_examples} examples, one per assistant turn, "
@@ -850,6 +857,10 @@ def make_collator(cfg, tokenizer):
     """
     from finetune.data.packing import PackedCollator, collator_layout
 
+    from finetune.data.images import VisionCollator, processor_of
+
+    if processor_of(tokenizer) is not None:  # a vision-language model: its processor makes the batches
+        return VisionCollator(processor_of(tokenizer), tokenizer.pad_token_id)
     data_cfg = getattr(cfg, "data", cfg)
     attn = getattr(getattr(cfg, "model", None), "attn_implementation", "sdpa")
     layout = collator_layout(getattr(data_cfg, "packing", False), getattr(data_cfg, "padding_free", False), attn)

@@ -18,6 +18,7 @@ from finetune.data.formats import shapes
 from finetune.data.errors import DataError
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_INPUT
 from finetune.data.formats.base import record_tools
+from finetune.data.formats.vision import refuse_images
 
 # The record keys that make up the conversation, not columns of their own (the format's fields).
 FORMAT_KEYS = {"messages", "conversations", "tools", "instruction", "input", "output", "text"}
@@ -43,6 +44,7 @@ class PromptStats:
 def prompt_of(tokenizer, record: dict, fmt: str, where: str, renderer=None) -> tuple[str, str | None]:
     """(the prompt as the model gets it, the record's own answer or None)."""
     f = formats.get(fmt)
+    refuse_images(record, where, "generating methods (GRPO, RLOO)")
     f.validate(record, where)
     if not f.prompted:
         raise DataError(f"{where}: a '{fmt}' record has no prompt to generate from; give messages, sharegpt or alpaca "

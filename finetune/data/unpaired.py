@@ -22,6 +22,7 @@ from finetune.data.formats import shapes
 from finetune.data import preference as PR
 from finetune.data.preference import padded_rows
 from finetune.data.formats.base import record_tools
+from finetune.data.formats.vision import refuse_images
 from finetune.data.prepare import IGNORE_INDEX, DataError
 
 FORMAT = "unpaired"
@@ -41,6 +42,7 @@ def example_of(record: dict, where: str, chat: bool, form: str | None = None) ->
     `form` (the file's first record's)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
+    refuse_images(record, where, "KTO")
     for key in KEYS:
         if key not in record or record[key] is None:
             hint = shapes.hint(record, "kto") or (" (true: a desirable completion, false: an undesirable one)"

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
-from finetune.compat import guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
+from finetune.compat import declare_loss_kwargs, guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
+from finetune.models.freeze import freeze_vision
 
 
 class WeightsError(ValueError):
@@ -220,6 +221,9 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
         print(f"model: {', '.join(fresh)} not in {model_cfg.model_name_or_path}: a new {type(model).__name__} head, "
               f"initialized (seed {training_args.seed if training_args else 0})", flush=True)
     check_loading_info(info, model_cfg.model_name_or_path)
+    declare_loss_kwargs(model)  # the Trainer's global-batch token mean for Qwen's VLMs (finetune.compat)
+    if is_vision(model.config) and getattr(model_cfg, "freeze_vision_tower", True) and not model_cfg.use_peft:
+        freeze_vision(model)  # full fine-tuning of the language model (LoRA freezes everything but its adapters)
     from finetune.models.hub import stamp_config
 
     stamp_config(model.config, getattr(model_cfg, "_hub", None))
@@ -362,7 +366,10 @@ def add_lora(model, model_cfg, seed: int, task: str = "CAUSAL_LM"):
         # The experts' adapters take no dropout (ParamWrapper refuses any); the linears get it after, below. The
         # saved adapter_config.json says 0, so the adapter loads for inference, where dropout does nothing.
         lora_dropout=0.0 if experts else model_cfg.lora_dropout,
-        target_modules=lora_target_modules(model.config, model_cfg.lora_target_modules),
+        # --freeze_vision_tower false: the vision tower's and projector's linear layers get adapters too.
+        target_modules=("all-linear" if is_vision(model.config) and not getattr(model_cfg, "freeze_vision_tower", True)
+                        and model_cfg.lora_target_modules == ["all-linear"]
+                        else lora_target_modules(model.config, model_cfg.lora_target_modules)),
         target_parameters=experts,
         # SEQ_CLS: peft trains and saves the score head whole beside the adapters (modules_to_save).
         task_type=task,

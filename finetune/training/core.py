@@ -635,6 +635,14 @@ def consolidated_state_dict(ds_engine, module, accelerator=None):
     return compat.zero3_consolidated_state_dict(ds_engine, exclude_frozen_parameters=hasattr(module, "peft_config"))
 
 
+def save_processor(tokenizer, folder) -> None:
+    """A vision-language model's processor beside its tokenizer, so the folder reloads with AutoProcessor."""
+    from finetune.data.images import processor_of
+
+    if processor_of(tokenizer) is not None:
+        processor_of(tokenizer).save_pretrained(folder)
+
+
 def save_final_module(module, state_dict, tokenizer, output_dir, state: dict, cfg=None) -> None:
     """Every rank: model (or adapter) + tokenizer + trainer_state.json written to a staging folder, verified to
     reload to the same logits, then moved in with config.json / adapter_config.json last, so a crash never leaves a
@@ -648,6 +656,7 @@ def save_final_module(module, state_dict, tokenizer, output_dir, state: dict, cf
         with saving(staging, "the final model", partial=staging):
             module.save_pretrained(staging, state_dict=state_dict)
             tokenizer.save_pretrained(staging)
+            save_processor(tokenizer, staging)
             write_json_atomic(staging / "trainer_state.json", state)
             if cfg is not None:
                 write_resolved(cfg, staging)

@@ -24,6 +24,7 @@ from typing import Callable
 from finetune import compat
 from finetune.constants import IGNORE_INDEX
 from finetune.data.packing import to_device
+from finetune.data.images import VisionCollator, processor_of
 from finetune.data.prepare import Collator
 from finetune.training import checkpoint, core
 
@@ -38,8 +39,11 @@ class EvalSet:
     collator: Callable = None
 
     def __post_init__(self):
-        # Always padded records: packing changes how rows are cut, never the per-record losses being summed.
-        self.collator = self.collator or Collator(self.tokenizer.pad_token_id)
+        # Always padded records: packing changes how rows are cut, never the per-record losses being summed. A
+        # vision-language model's records go through its processor (pixel values, token types), as in training.
+        processor = processor_of(self.tokenizer)
+        self.collator = self.collator or (VisionCollator(processor, self.tokenizer.pad_token_id) if processor is not None
+                                          else Collator(self.tokenizer.pad_token_id))
 
 
 def eval_set(cfg, tokenizer, dataset) -> EvalSet | None:

@@ -129,6 +129,13 @@ class Trainer(transformers.Trainer):
     def save_model(self, output_dir=None, _internal_call=False):
         return super().save_model(output_dir, _internal_call=True)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = model if model is not None else self.model
+        # A full model whose saved names are not its modules' (a vision-language model): finetune.compat.
+        if not self.is_deepspeed_enabled and not hasattr(model, "peft_config"):
+            compat.reload_converted_checkpoint(model, resume_from_checkpoint)
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Under DeepSpeed the engine has loaded its checkpoint by now (and this returns early); finish what that
         # load leaves out (CPU Adam's step state; under NVMe offload, the unswapped partitions and step counts).

@@ -84,11 +84,13 @@ def make_trainer(cfg, method, model, tokenizer, train, held_out, collator, resum
     """The Trainer of the run's method (finetune.methods): the Trainer as it is where it computes the method's loss
     (SFT), else MethodTrainer with the method's Session; what else the method needs (DPO's reference) is made here,
     before any update."""
+    from finetune.data.images import processor_of
     from finetune.training.hf_trainer import MethodTrainer, Trainer
 
+    # A vision-language model's processor is what its checkpoints and final folder save (tokenizer included).
     common = dict(model=model, args=cfg.training, train_dataset=train.dataset,
                   eval_dataset=held_out.dataset if held_out is not None else None, data_collator=collator,
-                  processing_class=tokenizer, callbacks=callbacks)
+                  processing_class=processor_of(tokenizer) or tokenizer, callbacks=callbacks)
     if method.trainer_loss:
         return Trainer(**common)
     # The trainer lends the method its accelerator once built (the lambdas run after this function returns).

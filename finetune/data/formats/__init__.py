@@ -13,9 +13,10 @@ from finetune.data.formats.base import Format
 from finetune.data.formats.messages import Messages
 from finetune.data.formats.sharegpt import ShareGPT
 from finetune.data.formats.text import Text
+from finetune.data.formats.vision import Vision
 
-FORMATS: dict[str, Format] = {f.name: f for f in (Text(), Alpaca(), Messages(), ShareGPT())}
-DETECTION = ("messages", "sharegpt", "alpaca", "text")
+FORMATS: dict[str, Format] = {f.name: f for f in (Text(), Alpaca(), Messages(), ShareGPT(), Vision())}
+DETECTION = ("vision", "messages", "sharegpt", "alpaca", "text")
 
 
 def names() -> tuple[str, ...]:
@@ -37,7 +38,7 @@ def detect(record: dict, where: str) -> Format:
     for name in DETECTION:
         if FORMATS[name].detects(record):
             return FORMATS[name]
-    keys = [f.keys for f in FORMATS.values()]
+    keys = [f.keys for f in FORMATS.values() if f.keys]
     keys = f"{', '.join(keys[:-1])} or {keys[-1]}"
     if PREFERENCE_KEYS & set(record):
         # Preference data given to supervised fine-tuning: the fix is the method, not --dataset_format.

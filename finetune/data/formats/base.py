@@ -53,6 +53,14 @@ def record_tools(record: dict, where: str) -> list[dict] | None:
     return tools or None
 
 
+def text_only(where: str, images: int, model: str = "") -> DataError:
+    """Images given to a model without an image processor."""
+    model = f" ({model})" if model else ""
+    return DataError(f"{where}: the record has {images} image{'s' if images != 1 else ''}, and the model{model} is "
+                     "text-only: it has no image processor. Use a vision-language model (docs/vision.md lists the "
+                     "families), or leave the images out of the data")
+
+
 class Format:
     """One record format. `where` in every message is the record's file:line (or data set:row)."""
 
@@ -60,6 +68,10 @@ class Format:
     keys: str = ""  # the keys that identify it, as the "cannot tell the format" message lists them
     chat: bool = False  # always rendered with the tokenizer's chat template
     prompted: bool = True  # a record splits into a prompt and its answer (what GRPO generates from)
+    images: bool = False  # its records may hold images, rendered by a vision-language model's processor
+    # The format that reads this one's records for a vision-language model (messages -> vision), so a data set whose
+    # first record has no image still goes through the processor.
+    with_images: str | None = None
 
     def detects(self, record: dict) -> bool:
         raise NotImplementedError

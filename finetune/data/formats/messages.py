@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.data.errors import DataError
-from finetune.data.formats.base import Format, did_you_mean, need_turns, record_tools
+from finetune.data.formats.base import Format, did_you_mean, need_turns, record_tools, text_only
 
 ROLES = ("system", "user", "assistant", "tool")
 # Other data sets' names for the roles (ShareGPT's human/gpt, Gemma's model), offered as the fix.
@@ -36,12 +36,19 @@ class Messages(Format):
     name = "messages"
     keys = "'messages'"
     chat = True
+    with_images = "vision"
 
     def detects(self, record: dict) -> bool:
         return "messages" in record
 
     def validate(self, record: dict, where: str) -> None:
         msgs = need_turns(record, "messages", "messages", where, ("role", "content"))
+        # This format reads records for a text-only model (a vision-language model reads them as `vision`).
+        images = record.get("images") or ([record["image"]] if record.get("image") is not None else [])
+        parts = sum(isinstance(p, dict) and p.get("type") == "image" for m in msgs if isinstance(m, dict)
+                    and isinstance(m.get("content"), list) for p in m["content"])
+        if images or parts:
+            raise text_only(where, max(len(images) if isinstance(images, list) else 1, parts))
         for j, m in enumerate(msgs):
             role = m.get("role")
             check_role(role, f"{where}: messages[{j}]")

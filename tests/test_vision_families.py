@@ -1,0 +1,118 @@
+"""Every vision-language family (finetune.models.tiny.tiny_vlm: a tiny random model with its real processor) trains
+on image records: the first step's loss on the Trainer path equals the float64 loss of the same records made with
+transformers' processor and model alone, its labels found by each chat template's own turn markers (written here by
+hand from the templates, independent of finetune's span masking). CI runs Gemma-3 (token types, pooled image
+tokens) and Qwen2.5-VL (mrope positions, dynamic image grids); FINETUNE_FULL_MATRIX=1 runs all six."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from launch import matrix
+from vision_data import RECORDS, write_images, write_jsonl
+
+from finetune.constants import IGNORE_INDEX
+from finetune.models import tiny
+
+pytestmark = pytest.mark.slow
+
+# family -> (the text before an assistant turn's content, the token that ends it, text that ends a turn the template
+# closes with no token (LLaVA-1.5's next "USER:"), or None).
+MARKERS = {
+    "gemma3": ("<start_of_turn>model\n", "<end_of_turn>", None),
+    "qwen2_5_vl": ("<|im_start|>assistant\n", "<|im_end|>", None),
+    "qwen3_vl": ("<|im_start|>assistant\n", "<|im_end|>", None),
+    "smolvlm": ("Assistant:", "<end_of_utterance>", None),
+    "llava": ("ASSISTANT:", "</s>", "USER:"),
+    "llava_next": ("[/INST]", "</s>", None),
+}
+# LLaVA-1.5's template ends the last assistant turn with no token at all: finetune appends EOS there and trains it
+# (docs/data.md), so the reference text gets it too.
+APPEND_EOS = {"llava"}
+
+
+def find(row: list[int], seq: list[int], start: int) -> int:
+    for t in range(start, len(row) - len(seq) + 1):
+        if row[t:t + len(seq)] == seq:
+            return t
+    return -1
+
+
+def reference_labels(tokenizer, ids: torch.Tensor, attention: torch.Tensor, family: str) -> torch.Tensor:
+    """After each header, every token through the end token (or up to the stop text); nothing else."""
+    header, end, stop = MARKERS[family]
+    head = tokenizer(header, add_special_tokens=False)["input_ids"]
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    stop_ids = tokenizer(stop, add_special_tokens=False)["input_ids"] if stop else None
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for r in range(ids.shape[0]):
+        row = ids[r][attention[r].bool()].tolist()
+        t = find(row, head, 0)
+        while t >= 0:
+            t += len(head)
+            while t < len(row) and not (stop_ids and row[t:t + len(stop_ids)] == stop_ids):
+                labels[r, t] = row[t]
+                if row[t] == end_id:
+                    break
+                t += 1
+            t = find(row, head, t)
+    return labels
+
+
+def as_parts(messages: list[dict]) -> list[dict]:
+    """TRL's form for processors' templates: every content a list of parts."""
+    return [dict(m, content=[{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"])
+            for m in messages]
+
+
+def float64_loss(folder, family: str, records: list[dict], base) -> float:
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.compat import processors_without_video
+
+    processors_without_video()
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).train()  # as trained (no dropout)
+    texts = [processor.apply_chat_template(as_parts(r["messages"]), tokenize=False) for r in records]
+    if family in APPEND_EOS:
+        texts = [t + processor.tokenizer.eos_token for t in texts]
+    images = [[Image.open(base / p) for p in r.get("images", [])] for r in records]
+    enc = processor(text=texts, images=images, padding=True, padding_side="right", add_special_tokens=False,
+                    return_tensors="pt")
+    labels = reference_labels(processor.tokenizer, enc["input_ids"], enc["attention_mask"], family)
+    for key in ("pixel_values",):
+        enc[key] = enc[key].double()
+    with torch.no_grad():
+        logits = model(**enc).logits.double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    target = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return float(nll[mask].sum() / mask.sum())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-families")
+    write_images(root)
+    write_jsonl(root / "data.jsonl", RECORDS)
+    return root
+
+
+@pytest.mark.parametrize("family", matrix(list(tiny.VLMS), ["gemma3", "qwen2_5_vl"]))
+def test_first_step_loss_equals_float64(root, family, isolated, one_thread):
+    from finetune.training import trainer
+
+    folder = tiny.tiny_vlm(family, root / family)
+    out = root / f"out-{family}"
+    trainer.main(["--model_name_or_path", str(folder), "--dataset", str(root / "data.jsonl"), "--output_dir", str(out),
+                  "--dataset_cache_dir", str(root / f"cache-{family}"), "--per_device_train_batch_size", "2",
+                  "--gradient_accumulation_steps", "2", "--max_steps", "1", "--logging_steps", "1",
+                  "--max_seq_length", "1024", "--disable_tqdm", "true", "--seed", "3"])
+    got = [e["loss"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e][0]
+    want = float64_loss(folder, family, RECORDS, root)
+    print(f"\n{family}: first-step loss {got:.8f}, float64 {want:.8f}, diff {abs(got - want):.1e}")
+    assert abs(got - want) < 1e-5
