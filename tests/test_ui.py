@@ -366,13 +366,13 @@ def test_stop_resume_export_and_chat(root):
     assert c.get("/api/runs/r/report/loss.png").content[:4] == b"\x89PNG"
 
     # Both exports at once: the merged folder, and GGUF (merged first, then written).
-    assert c.post("/api/runs/r/export", json={"to": "hf"}).json()["path"].endswith("exports/r/merged")
+    assert c.post("/api/runs/r/export", json={"to": "hf"}).json()["path"].endswith("exports/r/hf")
     assert c.post("/api/runs/r/export", json={"to": "gguf"}).json()["path"].endswith("exports/r/r.gguf")
     exports = _wait("the exports", lambda: (lambda e: e if all(x["state"] != "running" for x in e.values()) else None)(
         c.get("/api/runs/r").json()["exports"]), timeout=300)
     assert {to: e["state"] for to, e in exports.items()} == {"hf": "done", "gguf": "done"}, exports
     assert "merged vs base+adapter logits max diff" in exports["hf"]["log"]
-    assert (root / "runs" / "exports" / "r" / "merged" / "model.safetensors").is_file()
+    assert (root / "runs" / "exports" / "r" / "hf" / "model.safetensors").is_file()
     assert (root / "runs" / "exports" / "r" / "r.gguf").is_file() and "logits vs HF max diff" in exports["gguf"]["log"]
 
     # Chat: greedy, `finetune generate`'s own run on the same prompt gives the same tokens.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.apps.ui_runs import EXPORTS, NAME_RE, UI, Runs, python_cli, shell_line
+from finetune.convert.writers import WRITERS
 
 STATIC = Path(__file__).resolve().parent / "ui_static"
 COOKIE = "finetune_ui_token"
@@ -584,17 +585,18 @@ def create_app(settings: Settings):
         to = body.get("to")
         try:
             run_name(name)
-            if to not in ("hf", "gguf"):
-                raise PageError(f"export: to {to!r}: hf (a model folder) or gguf (a file for llama.cpp and Ollama)")
+            if to not in WRITERS:
+                raise PageError(f"export: to {to!r}: " + "; or ".join(f"{w.name} ({w.summary})" for w in WRITERS.values()))
         except PageError as e:
             return refused(e)
         out = runs.output_dir(name)
         adapter = (out / "adapter_config.json").is_file()
         if not adapter and not (out / "config.json").is_file():
             return refused(PageError(f"run {name}: no saved model yet (export once it has finished)"))
-        if to == "hf" and not adapter:
+        if not adapter and "model" not in WRITERS[to].sources:
             return refused(PageError(f"run {name} trained all weights: {out} is already a model folder (safetensors "
-                                     "with its tokenizer); export to hf merges a LoRA adapter"))
+                                     f"with its tokenizer); export to {to} ({WRITERS[to].summary}) starts from a LoRA "
+                                     "adapter"))
         target = runs.export_paths(name, to)
         args = ["--to", to, *(["--adapter", str(out)] if adapter else ["--model_name_or_path", str(out)]),
                 "--output_dir", str(target), "--overwrite"]

@@ -330,7 +330,10 @@ class Runs:
 
     def export_paths(self, name: str, to: str) -> Path:
         # A folder per run: the GGUF writer puts its Modelfile beside the file.
-        return self.dir / EXPORTS / name / (f"{name}.gguf" if to == "gguf" else "merged")
+        from finetune.convert.writers import WRITERS
+
+        suffix = WRITERS[to].suffix
+        return self.dir / EXPORTS / name / (f"{name}{suffix}" if suffix else to)
 
     def start_export(self, name: str, cmd: list[str], to: str, shown: str) -> None:
         ui = self.ui_dir(name)
@@ -343,7 +346,9 @@ class Runs:
     def exports_of(self, name: str) -> dict:
         ui = self.ui_dir(name)
         found = {}
-        for to in ("hf", "gguf"):
+        from finetune.convert.writers import WRITERS
+
+        for to in WRITERS:
             if not (ui / f"export-{to}.json").is_file():
                 continue
             proc = self.procs.get(f"{name}:export:{to}")

@@ -63,12 +63,14 @@ class Writer:
     summary   what it writes, for --to's help
     flags     a dataclass of its own flags (a section of the command), or None; another type's flag is refused
     sources   which of SOURCES it exports ("model": a model folder as it is)
+    suffix    what its output's name ends with ("": a folder)
     """
 
     name: ClassVar[str]
     summary: ClassVar[str]
     flags: ClassVar[type | None] = None
     sources: ClassVar[tuple[str, ...]] = ("adapter", "zero_checkpoint")
+    suffix: ClassVar[str] = ""
 
     def check(self, args: ExportArgs, flags: Any) -> list[str]:
         """Problems with its flags and the shared ones, before anything loads (exit 2 with the parser's others)."""

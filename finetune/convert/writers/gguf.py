@@ -766,6 +766,7 @@ class GGUF(Writer):
     summary = "one file for llama.cpp and Ollama, with a Modelfile beside it"
     flags = GGUFFlags
     sources = ("model", "adapter", "zero_checkpoint")
+    suffix = ".gguf"
 
     def check(self, args: ExportArgs, flags: GGUFFlags) -> list[str]:
         problems = []
@@ -774,8 +775,8 @@ class GGUF(Writer):
         if args.torch_dtype != "float32":
             problems.append("--torch_dtype: goes with --to hf; with --to gguf the tensor type is --gguf_type")
         out = args.output or args.output_dir
-        if out and not out.endswith(".gguf"):
-            problems.append(f"OUTPUT: '{out}' must be a file name ending in .gguf (with --to gguf)")
+        if out and not out.endswith(self.suffix):
+            problems.append(f"OUTPUT: '{out}' must be a file name ending in {self.suffix} (with --to gguf)")
         return problems
 
     def write(self, args: ExportArgs, flags: GGUFFlags) -> Path:
