@@ -195,8 +195,11 @@ def test_config_accepts_dpo_and_records_it(job, tmp_path, isolated):
     cfg = C.parse(base + ["--method", "dpo", "--beta", "0.3", "--use_peft", "--config", "zero3"], check_paths=False)
     assert (cfg.objective.method, cfg.objective.beta, cfg.objective.label_smoothing) == ("dpo", 0.3, 0.0)
     assert cfg.resolved()["method"] == "dpo" and cfg.resolved()["beta"] == 0.3
-    # An SFT run's recipe is what it was before --method existed.
-    assert "method" not in C.parse(base, check_paths=False).resolved()
+    # An SFT run's recipe is what it was before --method existed (on SFT's data: pairs given to SFT are refused).
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text('{"text": "a record"}\n')
+    sft = ["--model_name_or_path", str(model), "--dataset", str(sft_data), "--output_dir", str(tmp_path / "o")]
+    assert "method" not in C.parse(sft, check_paths=False).resolved()
 
 
 KEYS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/margins",

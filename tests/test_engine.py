@@ -49,7 +49,7 @@ def test_loader_order_is_distributed_samplers(n, drop_last, world):
     same rank."""
     dataset = _dataset(n)
     args = SimpleNamespace(per_device_train_batch_size=3, data_seed=None, seed=1234, dataloader_drop_last=drop_last,
-                           dataloader_num_workers=0, dataloader_pin_memory=True)
+                           dataloader_num_workers=0, dataloader_pin_memory=True, dataloader_persistent_workers=False)
     trainer_order = DistributedBatchOrder(n, world, 3, shuffle=True, seed=1234, drop_last=drop_last)
     for rank in range(world):
         loader = engine.build_loader(dataset, Collator(0), args, world, rank)
@@ -69,7 +69,7 @@ def test_loader_order_is_distributed_samplers(n, drop_last, world):
 
 def test_data_seed_wins_over_seed():
     args = SimpleNamespace(per_device_train_batch_size=4, data_seed=7, seed=1234, dataloader_drop_last=False,
-                           dataloader_num_workers=0, dataloader_pin_memory=False)
+                           dataloader_num_workers=0, dataloader_pin_memory=False, dataloader_persistent_workers=False)
     loader = engine.build_loader(_dataset(20), Collator(0), args, 2, 1)
     assert list(loader.sampler) == rank_indices(20, 2, 1, True, 7, False, 0)
 
