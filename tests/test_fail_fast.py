@@ -109,12 +109,16 @@ def test_plan_refuses_the_lora_targets_train_refuses(tiny_chatml, tmp_path):
 
 
 def test_the_family_model_types_are_transformers_causal_lms():
-    """models/files.py passes a family's model_type without importing transformers (seconds): it must be one."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """models/files.py passes a family's model_type without importing transformers (seconds): it must be one
+    (a vision-language family's, one of transformers' image-text-to-text models)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     from finetune.models.families import FAMILIES
 
-    assert {t for f in FAMILIES for t in f.model_types} <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert {t for f in FAMILIES if not f.vision for t in f.model_types} <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    vision = {t for f in FAMILIES if f.vision for t in f.model_types}
+    assert vision and vision <= set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------

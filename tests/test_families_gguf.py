@@ -466,7 +466,7 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(tokenizers, tmp_path,
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type 'gpt2' cannot be written as GGUF by finetune (supported: llama, qwen2, " \
-        "qwen3, mistral, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral)" in err[0], err
+        "qwen3, mistral, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, gemma3, smolvlm, idefics3)" in err[0], err
     assert not (tmp_path / "x.gguf").exists()
 
 
