@@ -8,12 +8,15 @@ resumes to the same end, exports and chats. The whole run from a browser is test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from finetune.apps import ui as ui_cmd  # noqa: E402
 from finetune.apps.ui_app import Confine, PageError, Settings, create_app  # noqa: E402
 from finetune.apps.ui_runs import parse_log  # noqa: E402
+from finetune.training.checkpoint import MARKER  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -320,6 +324,16 @@ def _wait(what, until, timeout=180.0):
     raise AssertionError(f"no {what} within {timeout:.0f} s")
 
 
+def _pending(pid: int, sig: int) -> bool:
+    """Whether `sig` waits for process `pid` (a stopped process takes it when continued), or `pid` is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    status = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return any(int(status[k], 16) >> (sig - 1) & 1 for k in ("ShdPnd", "SigPnd"))
+
+
 @pytest.mark.slow
 def test_stop_resume_export_and_chat(root):
     from finetune.inference.generate import GenerateArgs, run
@@ -332,13 +346,23 @@ def test_stop_resume_export_and_chat(root):
     assert "run" in launched, launched
     pid = launched["run"]["pid"]
     _wait("step 6", lambda: (c.get("/api/runs/r").json()["progress"]["step"] or 0) >= 6)
-    stopped = c.post("/api/runs/r/stop", json={}).json()
+    # Frozen where the page saw it: a tiny step takes ~0.2 s, so under load the run reached its last checkpoint
+    # between this poll and the stop (nothing left to resume). It goes on once the stop's SIGTERM waits for it.
+    os.killpg(pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        stopping = pool.submit(lambda: c.post("/api/runs/r/stop", json={}).json())
+        _wait("the stop's SIGTERM", lambda: _pending(pid, signal.SIGTERM), timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # a stopped process may end at SIGTERM without going on
+            os.killpg(pid, signal.SIGCONT)
+        stopped = stopping.result(timeout=60)
     assert stopped["stopped"] and stopped["killed"] == [], stopped  # SIGTERM ended the whole group
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
     detail = c.get("/api/runs/r").json()
     assert detail["status"] == "stopped" and (root / "runs" / "r" / "checkpoint-4").is_dir()
-    last = max(int(p.name.split("-")[1]) for p in (root / "runs" / "r").glob("checkpoint-*"))
+    # The resume's checkpoint: the last complete one (the stop may land in a save, leaving that folder unmarked).
+    last = max(int(p.parent.name.split("-")[1]) for p in (root / "runs" / "r").glob(f"checkpoint-*/{MARKER}"))
+    assert 4 <= last < steps
     assert c.post("/api/runs/r/stop", json={}).status_code == 400  # not running
     assert "run r exists" in c.post("/api/runs", json=body).json()["error"]
 
@@ -356,6 +380,7 @@ def test_stop_resume_export_and_chat(root):
     # printed 4 significant digits.
     log = detail["log"] and (root / "runs" / ".ui" / "r" / "train.log").read_text()
     resumed = log.rsplit("finetune ui: started again", 1)[1]
+    assert f"resume: from {root / 'runs' / 'r' / f'checkpoint-{last}'}\n" in resumed
     printed = {s: e["loss"] for s, e in parse_log(resumed)["entries"] if "loss" in e}
     saved = {e["step"]: e["loss"] for e in history if "loss" in e}
     assert sorted(printed) == list(range(last + 1, steps + 1))  # from the last checkpoint on

@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from finetune import testing
+from finetune.apps.ui_runs import parse_log
 from finetune.models import tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,10 +182,27 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     # Launch, and watch the loss move to the end.
     el("launch").click()
     _wait("the run", lambda: el("run-title").text == "tiny-run" and el("run-status").text, timeout=30)
-    _wait("three logged steps", lambda: int(el("chart").find_element(By.TAG_NAME, "svg").get_attribute(
-        "data-train")) >= 3, timeout=120, every=0.5)
-    assert el("run-status").text == "running"
-    driver.save_screenshot(str(shots / "run-live.png"))
+    # The run is frozen (SIGSTOP to its process group) once it has printed three steps: its 16 tiny steps take ~3 s,
+    # which a loaded machine's page poll can miss entirely (the page then shows it finished); frozen, the live view
+    # must show exactly the steps printed so far, as running.
+    ui = root / "runs" / ".ui" / "tiny-run"
+    pid = _wait("the run's pid", lambda: json.loads((ui / "run.json").read_text())["pid"], timeout=30)
+
+    def printed() -> tuple[int, int | None]:
+        parsed = parse_log((ui / "train.log").read_text())
+        return len({s for s, e in parsed["entries"] if "loss" in e and "train_loss" not in e}), parsed["step"]
+
+    _wait("three printed steps", lambda: printed()[0] >= 3, timeout=120, every=0.1)
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        live, at = printed()
+        assert 3 <= live < STEPS, live
+        _wait(f"the {live} printed steps live", lambda: el("chart").find_element(By.TAG_NAME, "svg").get_attribute(
+            "data-train") == str(live) and el("run-status").text == "running", timeout=60, every=0.5)
+        assert el("run-progress").text == f"step {at} of {STEPS}"
+        driver.save_screenshot(str(shots / "run-live.png"))
+    finally:
+        os.killpg(pid, signal.SIGCONT)
     step("launched: the loss moves")
     _wait("the run's end", lambda: el("run-status").text == "finished", timeout=180, every=0.5)
     _wait("the final curves", lambda: el("chart").find_element(By.TAG_NAME, "svg").get_attribute("data-train")
