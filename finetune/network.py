@@ -28,9 +28,14 @@ MAX_WAIT_S = 10  # the longest wait before a retry that a server's Retry-After m
 HUB_BACKOFF_S = 1 + 2 + 4 + 8 + 8  # huggingface_hub's http_backoff: its waits between its 6 attempts
 PROBE_TIMEOUT_S = 5.0
 
+# `environ` defaults to None, os.environ read at each call: datasets' map(num_proc=...) replaces the os.environ
+# object with a copy (datasets 5.2, arrow_dataset.py: `os.environ = prev_env`), and a default bound at import would
+# read the stale one from then on (the bound set after such a map not in effect; 40 s a request instead).
 
-def timeout(environ: Mapping[str, str] = os.environ) -> float:
+
+def timeout(environ: Mapping[str, str] | None = None) -> float:
     """Seconds a request may wait for an answer (FINETUNE_NETWORK_TIMEOUT; default 40)."""
+    environ = os.environ if environ is None else environ
     try:
         value = float(environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     except ValueError:
@@ -38,8 +43,9 @@ def timeout(environ: Mapping[str, str] = os.environ) -> float:
     return value if value > 0 else DEFAULT_TIMEOUT_S
 
 
-def tries(environ: Mapping[str, str] = os.environ) -> int:
+def tries(environ: Mapping[str, str] | None = None) -> int:
     """Requests in a row a host may leave unanswered before it is given up (FINETUNE_NETWORK_TRIES; default 2)."""
+    environ = os.environ if environ is None else environ
     try:
         value = int(environ.get(TRIES_ENV) or DEFAULT_TRIES)
     except ValueError:
@@ -47,13 +53,15 @@ def tries(environ: Mapping[str, str] = os.environ) -> int:
     return max(1, value)
 
 
-def total_bound(environ: Mapping[str, str] = os.environ) -> float:
+def total_bound(environ: Mapping[str, str] | None = None) -> float:
     """The longest a command waits on a host that never answers: its tries, then huggingface_hub's retry waits."""
+    environ = os.environ if environ is None else environ
     return tries(environ) * timeout(environ) + HUB_BACKOFF_S
 
 
-def env_problems(environ: Mapping[str, str] = os.environ) -> list[str]:
+def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
     """The bound's own variables, when set to something that is not a bound (a flag check, before anything loads)."""
+    environ = os.environ if environ is None else environ
     problems = []
     for name, kind, what in ((TIMEOUT_ENV, float, "a number of seconds above 0"),
                              (TRIES_ENV, int, "a whole number of requests, 1 or more")):
@@ -167,8 +175,9 @@ def stalled(error: BaseException | None = None) -> str | None:
     return None
 
 
-def describe(endpoint: str, check: str, environ: Mapping[str, str] = os.environ) -> str:
+def describe(endpoint: str, check: str, environ: Mapping[str, str] | None = None) -> str:
     """One line for an endpoint that did not answer: where, how long, what to check, how to wait longer."""
+    environ = os.environ if environ is None else environ
     return (f"{endpoint} did not answer within {timeout(environ):g} s ({tries(environ)} tries); check {check}; "
             f"{TIMEOUT_ENV}=SECONDS waits longer")
 
@@ -182,10 +191,11 @@ def hub_endpoint() -> str:
 # ----------------------------------------------------------------------------------------------
 # The trackers
 
-def bound_trackers(environ: MutableMapping[str, str] = os.environ) -> None:
+def bound_trackers(environ: MutableMapping[str, str] | None = None) -> None:
     """MLflow's HTTP client (a timeout of 120 s and 7 retries by default: minutes on a server that does not answer)
     gets the bound, unless the environment sets it itself. W&B bounds its own calls (its start waits 90 s at most,
     WANDB_INIT_TIMEOUT)."""
+    environ = os.environ if environ is None else environ
     environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, round(timeout(environ))))))
     environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tries(environ) - 1))  # tries in all, as for the Hub
     environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")

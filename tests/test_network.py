@@ -179,6 +179,33 @@ def test_mlflow_gets_the_bound(stalled, monkeypatch):
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"  # the user's own setting stays
 
 
+def test_the_bound_is_read_from_the_environment_of_the_moment(monkeypatch, tmp_path):
+    """datasets' map with num_proc replaces the os.environ object with a copy: the bound set after it (as the tests'
+    fixtures do, in an xdist worker where another file ran such a map first) is the one in effect, and the config
+    check still gives MLflow's client its bound."""
+    import datasets
+
+    from finetune.config import ship
+
+    monkeypatch.setattr(os, "environ", os.environ)  # this process's own object again afterwards
+    before = os.environ
+    datasets.Dataset.from_dict({"a": list(range(4))}).map(lambda r: r, num_proc=2,
+                                                         cache_file_name=str(tmp_path / "map.arrow"))
+    assert os.environ is not before  # what datasets does; if a release stops, this test has nothing left to hold
+    for key in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(network.TIMEOUT_ENV, "3")
+    monkeypatch.setenv(network.TRIES_ENV, "4")
+    assert (network.timeout(), network.tries(), network.total_bound()) == (3, 4, 4 * 3 + network.HUB_BACKOFF_S)
+    assert "within 3 s (4 tries)" in network.describe("http://h", "x")
+    monkeypatch.setenv(network.TRIES_ENV, "0")
+    assert network.env_problems() == [f"{network.TRIES_ENV}=0: give a whole number of requests, 1 or more"]
+    monkeypatch.setenv(network.TRIES_ENV, "4")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:./mlruns")
+    ship.tracker_problems("mlflow")
+    assert [os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")] == ["3", "3"]
+
+
 def test_the_default_bound_is_about_two_minutes():
     assert network.timeout({}) == 40 and network.tries({}) == 2
     assert network.total_bound({}) == 2 * 40 + 23 <= 120

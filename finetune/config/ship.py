@@ -39,9 +39,10 @@ def report_to(value: Any) -> list[str]:
     return [] if items in ([], ["none"]) else items
 
 
-def tracker_problems(value: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
+def tracker_problems(value: Any, environ: Mapping[str, str] | None = None) -> list[str]:
     """--report_to's trackers, each usable before anything loads; their network calls get finetune.network's bound
     (MLflow's timeout and retries, unless the environment sets them)."""
+    environ = os.environ if environ is None else environ
     names = report_to(value)
     problems = []
     for name in names:
@@ -144,10 +145,11 @@ def mlflow_store_problems(environ: Mapping[str, str]) -> list[str]:
     return []
 
 
-def hub_problems(training: Mapping[str, Any], sources: Mapping[str, str], environ: Mapping[str, str] = os.environ,
+def hub_problems(training: Mapping[str, Any], sources: Mapping[str, str], environ: Mapping[str, str] | None = None,
                  prefix: str = "") -> list[str]:
     """--push_to_hub's flags: its companions without it, an offline Hub, and the Trainer's per-checkpoint pushes
     (a run pushes its verified final save once, in one commit)."""
+    environ = os.environ if environ is None else environ
     problems = []
     if not training.get("push_to_hub"):
         given = [k for k in HUB_FLAGS if k in sources and training.get(k) is not None]
