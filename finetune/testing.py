@@ -717,7 +717,7 @@ class SyncCounter:
     def __init__(self):
         self.step = 0
         self.calls: dict[int, list[dict]] = {}
-        self._saved: list[tuple[object, str, object]] = []
+        self._mode = None
         import torch
 
         self._torch_dir = os.path.dirname(torch.__file__) + os.sep
@@ -752,22 +752,21 @@ class SyncCounter:
         where = f"{os.path.relpath(name, REPO) if ours else name}:{caller.f_lineno}"
         self.calls.setdefault(self.step, []).append({"what": what, "where": where, "ours": ours})
 
-    def _wrap(self, owner, name: str, when=None) -> None:
-        original = getattr(owner, name)
-        counter = self
-
-        def wrapper(*args, **kwargs):
-            if when is None or when(args, kwargs):
-                counter._record(name)
-            return original(*args, **kwargs)
-
-        self._saved.append((owner, name, original))
-        setattr(owner, name, wrapper)
-
     def __enter__(self) -> "SyncCounter":
+        # A TorchFunctionMode sees every call below (a Tensor method, its dunders and indexing included) without
+        # touching torch.Tensor: assigning a Python function to Tensor.__getitem__ and back leaves CPython's
+        # sequence slot (sq_item) generic for the rest of the process, so every tensor reads as a sequence and
+        # torch.tensor([0-d tensors]) raises "len() of a 0-d tensor" (transformers' Qwen2.5-VL get_rope_index, in
+        # whatever test ran next in the same process).
         import torch
+        from torch.overrides import TorchFunctionMode
 
-        def bool_index(args, kwargs) -> bool:
+        counter = self
+        methods = {getattr(torch.Tensor, n): n for n in SYNC_METHODS if hasattr(torch.Tensor, n)}
+        functions = {getattr(torch, n): n for n in SYNC_FUNCTIONS}
+        indexing = {torch.Tensor.__getitem__: "__getitem__", torch.Tensor.__setitem__: "__setitem__"}
+
+        def bool_index(args) -> bool:
             index = args[1] if len(args) > 1 else None
             parts = index if isinstance(index, tuple) else (index,)
             return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
@@ -777,20 +776,24 @@ class SyncCounter:
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             return isinstance(target, str) and target.startswith("cpu")
 
-        for name in SYNC_METHODS:
-            if hasattr(torch.Tensor, name):
-                self._wrap(torch.Tensor, name)
-        for name in SYNC_FUNCTIONS:
-            self._wrap(torch, name)
-        self._wrap(torch.Tensor, "__getitem__", bool_index)
-        self._wrap(torch.Tensor, "__setitem__", bool_index)
-        self._wrap(torch.Tensor, "to", to_host)
+        class Counting(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = methods.get(func) or functions.get(func)
+                if name is None and func in indexing and bool_index(args):
+                    name = indexing[func]
+                elif name is None and func is torch.Tensor.to and to_host(args, kwargs):
+                    name = "to"
+                if name is not None:
+                    counter._record(name)
+                return func(*args, **kwargs)
+
+        self._mode = Counting()
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
+        self._mode.__exit__(*exc)
 
 
 # The paths by name (the launcher files' main functions), for count_syncs.

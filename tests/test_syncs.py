@@ -138,3 +138,16 @@ def test_workers_collate_the_batches_the_step_would(job, tmp_path):
         # The collator's host values (max lengths, record bounds) are ints and tuples beside the tensors.
         assert a.keys() == b.keys() and all(
             torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_the_counter_leaves_torch_as_it_was():
+    """Counting changes nothing after it: a 0-d tensor is no sequence (torch.tensor of 0-d tensors, which
+    transformers' Qwen2.5-VL get_rope_index builds, raised "len() of a 0-d tensor" in later tests of the same process
+    when the counter patched torch.Tensor.__getitem__ and set it back), and torch.Tensor keeps no attribute of ours."""
+    before = dict(vars(torch.Tensor))
+    deltas = [torch.tensor(3) - 1, torch.tensor(5) - 1]
+    with SyncCounter() as c:
+        torch.arange(4)[torch.tensor([True, False, True, False])]
+    assert [x["what"] for x in c.calls[0]] == ["__getitem__"]
+    assert torch.tensor(deltas).tolist() == [2, 4]
+    assert dict(vars(torch.Tensor)) == before

@@ -317,3 +317,22 @@ def test_methods_without_images_refuse_image_records():
         unpaired.example_of(example, "k.jsonl:1", chat=True)
     with pytest.raises(DataError, match=r"g\.jsonl:2: the record has 1 image, and generating methods \(GRPO, RLOO\)"):
         prompts.prompt_of(None, RECORDS[0], "vision", "g.jsonl:2")
+
+
+def test_a_multimodal_checkpoint_without_processor_files_takes_text_and_refuses_images(tiny_chatml, data, tmp_path):
+    """A vision-language folder saved with its tokenizer alone (no processor_config.json or preprocessor_config.json)
+    loads for text records on that tokenizer; a record with an image is refused by file and line, naming the files."""
+    from family_configs import tiny_model
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "gemma3-mm-no-processor"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chatml)
+    tiny_model("gemma3_mm", vocab_size=len(tokenizer) + (-len(tokenizer) % 64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    tokenizer = vision_tokenizer(folder)
+    text = write_jsonl(data.parent / "text-only.jsonl", [RECORDS[1]])
+    assert prepare(tokenizer, text, tmp_path / "cache-text", max_seq_length=256)[1].examples == 1
+    with pytest.raises(DataError, match=r"data\.jsonl:1: the record has 1 image, .* is text-only: it has no image "
+                                        r"processor.* its processor files \(processor_config\.json or "
+                                        r"preprocessor_config\.json\)"):
+        prepare(tokenizer, data, tmp_path / "cache", max_seq_length=256)

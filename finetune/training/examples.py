@@ -107,12 +107,18 @@ def check_images_under_zero3(cfg, stats) -> None:
 
 def attach_processor(model_cfg, tokenizer) -> None:
     """A vision-language model's processor (its image processor and chat template, around the tokenizer as loaded),
-    given to the data pipeline through the tokenizer (finetune.data.vision); --chat_template still wins."""
+    given to the data pipeline through the tokenizer (finetune.data.vision); --chat_template still wins. A
+    vision-language folder without processor files (a multimodal checkpoint saved with its tokenizer alone) trains
+    text records on that tokenizer; a record with an image is refused by file and line (formats.base.text_only)."""
     from finetune.data import images
-    from finetune.models.load import is_vision, load_processor
+    from finetune.models.load import PROCESSOR_FILES, is_vision, load_processor
 
-    config = Path(model_cfg.model_name_or_path) / "config.json"
+    folder = Path(model_cfg.model_name_or_path)
+    config = folder / "config.json"
     if not config.is_file() or not is_vision(json.loads(config.read_text())):
+        return
+    if not any((folder / name).is_file() for name in PROCESSOR_FILES):
+        rank0_print(f"{folder} holds no processor files ({' or '.join(PROCESSOR_FILES)}): text records only")
         return
     processor = load_processor(model_cfg.model_name_or_path, trust_remote_code=model_cfg.trust_remote_code)
     processor.tokenizer = tokenizer

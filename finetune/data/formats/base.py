@@ -58,7 +58,8 @@ def text_only(where: str, images: int, model: str = "") -> DataError:
     model = f" ({model})" if model else ""
     return DataError(f"{where}: the record has {images} image{'s' if images != 1 else ''}, and the model{model} is "
                      "text-only: it has no image processor. Use a vision-language model (docs/vision.md lists the "
-                     "families), or leave the images out of the data")
+                     "families) whose folder holds its processor files (processor_config.json or "
+                     "preprocessor_config.json), or leave the images out of the data")
 
 
 class Format:
