@@ -782,12 +782,13 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["labels"] = 8 * trained  # the trained positions' index (gathered rows scatter back in backward)
     elif job.pairs:
         # completion_logps: logsumexp keeps its fp32 input (the scored rows of the logits, a copy); besides, small:
-        # the positions (int64), the trained-label mask (bool), gather's index and the mask's nonzero (int64, 1 + 2
-        # per token), each token's logsumexp and log-probability (fp32); the sigmoid loss' four per-pair values
-        # and num_items_in_batch.
+        # the positions (int64), the flat indices of the scored targets that index_select, gather and index_add
+        # keep (int64, 3 per token: the collator's, the targets', the rows'), each token's logsumexp and
+        # log-probability (fp32); the sigmoid loss' four per-pair values and num_items_in_batch. No boolean mask is
+        # kept: the indices come from the host (finetune.data.preference.scored).
         positions = s_len - 1
         detail["log-probabilities: scored logits (fp32)"] = f32 * logit_rows * o
-        detail["log-probabilities: indices and per-token values"] = (8 * positions + b * positions + 24 * logit_rows
+        detail["log-probabilities: indices and per-token values"] = (8 * positions + 24 * logit_rows
                                                                      + 2 * f32 * logit_rows)
         detail["DPO loss"] = 4 * f32 * (b // 2) + 8
     else:
