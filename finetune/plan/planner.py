@@ -887,7 +887,20 @@ CPU_PROCESS_OVERHEAD = 511 * 10**6
 # A vision-language model's process (Family.vision) on top: its modeling module and the image-processing stack
 # transformers imports with AutoModelForImageTextToText. Measured 42-46 MB with bench/memory.py on the tiny LLaVA,
 # SmolVLM, Qwen2.5-VL and Gemma-3 models (2026-11-28, text records; images add their pixels, not counted here).
-CPU_VISION_OVERHEAD = 43 * 10**6
+CPU_VISION_OVERHEAD = 2 * 10**6
+# SciPy, where it is installed (the eval extra's scikit-learn brings it): transformers' modeling_utils imports
+# scipy.optimize through its object-detection losses in every training process, 41 MB (bench/memory.py on the tiny
+# Llama, Gemma-2 and Qwen3-MoE: +41 MB against the same run with scipy hidden). The vision figure above was measured
+# with it installed and read 43 MB; its own share is the 2 MB left.
+CPU_SCIPY_OVERHEAD = 41 * 10**6
+
+
+def cpu_process_overhead(vision: bool) -> int:
+    """A CPU training process's RSS before its model states and activations, on this environment."""
+    import importlib.util
+
+    scipy = importlib.util.find_spec("scipy") is not None  # found, not imported
+    return CPU_PROCESS_OVERHEAD + (CPU_SCIPY_OVERHEAD if scipy else 0) + (CPU_VISION_OVERHEAD if vision else 0)
 # GPU: CUDA context, cuBLAS/NCCL workspaces and allocator slack on the device (not in max_memory_allocated);
 # and what each training process holds in host memory (CUDA and torch libraries). Allowances, not measured here.
 GPU_DEVICE_OVERHEAD = 2 * 10**9
@@ -930,8 +943,7 @@ def predict(job: Workload) -> Prediction:
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
     stage = job.strategy.stage
-    overhead = (CPU_PROCESS_OVERHEAD + (CPU_VISION_OVERHEAD if job.shape.family.vision else 0)) if cpu \
-        else GPU_DEVICE_OVERHEAD
+    overhead = cpu_process_overhead(job.shape.family.vision) if cpu else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
