@@ -782,12 +782,13 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["labels"] = 8 * trained  # the trained positions' index (gathered rows scatter back in backward)
     elif job.pairs:
         # completion_logps: logsumexp keeps its fp32 input (the scored rows of the logits, a copy); besides, small:
-        # the positions (int64), the trained-label mask (bool), gather's index and the mask's nonzero (int64, 1 + 2
-        # per token), each token's logsumexp and log-probability (fp32); the sigmoid loss' four per-pair values
-        # and num_items_in_batch.
+        # the positions (int64), the flat indices of the scored targets that index_select, gather and index_add
+        # keep (int64, 3 per token: the collator's, the targets', the rows'), each token's logsumexp and
+        # log-probability (fp32); the sigmoid loss' four per-pair values and num_items_in_batch. No boolean mask is
+        # kept: the indices come from the host (finetune.data.preference.scored).
         positions = s_len - 1
         detail["log-probabilities: scored logits (fp32)"] = f32 * logit_rows * o
-        detail["log-probabilities: indices and per-token values"] = (8 * positions + b * positions + 24 * logit_rows
+        detail["log-probabilities: indices and per-token values"] = (8 * positions + 24 * logit_rows
                                                                      + 2 * f32 * logit_rows)
         detail["DPO loss"] = 4 * f32 * (b // 2) + 8
     else:
@@ -886,7 +887,20 @@ CPU_PROCESS_OVERHEAD = 511 * 10**6
 # A vision-language model's process (Family.vision) on top: its modeling module and the image-processing stack
 # transformers imports with AutoModelForImageTextToText. Measured 42-46 MB with bench/memory.py on the tiny LLaVA,
 # SmolVLM, Qwen2.5-VL and Gemma-3 models (2026-11-28, text records; images add their pixels, not counted here).
-CPU_VISION_OVERHEAD = 43 * 10**6
+CPU_VISION_OVERHEAD = 2 * 10**6
+# SciPy, where it is installed (the eval extra's scikit-learn brings it): transformers' modeling_utils imports
+# scipy.optimize through its object-detection losses in every training process, 41 MB (bench/memory.py on the tiny
+# Llama, Gemma-2 and Qwen3-MoE: +41 MB against the same run with scipy hidden). The vision figure above was measured
+# with it installed and read 43 MB; its own share is the 2 MB left.
+CPU_SCIPY_OVERHEAD = 41 * 10**6
+
+
+def cpu_process_overhead(vision: bool) -> int:
+    """A CPU training process's RSS before its model states and activations, on this environment."""
+    import importlib.util
+
+    scipy = importlib.util.find_spec("scipy") is not None  # found, not imported
+    return CPU_PROCESS_OVERHEAD + (CPU_SCIPY_OVERHEAD if scipy else 0) + (CPU_VISION_OVERHEAD if vision else 0)
 # GPU: CUDA context, cuBLAS/NCCL workspaces and allocator slack on the device (not in max_memory_allocated);
 # and what each training process holds in host memory (CUDA and torch libraries). Allowances, not measured here.
 GPU_DEVICE_OVERHEAD = 2 * 10**9
@@ -929,8 +943,7 @@ def predict(job: Workload) -> Prediction:
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
     stage = job.strategy.stage
-    overhead = (CPU_PROCESS_OVERHEAD + (CPU_VISION_OVERHEAD if job.shape.family.vision else 0)) if cpu \
-        else GPU_DEVICE_OVERHEAD
+    overhead = cpu_process_overhead(job.shape.family.vision) if cpu else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
