@@ -21,6 +21,18 @@ def check_role(role: Any, where: str) -> None:
         raise DataError(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}{hint}")
 
 
+def check_turn(m: dict, j: int, where: str) -> Any:
+    """messages[j]'s role, and its tool calls (returned) made by an assistant turn only."""
+    role = m.get("role")
+    check_role(role, f"{where}: messages[{j}]")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise DataError(f"{where}: messages[{j}] has tool_calls but its role is {role!r}; only an assistant turn calls tools")
+        validate_tool_calls(calls, f"{where}: messages[{j}].tool_calls")
+    return calls
+
+
 def validate_tool_calls(calls: Any, where: str) -> None:
     if not isinstance(calls, list) or not calls:
         raise DataError(f"{where} must be a non-empty list of {{\"type\": \"function\", \"function\": {{name, arguments}}}}")
@@ -50,13 +62,7 @@ class Messages(Format):
         if images or parts:
             raise text_only(where, max(len(images) if isinstance(images, list) else 1, parts))
         for j, m in enumerate(msgs):
-            role = m.get("role")
-            check_role(role, f"{where}: messages[{j}]")
-            calls = m.get("tool_calls")
-            if calls is not None:
-                if role != "assistant":
-                    raise DataError(f"{where}: messages[{j}] has tool_calls but its role is {role!r}; only an assistant turn calls tools")
-                validate_tool_calls(calls, f"{where}: messages[{j}].tool_calls")
+            calls = check_turn(m, j, where)
             content = m.get("content")
             # An assistant turn that only calls tools may have no content (OpenAI writes null).
             if not isinstance(content, str) and not (content is None and calls):

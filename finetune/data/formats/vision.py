@@ -10,7 +10,7 @@ from typing import Any
 
 from finetune.data.errors import DataError
 from finetune.data.formats.base import need_turns, record_tools
-from finetune.data.formats.messages import Messages, check_role, validate_tool_calls
+from finetune.data.formats.messages import Messages, check_turn
 
 PART_TYPES = ("text", "image")
 
@@ -75,13 +75,7 @@ class Vision(Messages):
         msgs = need_turns(record, "messages", "vision", where, ("role", "content"))
         parts = 0
         for j, m in enumerate(msgs):
-            role = m.get("role")
-            check_role(role, f"{where}: messages[{j}]")
-            calls = m.get("tool_calls")
-            if calls is not None:
-                if role != "assistant":
-                    raise DataError(f"{where}: messages[{j}] has tool_calls but its role is {role!r}; only an assistant turn calls tools")
-                validate_tool_calls(calls, f"{where}: messages[{j}].tool_calls")
+            calls = check_turn(m, j, where)
             content = m.get("content")
             if isinstance(content, list):
                 parts += _parts(content, f"{where}: messages[{j}].content")
