@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from launch import matrix
-from vision_data import RECORDS, write_images, write_jsonl
+from vision_data import RECORDS, token_mean_nll, write_images, write_jsonl
 
 from finetune.constants import IGNORE_INDEX
 from finetune.models import tiny
@@ -85,13 +85,7 @@ def float64_loss(folder, family: str, records: list[dict], base) -> float:
     labels = reference_labels(processor.tokenizer, enc["input_ids"], enc["attention_mask"], family)
     for key in ("pixel_values",):
         enc[key] = enc[key].double()
-    with torch.no_grad():
-        logits = model(**enc).logits.double()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    target = labels[:, 1:]
-    mask = target != IGNORE_INDEX
-    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return float(nll[mask].sum() / mask.sum())
+    return token_mean_nll(model, enc, labels)
 
 
 @pytest.fixture(scope="module")

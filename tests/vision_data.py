@@ -118,6 +118,11 @@ def float64_loss(folder: Path, records: list[dict], base: Path) -> float:
                     return_tensors="pt")
     labels = reference_labels(enc["input_ids"], enc["attention_mask"])
     enc["pixel_values"] = enc["pixel_values"].double()
+    return token_mean_nll(model, enc, labels)
+
+
+def token_mean_nll(model, enc: dict, labels: torch.Tensor) -> float:
+    """The model's float64 loss on ENC: the mean negative log-likelihood over LABELS' trained tokens (shifted)."""
     with torch.no_grad():
         logits = model(**enc).logits.double()
     logp = torch.log_softmax(logits[:, :-1], dim=-1)
