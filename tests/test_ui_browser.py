@@ -31,7 +31,7 @@ from finetune.models import tiny
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-STEPS = 16
+STEPS = 40  # ~0.2 s a step: the run outlasts a starved poll (see the freeze below)
 
 pytestmark = pytest.mark.slow
 
@@ -182,7 +182,7 @@ def _run_from_the_page(driver, url, root: Path, shots: Path, cli_bad: subprocess
     # Launch, and watch the loss move to the end.
     el("launch").click()
     _wait("the run", lambda: el("run-title").text == "tiny-run" and el("run-status").text, timeout=30)
-    # The run is frozen (SIGSTOP to its process group) once it has printed three steps: its 16 tiny steps take ~3 s,
+    # The run is frozen (SIGSTOP to its process group) once it has printed three steps: its 40 tiny steps take ~8 s,
     # which a loaded machine's page poll can miss entirely (the page then shows it finished); frozen, the live view
     # must show exactly the steps printed so far, as running.
     ui = root / "runs" / ".ui" / "tiny-run"
