@@ -15,7 +15,7 @@ per_device_train_batch_size x max_seq_length tokens), trains a few steps and, at
   gradient has been reduced), and again inside each inner optimizer call (DeepSpeed steps one param
   group at a time and flattens that group's gradient first);
 - counts the bytes autograd saved for backward during that step's forward (saved-tensor hooks);
-- records RSS over the run and the peak (ru_maxrss).
+- records RSS over the run and the peak (VmHWM: finetune.process.peak_rss_bytes).
 
 Run it with MALLOC_MMAP_THRESHOLD_ pinned (the grid does), or RSS is not repeatable.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from finetune.process import peak_rss_bytes  # noqa: E402
 
 # Pinned for every measured run. glibc otherwise serves blocks below its (dynamic) mmap threshold from the heap
 # and keeps them after free: RSS drifts from run to run and grows step after step. 1 MiB (the usual setting) still left
@@ -46,20 +47,6 @@ MEASURE_STEP = 2  # steps 1..N; counted at this one (optimizer states exist afte
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _maxrss() -> int:
-    """This process's own peak RSS: VmHWM, the high-water mark of its address space. Not ru_maxrss: Linux carries
-    the parent's peak across a vfork+exec (Python's subprocess), so a worker started by a grown pytest process
-    reported that process's peak (LLaVA's cell read 1.4 GB for a 729 MB run late in the full suite)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _PhaseSampler:
@@ -187,7 +174,7 @@ def worker(argv: list[str]) -> None:
         steps, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    timeline = [("start", _rss(), _maxrss())]
+    timeline = [("start", _rss(), peak_rss_bytes())]
     from finetune.training import core
 
     # As every training path starts: DeepSpeed's ops come from this virtualenv's folder, built once without debug
@@ -216,11 +203,11 @@ def worker(argv: list[str]) -> None:
         from finetune import compat
 
         compat.fsdp_on_cpu()  # as core.start does for every training path
-    timeline.append(("imported", _rss(), _maxrss()))
+    timeline.append(("imported", _rss(), peak_rss_bytes()))
     sampler.phase = "load"
     model = load_model(cfg.model, args)
     core.install_loss(model, cfg)  # --loss_chunk_size, as every training path installs it
-    timeline.append(("loaded", _rss(), _maxrss()))
+    timeline.append(("loaded", _rss(), peak_rss_bytes()))
     sampler.phase = "setup"
     vocab, seq = model.config.get_text_config().vocab_size, cfg.data.max_seq_length
     n_records = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
@@ -235,7 +222,7 @@ def worker(argv: list[str]) -> None:
             ids = torch.randint(0, vocab, (seq,), generator=gen).tolist()
             records.append({"input_ids": ids, "labels": ids})
         trainer = Trainer(model=model, args=args, train_dataset=records, data_collator=Collator(0))
-    timeline.append(("trainer", _rss(), _maxrss()))
+    timeline.append(("trainer", _rss(), peak_rss_bytes()))
 
     def measuring() -> bool:
         return trainer.state.global_step == MEASURE_STEP - 1
@@ -288,7 +275,7 @@ def worker(argv: list[str]) -> None:
 
         def on_step_end(self, *a, **k):
             sampler.phase = "between steps"
-            timeline.append((f"step {trainer.state.global_step}", _rss(), _maxrss()))
+            timeline.append((f"step {trainer.state.global_step}", _rss(), peak_rss_bytes()))
 
     class _Saved:
         """Bytes autograd saves for backward in the measured step's forward (SavedTensors)."""
@@ -321,9 +308,9 @@ def worker(argv: list[str]) -> None:
     trainer.compute_loss = compute_loss
     trainer.add_callback(Measure())
     trainer.train()
-    timeline.append(("end", _rss(), _maxrss()))
+    timeline.append(("end", _rss(), peak_rss_bytes()))
     sampler.stop()
-    result.update(timeline=timeline, maxrss=_maxrss(), phase_peaks=sampler.peaks, seconds=time.time() - t0)
+    result.update(timeline=timeline, maxrss=peak_rss_bytes(), phase_peaks=sampler.peaks, seconds=time.time() - t0)
     if torch.cuda.is_available():  # on a GPU machine: the number the planner's device total is meant to bound
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))

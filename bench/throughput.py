@@ -61,7 +61,6 @@ import math
 import os
 import platform
 import random
-import resource
 import statistics
 import sys
 import time
@@ -70,6 +69,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from finetune.process import peak_rss_bytes  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -465,7 +466,7 @@ def run_config(name: str, dataset: str, model_dir: Path, data: Path, work: Path,
         clock="wall" if gpu else "cpu", tokens_per_s=real / seconds, efficiency=real / max(slots, 1),
         flops=model_flops(model, real, trained, sq, lora=method == "lora") / seconds,
         peak_mb=(torch.cuda.max_memory_allocated() / 2**20 if gpu
-                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                 else peak_rss_bytes() / 2**20),
         peak_kind="CUDA max allocated" if gpu else "peak RSS",
     )
     if profile:

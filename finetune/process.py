@@ -182,3 +182,18 @@ def launched_by_launcher() -> bool:
             return any(item.startswith(b"LOCAL_RANK=") for item in f.read().split(b"\0"))
     except OSError:
         return False
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS: VmHWM. Not ru_maxrss: Linux carries the parent's peak across a vfork+exec
+    (Python's subprocess), so a process started by a grown parent reports that parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # not Linux: no VmHWM
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

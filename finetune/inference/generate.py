@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from finetune import compat
+from finetune.process import peak_rss_bytes
 
 PRESET_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -792,12 +793,6 @@ def vision_inputs(processor, batch: list[Prompt], device) -> dict:
     inputs = processor(text=[p.text for p in batch], images=images, padding=True, return_tensors="pt",
                        add_special_tokens=not (bos is not None and batch[0].text.startswith(bos)))
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
-
-
-def peak_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ----------------------------------------------------------------------------------------------
