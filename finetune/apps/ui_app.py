@@ -440,7 +440,8 @@ def create_app(settings: Settings):
             response.set_cookie(COOKIE, settings.token, httponly=True, samesite="strict")
         return response
 
-    def refused(e: PageError) -> JSONResponse:
+    @app.exception_handler(PageError)
+    def refused(request, e: PageError) -> JSONResponse:  # every route's refusal: one 400 with the message
         return JSONResponse({"error": str(e)}, status_code=400)
 
     def run_name(name: str) -> str:
@@ -469,16 +470,13 @@ def create_app(settings: Settings):
 
     @app.post("/api/plan")
     def plan(body: dict):
-        try:
-            argv = train_argv(body)
-            name = run_name(body.get("name") or "run")
-            full = [*argv, "--output_dir", str(runs.output_dir(name)), "--resume_from_checkpoint", "latest"]
-            if problems := train_problems(full):
-                raise PageError(problems)
-            result = plan_of(argv, body.get("plan") or {})
-            recipe = recipe_of(full)
-        except PageError as e:
-            return refused(e)
+        argv = train_argv(body)
+        name = run_name(body.get("name") or "run")
+        full = [*argv, "--output_dir", str(runs.output_dir(name)), "--resume_from_checkpoint", "latest"]
+        if problems := train_problems(full):
+            raise PageError(problems)
+        result = plan_of(argv, body.get("plan") or {})
+        recipe = recipe_of(full)
         return {**result, "command": launch_line(full, body), "recipe": recipe}
 
     def launch_line(argv: list[str], body: dict) -> str:
@@ -498,10 +496,7 @@ def create_app(settings: Settings):
 
     @app.post("/api/preview")
     def preview_(body: dict):
-        try:
-            return preview(confine, body, tokenizers)
-        except PageError as e:
-            return refused(e)
+        return preview(confine, body, tokenizers)
 
     @app.get("/api/runs")
     def list_runs():
@@ -509,16 +504,13 @@ def create_app(settings: Settings):
 
     @app.post("/api/runs")
     def launch(body: dict):
-        try:
-            name = run_name(body.get("name") or "")
-            argv = train_argv(body)
-        except PageError as e:
-            return refused(e)
+        name = run_name(body.get("name") or "")
+        argv = train_argv(body)
         if runs.record(name) is not None or runs.output_dir(name).exists():
-            return refused(PageError(f"run {name} exists: pick another name, or open it and Resume"))
+            raise PageError(f"run {name} exists: pick another name, or open it and Resume")
         full = [*argv, "--output_dir", str(runs.output_dir(name)), "--resume_from_checkpoint", "latest"]
         if problems := train_problems(full):
-            return refused(PageError(problems))
+            raise PageError(problems)
         record, error = runs.launch(name, launch_cmd(full, body), launch_line(full, body))
         if error:
             return JSONResponse({"error": error}, status_code=400)
@@ -526,33 +518,24 @@ def create_app(settings: Settings):
 
     @app.get("/api/runs/{name}")
     def run_detail(name: str):
-        try:
-            run_name(name)
-        except PageError as e:
-            return refused(e)
+        run_name(name)
         if name not in runs.names():
             return JSONResponse({"error": f"no run named {name}"}, status_code=404)
         return runs.detail(name)
 
     @app.post("/api/runs/{name}/stop")
     def stop(name: str):
-        try:
-            run_name(name)
-        except PageError as e:
-            return refused(e)
+        run_name(name)
         result = runs.stop(name)
         return JSONResponse(result, status_code=400 if "error" in result else 200)
 
     @app.post("/api/runs/{name}/resume")
     def resume(name: str):
-        try:
-            run_name(name)
-        except PageError as e:
-            return refused(e)
+        run_name(name)
         record = runs.record(name)
         if record is None:
-            return refused(PageError(f"run {name} was not started from this page: resume it with its own command "
-                                     "and --resume_from_checkpoint latest"))
+            raise PageError(f"run {name} was not started from this page: resume it with its own command and "
+                            "--resume_from_checkpoint latest")
         again, error = runs.launch(name, record["command"], record["shown"])
         if error:
             return JSONResponse({"error": error}, status_code=400)
@@ -562,13 +545,11 @@ def create_app(settings: Settings):
     def report(name: str):
         from finetune.ship.report import ReportError, write_report
 
+        run_name(name)
         try:
-            run_name(name)
             folder = write_report(runs.output_dir(name))
-        except PageError as e:
-            return refused(e)
         except ReportError as e:
-            return refused(PageError(f"finetune report: {e}"))
+            raise PageError(f"finetune report: {e}") from None
         return {"report": str(folder), "images": sorted(p.name for p in folder.glob("*.png"))}
 
     @app.get("/api/runs/{name}/report/{file}")
@@ -583,20 +564,16 @@ def create_app(settings: Settings):
     @app.post("/api/runs/{name}/export")
     def export(name: str, body: dict):
         to = body.get("to")
-        try:
-            run_name(name)
-            if to not in WRITERS:
-                raise PageError(f"export: to {to!r}: " + "; or ".join(f"{w.name} ({w.summary})" for w in WRITERS.values()))
-        except PageError as e:
-            return refused(e)
+        run_name(name)
+        if to not in WRITERS:
+            raise PageError(f"export: to {to!r}: " + "; or ".join(f"{w.name} ({w.summary})" for w in WRITERS.values()))
         out = runs.output_dir(name)
         adapter = (out / "adapter_config.json").is_file()
         if not adapter and not (out / "config.json").is_file():
-            return refused(PageError(f"run {name}: no saved model yet (export once it has finished)"))
+            raise PageError(f"run {name}: no saved model yet (export once it has finished)")
         if not adapter and "model" not in WRITERS[to].sources:
-            return refused(PageError(f"run {name} trained all weights: {out} is already a model folder (safetensors "
-                                     f"with its tokenizer); export to {to} ({WRITERS[to].summary}) starts from a LoRA "
-                                     "adapter"))
+            raise PageError(f"run {name} trained all weights: {out} is already a model folder (safetensors with its "
+                            f"tokenizer); export to {to} ({WRITERS[to].summary}) starts from a LoRA adapter")
         target = runs.export_paths(name, to)
         args = ["--to", to, *(["--adapter", str(out)] if adapter else ["--model_name_or_path", str(out)]),
                 "--output_dir", str(target), "--overwrite"]
@@ -605,22 +582,19 @@ def create_app(settings: Settings):
 
     @app.post("/api/chat")
     def chat(body: dict):
+        name = run_name(body.get("run") or "")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PageError("chat: no message")
         try:
-            name = run_name(body.get("run") or "")
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise PageError("chat: no message")
-            try:
-                limit = int(body.get("max_new_tokens") or 64)
-                temperature = float(body.get("temperature") or 1.0)
-                seed = int(body.get("seed") or 0)
-            except ValueError as e:
-                raise PageError(f"chat: {e}") from None
-            if not 1 <= limit <= 2048 or temperature <= 0:
-                raise PageError("chat: max new tokens 1-2048, temperature above 0")
-            return chats.reply(runs.output_dir(name), messages, limit, do_sample=bool(body.get("do_sample")),
-                               temperature=temperature, seed=seed)
-        except PageError as e:
-            return refused(e)
+            limit = int(body.get("max_new_tokens") or 64)
+            temperature = float(body.get("temperature") or 1.0)
+            seed = int(body.get("seed") or 0)
+        except ValueError as e:
+            raise PageError(f"chat: {e}") from None
+        if not 1 <= limit <= 2048 or temperature <= 0:
+            raise PageError("chat: max new tokens 1-2048, temperature above 0")
+        return chats.reply(runs.output_dir(name), messages, limit, do_sample=bool(body.get("do_sample")),
+                           temperature=temperature, seed=seed)
 
     return app
