@@ -87,6 +87,12 @@ def _leaves_no_world():
                     + "; ".join(problems), pytrace=False)
 
 
+def pytest_configure(config):
+    # CI prints its 30 slowest tests: where the time budget goes is read from CI's own output.
+    if os.environ.get("CI") and not config.option.durations:
+        config.option.durations = 30
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core this process may use, at most one per 4 GiB of memory (a worker's heaviest test
     runs two ranks of SmolLM2), at most 8."""
