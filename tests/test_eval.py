@@ -177,3 +177,34 @@ metric_list:
         assert {k: got[task][k] for k in metrics} == pytest.approx(metrics), (task, got[task], metrics)
     with capsys.disabled():
         print(f"\nfinetune eval, Hub tasks offline: {', '.join(f'{t} {m}' for t, m in want.items())} (harness = here)")
+
+
+def test_a_hub_task_whose_data_is_not_cached_offline_is_one_message(tmp_path, capsys):
+    """HF_HUB_OFFLINE=1 (the tests' environment) and a task on a Hub data set the cache lacks: one line naming the
+    data set, the cache and the fix, exit 2, no results written."""
+    from huggingface_hub import constants
+
+    from finetune.inference import eval as E
+
+    assert constants.HF_HUB_OFFLINE
+    model_dir = tiny.build(tmp_path / "model", style="chatml", hidden=64, layers=2)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "absent.yaml").write_text("""task: absent
+dataset_path: tinyorg/never-cached
+test_split: test
+output_type: generate_until
+doc_to_text: "{{q}}"
+doc_to_target: "{{a}}"
+metric_list:
+  - {metric: exact_match, aggregation: mean, higher_is_better: true}
+""")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        E.main(["--model_name_or_path", str(model_dir), "--tasks", "absent", "--include_path", str(tasks),
+                "--output_dir", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "finetune eval: --tasks absent: a task's data set could not be read (Couldn't reach 'tinyorg/never-cached'" \
+        in err and "HF_HUB_OFFLINE=1 forbids downloading" in err, err
+    assert "Traceback" not in err and not (out / "results.json").exists()

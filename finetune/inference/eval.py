@@ -164,15 +164,19 @@ def harness(model, tokenizer, tasks: list[str], *, include: list[str], limit: in
     """The harness' results of `tasks` on a loaded model: {task: {metric: value, metric_stderr: value, ...}}."""
     import logging
 
+    from datasets.exceptions import DatasetNotFoundError
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = task_manager(tasks, include)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                          apply_chat_template=chat, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                          torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+    try:
+        out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                              apply_chat_template=chat, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+    except (ConnectionError, DatasetNotFoundError) as e:  # a task's Hub data set (datasets.load_dataset)
+        raise GenerationError(hub_data_problem(tasks, e)) from None
     results = {}
     for task, metrics in out["results"].items():
         results[task] = {k.split(",")[0] + ("_stderr" if "_stderr" in k else ""): v for k, v in metrics.items()
@@ -180,6 +184,22 @@ def harness(model, tokenizer, tasks: list[str], *, include: list[str], limit: in
         results[task] = {k.replace("_stderr_stderr", "_stderr"): v for k, v in results[task].items()}
         results[task]["samples"] = out.get("n-samples", {}).get(task, {}).get("effective")
     return results
+
+
+def hub_data_problem(tasks: list[str], error: Exception) -> str:
+    """One line for a task whose Hub data set could not be read: offline and not cached, unreachable, or not there."""
+    import datasets
+    from huggingface_hub import constants
+
+    said = str(error).splitlines()[0]
+    if isinstance(error, ConnectionError) and constants.HF_HUB_OFFLINE:
+        fix = (f"it is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and HF_HUB_OFFLINE=1 forbids "
+               "downloading; unset HF_HUB_OFFLINE to download it, or point HF_HOME at a cache that holds it")
+    elif isinstance(error, ConnectionError):
+        fix = "the Hub cannot be reached; check the network, HF_ENDPOINT and any proxy"
+    else:
+        fix = "check the task's dataset_path and dataset_name; if the data set is private or gated, set HF_TOKEN"
+    return f"--tasks {','.join(tasks)}: a task's data set could not be read ({said}): {fix}"
 
 
 def table(results: dict[str, dict], labels: list[str]) -> str:
