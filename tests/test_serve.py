@@ -280,12 +280,12 @@ def test_seeded_sampling_equals_transformers_sampling_alone_and_among_concurrent
     for (name, p, n, d), w in zip(SAMPLED, want):
         assert sample(url, name, p, n, **d) == w, (name, p, d)
     assert sample(url, *SAMPLED[0][:3], **SAMPLED[0][3]) == want[0]  # the same again
-    # streamed: the same text
+    # streamed, token by token: the same text
     name, p, n, d = SAMPLED[1]
-    chunks = client(url).chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=n,
-                                                 stream=True, **d)
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
-        reference.tokenizer.decode(want[1][0], skip_special_tokens=True)
+    chunks = [ch.choices[0].delta.content for ch in client(url).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": p}], max_tokens=n, stream=True, **d) if ch.choices]
+    assert "".join(c or "" for c in chunks) == reference.tokenizer.decode(want[1][0], skip_special_tokens=True)
+    assert len([c for c in chunks if c]) > 1
     # 8 at once: the 6 sampled requests and 2 greedy ones, over three models
     barrier = threading.Barrier(8)
     jobs = [(name, p, n, d) for name, p, n, d in SAMPLED] + [("a", PROMPTS[6], 16, {}), ("model", PROMPTS[7], 12, {})]

@@ -8,8 +8,9 @@ never mixes adapters. Within a model:
 - `continuous`: transformers' continuous batching (`ContinuousBatchingManager`: paged attention, requests join and
   leave the running batch at every step). Prefix sharing is off: two adapters' caches of one prompt differ.
 - `queue`: a batching queue: the waiting requests of the active model go to one left-padded `generate` call
-  (`finetune.inference.generate.generate`). transformers' manager cannot place a disk-offloaded model (its cache
-  reads a weight on the meta device), so such a model is served this way.
+  (`finetune.inference.generate.generate`); each row streams its tokens as they come and is answered when it stops.
+  transformers' manager cannot place a disk-offloaded model (its cache reads a weight on the meta device), so such a
+  model is served this way.
 
 A request that samples (temperature above 0; `finetune.inference.sampling`) runs in a lane of its own, apart from
 the greedy requests of its model: its batch is one padded `generate` call whose rows each draw from their own seeded

@@ -2,17 +2,20 @@
 
     finetune serve --model_name_or_path BASE                                     # http://127.0.0.1:8000/v1
     finetune serve --model_name_or_path BASE --adapter orders=outputs/run/model --adapter chat=outputs/chat/model
-    finetune serve ... --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB   # as finetune generate
+    finetune serve ... --load_in_4bit | --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB  # as generate
     finetune serve ... --api_key SECRET --host 0.0.0.0 --port 8080
 
 Routes: GET /v1/models, POST /v1/chat/completions (the model's chat template and stop tokens; `"stream": true`
 streams server-sent events), POST /v1/completions (plain text). The request's `model` picks the base (its folder's
-name, or --served_model_name) or an adapter (its NAME). Decoding is greedy: the tokens equal transformers' own
-`generate` on the same rendering. Requests arriving together are batched (finetune.inference.engine: transformers'
-continuous batching, or a batching queue for a disk-offloaded model); each gets the tokens it would get alone.
+name, or --served_model_name) or an adapter (its NAME). Decoding is greedy unless the request gives a temperature
+above 0: the tokens equal transformers' own `generate` on the same rendering. A sampled request with a `seed` gets
+the tokens of transformers' sampling after that seed (finetune.inference.sampling), alone or among others. Requests
+arriving together are batched (finetune.inference.engine: transformers' continuous batching, or a batching queue for
+a disk-offloaded model and for sampled requests); each gets the tokens it would get alone.
 
 A bad request gets a 4xx JSON error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) and the
-server keeps serving: unknown model (404), malformed JSON or fields (400), `max_tokens` beyond the context (400),
+server keeps serving: unknown model (404), malformed JSON or fields, OpenAI fields not implemented here such as n > 1
+or logprobs (400, naming the field), `max_tokens` beyond the context (400),
 a missing or wrong key with --api_key (401). SIGTERM or Ctrl-C stops it: open responses get --shutdown_timeout
 seconds to finish, then the process ends. It listens on 127.0.0.1 unless --host says otherwise.
 """
