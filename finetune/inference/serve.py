@@ -2,7 +2,7 @@
 
     finetune serve --model_name_or_path BASE                                     # http://127.0.0.1:8000/v1
     finetune serve --model_name_or_path BASE --adapter orders=outputs/run/model --adapter chat=outputs/chat/model
-    finetune serve ... --load_in_4bit | --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB  # as generate
+    finetune serve ... --load_in_4bit | --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB
     finetune serve ... --api_key SECRET --host 0.0.0.0 --port 8080
 
 Routes: GET /v1/models, POST /v1/chat/completions (the model's chat template and stop tokens; `"stream": true`
