@@ -2,7 +2,7 @@
 
     finetune eval --model_name_or_path BASE --adapter outputs/run/model --tasks finetune_quickstart
     finetune eval --model_name_or_path BASE --adapter RUN --tasks my_task --include_path my_tasks/   # local YAML
-    finetune eval --model_name_or_path BASE --tasks hellaswag,arc_easy --limit 200                  # Hub tasks (online)
+    finetune eval --model_name_or_path BASE --tasks hellaswag,arc_easy --limit 200                  # Hub data sets
     finetune eval --model_name_or_path BASE --finetuned outputs/full-run --tasks ...                # a full fine-tune
 
 The model is loaded as `finetune generate` loads it (device maps, 8/4-bit) and handed to the harness' HFLM as a
@@ -11,8 +11,9 @@ adapter layers off (the base) and on (fine-tuned). With --finetuned FOLDER, a se
 column. Results: OUTPUT_DIR/results.json (every metric, with its standard error, for each model) and
 OUTPUT_DIR/results.md (a table: task, metric, base, fine-tuned, difference).
 
-Tasks: the harness' own (downloaded from the Hugging Face Hub: online, or from the local HF cache), YAML task
-definitions in --include_path folders (with local data files, offline), and the bundled `finetune_quickstart`: the
+Tasks: the harness' own and YAML task definitions in --include_path folders, their data local files or Hugging Face
+Hub data sets (downloaded online; with HF_HUB_OFFLINE=1 read from the datasets cache an online run left, a data set
+missing there being one message), and the bundled `finetune_quickstart`: the
 quickstart's held-out records (greedy completion through the chat template, exact match of the JSON answer,
 surrounding whitespace aside, as the quickstart report scores it).
 """
