@@ -255,7 +255,7 @@ class Engine:
         if plain != attention:
             self.base.set_attn_implementation(plain)
         try:
-            prompts = [Prompt(r.prompt_ids, "", True) for r in batch]
+            prompts = [Prompt(r.prompt_ids, self.tokenizer.decode(r.prompt_ids), True) for r in batch]
             generate(self.model, self.tokenizer, prompts, batch_size=len(batch),
                      max_new_tokens=max(r.max_new_tokens for r in batch), token_ids=[r.prompt_ids for r in batch],
                      logits_processor=sampler, streamer=rows, stopping_criteria=StoppingCriteriaList([rows.stop]))
