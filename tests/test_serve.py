@@ -399,52 +399,62 @@ def test_quantized_base_through_the_engine_equals_its_own_generate(files, one_th
 
 @pytest.mark.slow
 def test_4bit_base_served_equals_its_own_generate_alone_and_concurrently(files, capsys):
-    """`finetune serve --load_in_4bit` (bitsandbytes nf4, as `finetune generate --load_in_4bit` loads it) with an
-    adapter: each greedy answer, base and adapter, equals transformers' generate on that same 4-bit model and
-    rendering, and 8 concurrent requests (continuous batching) each get their answer alone."""
+    """`finetune serve --load_in_4bit` (bitsandbytes nf4, as `finetune generate --load_in_4bit` loads it) with two
+    adapters: each greedy answer, base and adapters, equals transformers' generate on that same 4-bit model and
+    rendering; 8 concurrent requests (continuous batching) each get their answer alone; a seeded sampled request gets
+    the token ids of transformers' sampling on that model."""
+    import bitsandbytes
     import torch
 
     from finetune.inference.generate import LoadOptions, load_for_inference, use_adapter
 
     model, tok, _ = load_for_inference(LoadOptions(model_name_or_path=str(files["model"]), adapter=str(files["a"]),
                                                    load_in_4bit=True), log=lambda *a: None)
+    model.load_adapter(str(files["b"]), adapter_name="b")
     base = model.get_base_model()
-    import bitsandbytes
-
     four_bit = [m for m in base.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
     assert len(four_bit) == 4 * 7 and {m.weight.quant_state.quant_type for m in four_bit} == {"nf4"}  # every block's
     stop_ids = [base.generation_config.eos_token_id, tok.eos_token_id]
 
-    def generate(adapter, prompt, n):
+    def generate(adapter, prompt, n, seed=None) -> list[int]:
         use_adapter(base, adapter)
         ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        decoding = dict(do_sample=False)
+        if seed is not None:
+            decoding = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, eos_token_id=stop_ids,
+                                 pad_token_id=stop_ids[0], **decoding)
         new = out[0, len(ids):].tolist()
-        return tok.decode(new[:-1] if new and new[-1] in stop_ids else new, skip_special_tokens=True)
+        return new[:-1] if new and new[-1] in stop_ids else new
 
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     jobs = [("model", p, 12 + 2 * i) for i, p in enumerate(PROMPTS)]
-    want = [generate(None, p, n) for _, p, n in jobs]
-    want_a = [generate("default", p, 12) for p in PROMPTS[:2]]
-    assert want_a != want[:2]  # the adapter changes the answers
-    job, url = start(files, "--load_in_4bit", "--adapter", f"a={files['a']}", "--api_key", KEY, "--max_model_len",
-                     "128")
+    want = [text(generate(None, p, n)) for _, p, n in jobs]
+    want_ab = [text(generate(adapter, p, 12)) for adapter in ("default", "b") for p in PROMPTS[:2]]
+    assert want_ab[:2] != want[:2] and want_ab[2:] != want[:2]  # each adapter changes the answers
+    sampled = generate("b", PROMPTS[2], 16, seed=21)
+    assert sampled and sampled != generate("b", PROMPTS[2], 16)
+    job, url = start(files, "--load_in_4bit", "--adapter", f"a={files['a']}", "--adapter", f"b={files['b']}",
+                     "--api_key", KEY, "--max_model_len", "128")
     with job:
         c = client(url)
         alone = [c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=n)
                  .choices[0].message.content for name, p, n in jobs]
         assert alone == want
-        assert [c.chat.completions.create(model="a", messages=[{"role": "user", "content": p}], max_tokens=12)
-                .choices[0].message.content for p in PROMPTS[:2]] == want_a
+        assert [c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=12)
+                .choices[0].message.content for name in ("a", "b") for p in PROMPTS[:2]] == want_ab
         assert concurrently(url, jobs) == want
         seen = stats(url)
         assert seen["batching"] == "continuous" and seen["max_running"] >= 4, seen
+        assert sample(url, "b", PROMPTS[2], 16, temperature=1.0, seed=21)[0] == sampled
         took = stop(job, signal.SIGTERM)
     with capsys.disabled():
         print(f"\nfinetune serve --load_in_4bit: 8 answers = generate on the 4-bit model, alone and concurrently "
-              f"({seen['max_running']} generated together); SIGTERM -> exited in {took:.2f} s")
+              f"({seen['max_running']} generated together), 2 adapters, a seeded sample; SIGTERM -> exited in "
+              f"{took:.2f} s")
 
 
 @pytest.mark.slow
