@@ -288,7 +288,7 @@ def sampling_of(body: dict):
     from finetune.inference.sampling import SEED_LIMIT, Sampling
 
     for key, unused, why in UNSUPPORTED:
-        if key in body and not any(body[key] == u and type(body[key]) is type(u) or body[key] is u for u in unused):
+        if key in body and not any(type(body[key]) is type(u) and body[key] == u for u in unused):
             raise APIError(400, f"'{key}': {why}", key)
     values = {}
     for key, low, high, low_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True)):
