@@ -207,25 +207,29 @@ def test_plan_fetches_config_json_only(hub, tmp_path):
 # Hub data sets
 
 
-def cache_dataset(hf_home: Path, repo_id: str, data_file: Path, commit: str) -> Path:
-    """Leave in HF_HOME/datasets what `load_dataset(repo_id)` leaves after an online run: the Arrow data prepared
-    by datasets' own json builder, in <org>___<name>/default/0.0.0/<commit>/ (datasets names the folder after the
-    Hub commit). Offline, load_dataset finds it through its cache module; this only writes it."""
+def cache_dataset(hf_home: Path, repo_id: str, data_file: Path | dict[str, Path], commit: str,
+                  config: str = "default") -> Path:
+    """Leave in HF_HOME/datasets what `load_dataset(repo_id[, config])` leaves after an online run: the Arrow data
+    prepared by datasets' own json builder, in <org>___<name>/<config>/0.0.0/<commit>/ (datasets names the folder after
+    the Hub commit). `data_file`: the train split's file, or {split: file}. Offline, load_dataset finds it through its
+    cache module; this only writes it."""
+    splits = {"train": data_file} if isinstance(data_file, Path) else data_file
     code = (
-        "import sys\n"
+        "import json, sys\n"
         "from datasets.packaged_modules.json.json import Json\n"
         "from datasets.data_files import DataFilesDict\n"
-        "repo_id, data, commit = sys.argv[1:]\n"
-        "b = Json(data_files=DataFilesDict.from_patterns({'train': [data]}), dataset_name=repo_id.split('/')[1],\n"
-        "         config_name='default', config_id='default', hash=commit)\n"
+        "repo_id, splits, commit, config = sys.argv[1:]\n"
+        "splits = {k: [v] for k, v in json.loads(splits).items()}\n"
+        "b = Json(data_files=DataFilesDict.from_patterns(splits), dataset_name=repo_id.split('/')[1],\n"
+        "         config_name=config, config_id=config, hash=commit)\n"
         # the repo id sets the <org>___ folder; given to the constructor it would demand hf:// data file paths
         "b.repo_id = repo_id\n"
         "b._cache_dir = b._build_cache_dir()\n"
         "b.download_and_prepare()\n"
         "print(b.cache_dir)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, repo_id, str(data_file), commit], capture_output=True, text=True,
-                       timeout=120, env=env(**hf_env(hf_home)))
+    r = subprocess.run([sys.executable, "-c", code, repo_id, json.dumps({k: str(v) for k, v in splits.items()}), commit,
+                        config], capture_output=True, text=True, timeout=120, env=env(**hf_env(hf_home)))
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.strip().splitlines()[-1])
 

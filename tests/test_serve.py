@@ -56,6 +56,13 @@ class Reference:
 
     def __call__(self, name: str, prompt: str, max_tokens: int, chat: bool = True) -> tuple[str, str, int]:
         """(text, finish_reason, completion tokens)"""
+        new, reason = self.ids(name, prompt, max_tokens, chat)
+        return self.tokenizer.decode(new, skip_special_tokens=True), reason, len(new)
+
+    def ids(self, name: str, prompt: str, max_tokens: int, chat: bool = True, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int | None = None) -> tuple[list[int], str]:
+        """(completion token ids without the stop token, finish_reason); temperature above 0: transformers' own
+        sampling (do_sample, top_k off) after torch.manual_seed(seed)."""
         import torch
 
         if chat:
@@ -64,14 +71,19 @@ class Reference:
             ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
         else:
             ids = self.tokenizer(prompt, return_tensors="pt")
+        model = self.model(name)  # loaded before the seed is set: loading draws random numbers
+        decoding = dict(do_sample=False)
+        if temperature > 0:
+            decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            torch.manual_seed(seed)
         with torch.no_grad():
-            out = self.model(name).generate(**ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=self.stop,
-                                            pad_token_id=self.stop[0])
+            out = model.generate(**ids, max_new_tokens=max_tokens, eos_token_id=self.stop,
+                                            pad_token_id=self.stop[0], **decoding)
         new = out[0, ids["input_ids"].shape[1]:].tolist()
         reason = "length"
         if new and new[-1] in self.stop:
             new, reason = new[:-1], "stop"
-        return self.tokenizer.decode(new, skip_special_tokens=True), reason, len(new)
+        return new, reason
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +241,87 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, referenc
         client(url, key="wrong").chat.completions.create(**good)
     status, body = post(url, json.dumps(good).encode(), key=None)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    with pytest.raises(openai.BadRequestError, match="greedily"):
-        c.chat.completions.create(**{**good, "temperature": 0.7})
+    for extra, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"temperature": 2.5}, "temperature"),
+                         ({"top_p": 0.5}, "top_p"), ({"temperature": 1, "seed": -1}, "seed"),
+                         ({"presence_penalty": 0.5}, "presence_penalty")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**good, **extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+        assert e.value.body["message"].startswith(f"'{param}'"), e.value.body
     assert c.chat.completions.create(**good).choices[0].message.content == want
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling: temperature, top_p and seed
+
+
+def sample(url: str, name: str, prompt: str, n: int, **decoding) -> tuple[list[int], str]:
+    got = client(url).chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                                              extra_body={"return_token_ids": True}, **decoding)
+    return got.choices[0].model_extra["token_ids"], got.choices[0].finish_reason
+
+
+SAMPLED = [("a", PROMPTS[0], 20, dict(temperature=1.0, seed=11)), ("a", PROMPTS[1], 24, dict(temperature=0.7, top_p=0.9,
+           seed=12)), ("model", PROMPTS[2], 16, dict(temperature=1.3, seed=2**40 + 5)), ("a", PROMPTS[3], 28,
+           dict(temperature=0.9, top_p=0.8, seed=0)), ("b", PROMPTS[4], 20, dict(temperature=1.0, seed=14)),
+           ("a", PROMPTS[5], 18, dict(temperature=1.5, seed=15))]
+
+
+def test_seeded_sampling_equals_transformers_sampling_alone_and_among_concurrent_requests(server, reference):
+    """A request with a temperature and a seed gets the token ids of transformers' generate(do_sample=True, top_k off)
+    after set_seed(seed), on the same rendering: alone, again, and while 7 others (sampled and greedy, three models)
+    run at once. temperature 0 is greedy whatever the seed; without a seed two samples differ."""
+    _, url = server
+    want = [reference.ids(name, p, n, temperature=d["temperature"], top_p=d.get("top_p", 1.0), seed=d["seed"])
+            for name, p, n, d in SAMPLED]
+    greedy = [reference.ids("a", PROMPTS[6], 16), reference.ids("model", PROMPTS[7], 12)]
+    assert want[0] != reference.ids("a", PROMPTS[0], 20)  # sampling is not the greedy answer
+    assert want[0] != reference.ids("a", PROMPTS[0], 20, temperature=1.0, seed=99)  # the seed matters
+    for (name, p, n, d), w in zip(SAMPLED, want):
+        assert sample(url, name, p, n, **d) == w, (name, p, d)
+    assert sample(url, *SAMPLED[0][:3], **SAMPLED[0][3]) == want[0]  # the same again
+    # streamed, token by token: the same text
+    name, p, n, d = SAMPLED[1]
+    chunks = [ch.choices[0].delta.content for ch in client(url).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": p}], max_tokens=n, stream=True, **d) if ch.choices]
+    assert "".join(c or "" for c in chunks) == reference.tokenizer.decode(want[1][0], skip_special_tokens=True)
+    assert len([c for c in chunks if c]) > 1
+    # 8 at once: the 6 sampled requests and 2 greedy ones, over three models
+    barrier = threading.Barrier(8)
+    jobs = [(name, p, n, d) for name, p, n, d in SAMPLED] + [("a", PROMPTS[6], 16, {}), ("model", PROMPTS[7], 12, {})]
+    got: list = [None] * len(jobs)
+
+    def one(i, name, p, n, d):
+        barrier.wait(30)
+        try:
+            got[i] = sample(url, name, p, n, **d)
+        except Exception as e:  # reported by the assertion below
+            got[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a request did not return within 180 s"
+    assert got == want + greedy
+    assert stats(url)["max_running_sampled"] >= 2, stats(url)  # sampled requests generated together
+    # temperature 0 with a seed: greedy; no seed: a fresh draw each time
+    assert sample(url, "a", PROMPTS[0], 20, temperature=0, seed=5) == reference.ids("a", PROMPTS[0], 20)
+    assert sample(url, "a", PROMPTS[0], 20, temperature=1.0) != sample(url, "a", PROMPTS[0], 20, temperature=1.0)
+
+
+def test_seeded_request_equals_finetune_generate_do_sample_seed(server, files, tmp_path):
+    """The same request as `finetune generate --chat --do_sample --temperature T --top_p P --seed S` (one prompt):
+    the same token ids."""
+    from finetune.inference.generate import GenerateArgs, run
+
+    _, url = server
+    name, p, n, d = SAMPLED[1]
+    cli = run(GenerateArgs(model_name_or_path=str(files["model"]), adapter=str(files["a"]), prompt=[p], chat=True,
+                           max_new_tokens=n, do_sample=True, temperature=d["temperature"], top_p=d["top_p"],
+                           seed=d["seed"], output=str(tmp_path / "gen.jsonl")))
+    assert sample(url, name, p, n, **d)[0] == cli[0]["completion_ids"] and len(cli[0]["completion_ids"]) > 0
 
 
 def test_sigterm_during_a_streamed_reply_ends_it_within_seconds(server, capsys):
@@ -308,6 +398,66 @@ def test_quantized_base_through_the_engine_equals_its_own_generate(files, one_th
 
 
 @pytest.mark.slow
+def test_4bit_base_served_equals_its_own_generate_alone_and_concurrently(files, capsys):
+    """`finetune serve --load_in_4bit` (bitsandbytes nf4, as `finetune generate --load_in_4bit` loads it) with two
+    adapters: each greedy answer, base and adapters, equals transformers' generate on that same 4-bit model and
+    rendering; 8 concurrent requests (continuous batching) each get their answer alone; a seeded sampled request gets
+    the token ids of transformers' sampling on that model."""
+    import bitsandbytes
+    import torch
+
+    from finetune.inference.generate import LoadOptions, load_for_inference, use_adapter
+
+    model, tok, _ = load_for_inference(LoadOptions(model_name_or_path=str(files["model"]), adapter=str(files["a"]),
+                                                   load_in_4bit=True), log=lambda *a: None)
+    model.load_adapter(str(files["b"]), adapter_name="b")
+    base = model.get_base_model()
+    four_bit = [m for m in base.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert len(four_bit) == 4 * 7 and {m.weight.quant_state.quant_type for m in four_bit} == {"nf4"}  # every block's
+    stop_ids = [base.generation_config.eos_token_id, tok.eos_token_id]
+
+    def generate(adapter, prompt, n, seed=None) -> list[int]:
+        use_adapter(base, adapter)
+        ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                          add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        decoding = dict(do_sample=False)
+        if seed is not None:
+            decoding = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, eos_token_id=stop_ids,
+                                 pad_token_id=stop_ids[0], **decoding)
+        new = out[0, len(ids):].tolist()
+        return new[:-1] if new and new[-1] in stop_ids else new
+
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    jobs = [("model", p, 12 + 2 * i) for i, p in enumerate(PROMPTS)]
+    want = [text(generate(None, p, n)) for _, p, n in jobs]
+    want_ab = [text(generate(adapter, p, 12)) for adapter in ("default", "b") for p in PROMPTS[:2]]
+    assert want_ab[:2] != want[:2] and want_ab[2:] != want[:2]  # each adapter changes the answers
+    sampled = generate("b", PROMPTS[2], 16, seed=21)
+    assert sampled and sampled != generate("b", PROMPTS[2], 16)
+    job, url = start(files, "--load_in_4bit", "--adapter", f"a={files['a']}", "--adapter", f"b={files['b']}",
+                     "--api_key", KEY, "--max_model_len", "128")
+    with job:
+        c = client(url)
+        alone = [c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=n)
+                 .choices[0].message.content for name, p, n in jobs]
+        assert alone == want
+        assert [c.chat.completions.create(model=name, messages=[{"role": "user", "content": p}], max_tokens=12)
+                .choices[0].message.content for name in ("a", "b") for p in PROMPTS[:2]] == want_ab
+        assert concurrently(url, jobs) == want
+        seen = stats(url)
+        assert seen["batching"] == "continuous" and seen["max_running"] >= 4, seen
+        assert sample(url, "b", PROMPTS[2], 16, temperature=1.0, seed=21)[0] == sampled
+        took = stop(job, signal.SIGTERM)
+    with capsys.disabled():
+        print(f"\nfinetune serve --load_in_4bit: 8 answers = generate on the 4-bit model, alone and concurrently "
+              f"({seen['max_running']} generated together), 2 adapters, a seeded sample; SIGTERM -> exited in "
+              f"{took:.2f} s")
+
+
+@pytest.mark.slow
 def test_smollm2_stops_at_its_stop_token_as_generate_does(smollm2_dir, capsys):
     """SmolLM2-135M-Instruct (the quickstart's model, its real ChatML template and <|im_end|>): short answers end at
     the stop token (finish_reason "stop"), token for token transformers' greedy generate, concurrently too."""
@@ -340,3 +490,4 @@ def test_smollm2_stops_at_its_stop_token_as_generate_does(smollm2_dir, capsys):
     with capsys.disabled():
         print(f"\nfinetune serve (SmolLM2): {len(questions)} answers = generate, ended by <|im_end|>; SIGTERM -> "
               f"exited in {took:.2f} s; answers: {want}")
+

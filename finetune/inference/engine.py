@@ -8,10 +8,15 @@ never mixes adapters. Within a model:
 - `continuous`: transformers' continuous batching (`ContinuousBatchingManager`: paged attention, requests join and
   leave the running batch at every step). Prefix sharing is off: two adapters' caches of one prompt differ.
 - `queue`: a batching queue: the waiting requests of the active model go to one left-padded `generate` call
-  (`finetune.inference.generate.generate`). transformers' manager cannot place a disk-offloaded model (its cache
-  reads a weight on the meta device), so such a model is served this way.
+  (`finetune.inference.generate.generate`); each row streams its tokens as they come and is answered when it stops.
+  transformers' manager cannot place a disk-offloaded model (its cache reads a weight on the meta device), so such a
+  model is served this way.
 
-Decoding is greedy; the stop tokens are the model's and the tokenizer's end-of-sequence ids (`eos_ids`).
+A request that samples (temperature above 0; `finetune.inference.sampling`) runs in a lane of its own, apart from
+the greedy requests of its model: its batch is one padded `generate` call whose rows each draw from their own seeded
+generator, so a seeded request gets the same tokens alone or among others (transformers' continuous batching samples
+every running request from one generator). The stop tokens are the model's and the tokenizer's end-of-sequence ids
+(`eos_ids`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from finetune.inference.sampling import Sampling
+
 BATCHINGS = ("auto", "continuous", "queue")
+
+
+Lane = tuple[str, bool]  # (served name, sampled): the requests that may run together
 
 
 @dataclass
@@ -37,6 +47,7 @@ class Request:
     max_new_tokens: int
     on_output: Callable[[list[int], bool, str | None], None]
     stream: bool = False
+    sampling: Sampling | None = None  # None: greedy
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -58,13 +69,16 @@ class Engine:
         self.log = log or (lambda *a: None)
         self._inbox: queue.Queue = queue.Queue()
         self._cancelled: queue.Queue = queue.Queue()
-        self._waiting: OrderedDict[str, deque[Request]] = OrderedDict((n, deque()) for n in self.names)
+        self._waiting: OrderedDict[Lane, deque[Request]] = OrderedDict(
+            ((n, sampled), deque()) for n in self.names for sampled in (False, True))
         self._inflight: dict[str, Request] = {}
-        self._active: str | None = None
+        self._active: Lane | None = None
+        self._adapter: str | None = None  # the served name whose adapter is on
         self._stop = threading.Event()
         self._manager = None
         self.error: str | None = None  # set when the worker died: the server answers 503 from then on
         self.max_running = 0  # the most requests generated together so far (GET /stats)
+        self.max_sampled = 0  # the most sampled requests generated together so far
         self._thread = threading.Thread(target=self._run, name="finetune-engine", daemon=True)
 
     # -------------------------------------------------------------------------------- from any thread
@@ -99,6 +113,10 @@ class Engine:
             self._manager = None
 
     # -------------------------------------------------------------------------------- the worker
+    @staticmethod
+    def lane(request: Request) -> Lane:
+        return request.model, request.sampling is not None
+
     def _start_manager(self):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -110,6 +128,7 @@ class Engine:
             page_size=page, num_blocks=blocks, max_batch_tokens=max(page, min(self.max_model_len, 1024)),
             max_requests_per_batch=self.max_concurrent, allow_block_sharing=False, use_cuda_graph=False,
             auto_switch_to_flash=False, max_blocks_per_request=0)
+        self._plain_attention = self.base.config._attn_implementation
         manager = self.base.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
         manager.start()
         return manager
@@ -121,7 +140,7 @@ class Engine:
                 self._drop_cancelled()
                 if not self._inflight:
                     self._activate_oldest()
-                if self.batching == "continuous":
+                if self.batching == "continuous" and self._active is not None and not self._active[1]:
                     self._admit_continuous()
                     self._collect_continuous()
                 else:
@@ -144,7 +163,7 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            self._waiting[request.model].append(request)
+            self._waiting[self.lane(request)].append(request)
             try:
                 request = self._inbox.get_nowait()
             except queue.Empty:
@@ -156,21 +175,22 @@ class Engine:
                 rid = self._cancelled.get_nowait()
             except queue.Empty:
                 return
-            if self._inflight.pop(rid, None) is not None and self._manager is not None:
-                self._manager.cancel_request(rid)
+            request = self._inflight.pop(rid, None)
+            if request is not None and self._manager is not None and request.sampling is None:
+                self._manager.cancel_request(rid)  # a greedy request runs in transformers' manager
             for d in self._waiting.values():
                 for r in [r for r in d if r.id == rid]:
                     d.remove(r)
 
     def _activate_oldest(self) -> None:
-        """With nothing in flight: the model whose request has waited longest becomes the active one."""
-        heads = [(d[0].arrived, name) for name, d in self._waiting.items() if d]
+        """With nothing in flight: the lane whose request has waited longest becomes the active one."""
+        heads = [(d[0].arrived, lane) for lane, d in self._waiting.items() if d]
         if not heads:
             return
-        name = min(heads)[1]
-        if name != self._active:
-            self._switch(self.names[name])
-            self._active = name
+        self._active = lane = min(heads)[1]
+        if lane[0] != self._adapter:
+            self._switch(self.names[lane[0]])
+            self._adapter = lane[0]
 
     def _switch(self, adapter: str | None) -> None:
         if len(self.names) > 1:
@@ -179,7 +199,7 @@ class Engine:
             use_adapter(self.base, adapter)
 
     def _others_waiting(self) -> bool:
-        return any(d for name, d in self._waiting.items() if name != self._active)
+        return any(d for lane, d in self._waiting.items() if lane != self._active)
 
     def _admit_continuous(self) -> None:
         # Another model's requests waiting: admit no more of this one once its batch runs, so the batch drains and
@@ -208,7 +228,13 @@ class Engine:
             result = self._manager.get_result(timeout=0)
 
     def _run_queue_batch(self) -> None:
+        """The active lane's waiting requests (up to --max_concurrent) in one left-padded `generate` call. Each row's
+        tokens go out as they come (to a streamed request) and it is answered when it stops (a stop token, its own
+        max_tokens, a cancel), not when the longest row does. A sampled lane's rows draw from their own generators."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
         from finetune.inference.generate import Prompt, generate
+        from finetune.inference.sampling import RowSampler
 
         if self._active is None or not self._waiting[self._active]:
             return
@@ -217,18 +243,75 @@ class Engine:
         for request in batch:
             self._inflight[request.id] = request
         self.max_running = max(self.max_running, len(batch))
+        if self._active[1]:
+            self.max_sampled = max(self.max_sampled, len(batch))
+        rows = _Rows(self, batch)
+        sampler = (LogitsProcessorList([RowSampler([r.sampling for r in batch])])
+                   if any(r.sampling is not None for r in batch) else None)
+        # transformers' manager may have set a paged attention kernel (for eager) that a plain generate cannot use;
+        # nothing of the manager's runs while this lane is active.
+        attention = self.base.config._attn_implementation
+        plain = getattr(self, "_plain_attention", attention)
+        if plain != attention:
+            self.base.set_attn_implementation(plain)
         try:
             prompts = [Prompt(r.prompt_ids, self.tokenizer.decode(r.prompt_ids), True) for r in batch]
-            results = generate(self.model, self.tokenizer, prompts, batch_size=len(batch),
-                               max_new_tokens=max(r.max_new_tokens for r in batch), token_ids=[r.prompt_ids for r in batch])
+            generate(self.model, self.tokenizer, prompts, batch_size=len(batch),
+                     max_new_tokens=max(r.max_new_tokens for r in batch), token_ids=[r.prompt_ids for r in batch],
+                     logits_processor=sampler, streamer=rows, stopping_criteria=StoppingCriteriaList([rows.stop]))
         finally:
-            for request in batch:
-                self._inflight.pop(request.id, None)
-        for request, result in zip(batch, results):
-            ids = result["completion_ids"][: request.max_new_tokens]
-            if result["finish_reason"] == "eos" and len(ids) == len(result["completion_ids"]):
-                ids = ids + [self.stop_ids[0]]  # as the continuous path reports a stop: the stop token last
-            request.on_output(ids, True, None)
+            if plain != attention:
+                self.base.set_attn_implementation(attention)
+        if not self._stop.is_set():  # else the rows still in flight get the engine's error
+            rows.finish()
+
+
+class _Rows:
+    """A queue batch's rows as `generate` makes them: the tokens of each (the streamer's `put`), which rows are done
+    (the stopping criterion: its max_tokens, a cancel, the engine stopping), each answered once."""
+
+    def __init__(self, engine: Engine, batch: list[Request]):
+        self.engine, self.batch = engine, batch
+        self.tokens: list[list[int]] = [[] for _ in batch]
+        self.answered = [False] * len(batch)
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate hands the prompt ids first
+            self.prompt_seen = True
+            return
+        for i, token in enumerate(value.reshape(-1).tolist()):
+            if self.answered[i]:
+                continue
+            request, tokens = self.batch[i], self.tokens[i]
+            tokens.append(int(token))
+            if token in self.engine.stop_ids or len(tokens) >= request.max_new_tokens:
+                self.answer(i)
+            elif request.stream:
+                request.on_output(list(tokens), False, None)
+
+    def end(self) -> None:
+        pass
+
+    def answer(self, i: int) -> None:
+        self.answered[i] = True
+        if self.engine._inflight.pop(self.batch[i].id, None) is not None:  # else cancelled
+            self.batch[i].on_output(list(self.tokens[i]), True, None)
+
+    def stop(self, input_ids, scores, **kwargs):
+        """Per row: stop generating it (its own max_tokens reached, or cancelled; every row once the engine stops)."""
+        import torch
+
+        self.engine._drop_cancelled()
+        stopping = self.engine._stop.is_set()
+        return torch.tensor([stopping or self.answered[i] or self.batch[i].id not in self.engine._inflight
+                             or len(self.tokens[i]) + 1 >= r.max_new_tokens for i, r in enumerate(self.batch)],
+                            dtype=torch.bool, device=input_ids.device)
+
+    def finish(self) -> None:
+        for i in range(len(self.batch)):
+            if not self.answered[i]:
+                self.answer(i)
 
 
 def finish_reason(tokens: list[int], stop_ids: list[int]) -> str:

@@ -2,7 +2,7 @@
 
     finetune eval --model_name_or_path BASE --adapter outputs/run/model --tasks finetune_quickstart
     finetune eval --model_name_or_path BASE --adapter RUN --tasks my_task --include_path my_tasks/   # local YAML
-    finetune eval --model_name_or_path BASE --tasks hellaswag,arc_easy --limit 200                  # Hub tasks (online)
+    finetune eval --model_name_or_path BASE --tasks hellaswag,arc_easy --limit 200                  # Hub data sets
     finetune eval --model_name_or_path BASE --finetuned outputs/full-run --tasks ...                # a full fine-tune
 
 The model is loaded as `finetune generate` loads it (device maps, 8/4-bit) and handed to the harness' HFLM as a
@@ -11,8 +11,9 @@ adapter layers off (the base) and on (fine-tuned). With --finetuned FOLDER, a se
 column. Results: OUTPUT_DIR/results.json (every metric, with its standard error, for each model) and
 OUTPUT_DIR/results.md (a table: task, metric, base, fine-tuned, difference).
 
-Tasks: the harness' own (downloaded from the Hugging Face Hub: online, or from the local HF cache), YAML task
-definitions in --include_path folders (with local data files, offline), and the bundled `finetune_quickstart`: the
+Tasks: the harness' own and YAML task definitions in --include_path folders, their data local files or Hugging Face
+Hub data sets (downloaded online; with HF_HUB_OFFLINE=1 read from the datasets cache an online run left, a data set
+missing there being one message), and the bundled `finetune_quickstart`: the
 quickstart's held-out records (greedy completion through the chat template, exact match of the JSON answer,
 surrounding whitespace aside, as the quickstart report scores it).
 """
@@ -164,15 +165,19 @@ def harness(model, tokenizer, tasks: list[str], *, include: list[str], limit: in
     """The harness' results of `tasks` on a loaded model: {task: {metric: value, metric_stderr: value, ...}}."""
     import logging
 
+    from datasets.exceptions import DatasetNotFoundError
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = task_manager(tasks, include)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                          apply_chat_template=chat, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                          torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+    try:
+        out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                              apply_chat_template=chat, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+    except (ConnectionError, DatasetNotFoundError) as e:  # a task's Hub data set (datasets.load_dataset)
+        raise GenerationError(hub_data_problem(tasks, e)) from None
     results = {}
     for task, metrics in out["results"].items():
         results[task] = {k.split(",")[0] + ("_stderr" if "_stderr" in k else ""): v for k, v in metrics.items()
@@ -180,6 +185,22 @@ def harness(model, tokenizer, tasks: list[str], *, include: list[str], limit: in
         results[task] = {k.replace("_stderr_stderr", "_stderr"): v for k, v in results[task].items()}
         results[task]["samples"] = out.get("n-samples", {}).get(task, {}).get("effective")
     return results
+
+
+def hub_data_problem(tasks: list[str], error: Exception) -> str:
+    """One line for a task whose Hub data set could not be read: offline and not cached, unreachable, or not there."""
+    import datasets
+    from huggingface_hub import constants
+
+    said = str(error).splitlines()[0]
+    if isinstance(error, ConnectionError) and constants.HF_HUB_OFFLINE:
+        fix = (f"it is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and HF_HUB_OFFLINE=1 forbids "
+               "downloading; unset HF_HUB_OFFLINE to download it, or point HF_HOME at a cache that holds it")
+    elif isinstance(error, ConnectionError):
+        fix = "the Hub cannot be reached; check the network, HF_ENDPOINT and any proxy"
+    else:
+        fix = "check the task's dataset_path and dataset_name; if the data set is private or gated, set HF_TOKEN"
+    return f"--tasks {','.join(tasks)}: a task's data set could not be read ({said}): {fix}"
 
 
 def table(results: dict[str, dict], labels: list[str]) -> str:

@@ -714,10 +714,11 @@ def eos_ids(model, tokenizer) -> list[int]:
 def generate(
     model, tokenizer, prompts: list[Prompt], *, batch_size: int = 8, max_new_tokens: int = 64, do_sample: bool = False,
     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, on_result=None,
-    token_ids: list[list[int]] | None = None,
+    token_ids: list[list[int]] | None = None, logits_processor=None, stopping_criteria=None, streamer=None,
 ) -> list[dict]:
     """Generate in batches (left padding); returns one dict per prompt, in order, with the completion token ids.
-    `token_ids`: the prompts already tokenized (one list per prompt), used instead of tokenizing their text."""
+    `token_ids`: the prompts already tokenized (one list per prompt), used instead of tokenizing their text;
+    `logits_processor`, `stopping_criteria` and `streamer` go to transformers' generate as they are."""
     import torch
 
     if seed is not None:
@@ -731,6 +732,12 @@ def generate(
         max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=stop, pad_token_id=pad, use_cache=True,
         **compat.generation_kwargs(model),
     )
+    if logits_processor is not None:
+        gen_kwargs["logits_processor"] = logits_processor
+    if stopping_criteria is not None:
+        gen_kwargs["stopping_criteria"] = stopping_criteria
+    if streamer is not None:
+        gen_kwargs["streamer"] = streamer
     if do_sample:
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
     else:

@@ -2,17 +2,20 @@
 
     finetune serve --model_name_or_path BASE                                     # http://127.0.0.1:8000/v1
     finetune serve --model_name_or_path BASE --adapter orders=outputs/run/model --adapter chat=outputs/chat/model
-    finetune serve ... --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB   # as finetune generate
+    finetune serve ... --load_in_4bit | --load_in_8bit | --device_map auto --max_memory cpu=2GiB,disk=20GiB
     finetune serve ... --api_key SECRET --host 0.0.0.0 --port 8080
 
 Routes: GET /v1/models, POST /v1/chat/completions (the model's chat template and stop tokens; `"stream": true`
 streams server-sent events), POST /v1/completions (plain text). The request's `model` picks the base (its folder's
-name, or --served_model_name) or an adapter (its NAME). Decoding is greedy: the tokens equal transformers' own
-`generate` on the same rendering. Requests arriving together are batched (finetune.inference.engine: transformers'
-continuous batching, or a batching queue for a disk-offloaded model); each gets the tokens it would get alone.
+name, or --served_model_name) or an adapter (its NAME). Decoding is greedy unless the request gives a temperature
+above 0: the tokens equal transformers' own `generate` on the same rendering. A sampled request with a `seed` gets
+the tokens of transformers' sampling after that seed (finetune.inference.sampling), alone or among others. Requests
+arriving together are batched (finetune.inference.engine: transformers' continuous batching, or a batching queue for
+a disk-offloaded model and for sampled requests); each gets the tokens it would get alone.
 
 A bad request gets a 4xx JSON error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) and the
-server keeps serving: unknown model (404), malformed JSON or fields (400), `max_tokens` beyond the context (400),
+server keeps serving: unknown model (404), malformed JSON or fields, OpenAI fields not implemented here such as n > 1
+or logprobs (400, naming the field), `max_tokens` beyond the context (400),
 a missing or wrong key with --api_key (401). SIGTERM or Ctrl-C stops it: open responses get --shutdown_timeout
 seconds to finish, then the process ends. It listens on 127.0.0.1 unless --host says otherwise.
 """
@@ -245,17 +248,6 @@ class Service:
 
     def budget(self, body: dict, prompt_len: int) -> int:
         """max_tokens (or max_completion_tokens), checked against the context."""
-        for key in ("temperature", "top_p"):
-            value = body.get(key)
-            if value is not None and not isinstance(value, (int, float)):
-                raise APIError(400, f"'{key}' must be a number", key)
-        if (body.get("temperature") or 0) > 0:
-            raise APIError(400, "this server decodes greedily: send temperature 0 or leave it out", "temperature")
-        if body.get("n") not in (None, 1):
-            raise APIError(400, "'n': one completion per request", "n")
-        if body.get("stop"):
-            raise APIError(400, "'stop' sequences are not supported; the model's own stop tokens end a completion",
-                           "stop")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -270,6 +262,54 @@ class Service:
             raise APIError(400, f"'{key}' {value} plus the prompt's {prompt_len} tokens is beyond the context of "
                                 f"{self.max_model_len} tokens: ask for {room} or fewer", key, "context_length_exceeded")
         return value
+
+
+# OpenAI's fields this server does not implement: a request that uses one is refused, naming it, rather than answered
+# as if it were not there. (field, the values that mean "not used", why)
+UNSUPPORTED = (
+    ("n", (None, 1), "one completion per request: send n=1 or leave it out"),
+    ("best_of", (None, 1), "one completion per request: send best_of=1 or leave it out"),
+    ("stop", (None, "", []), "stop sequences are not supported; the model's own stop tokens end a completion"),
+    ("logprobs", (None, False, 0), "log probabilities are not returned"),
+    ("top_logprobs", (None, 0), "log probabilities are not returned"),
+    ("echo", (None, False), "the prompt is not echoed"),
+    ("suffix", (None, ""), "insertion (a suffix) is not supported"),
+    ("logit_bias", (None, {}), "logit_bias is not supported"),
+    ("frequency_penalty", (None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
+    ("presence_penalty", (None, 0, 0.0), "penalties are not supported: send 0 or leave it out"),
+    ("tools", (None, []), "tool calls are not supported"),
+    ("response_format", (None, {"type": "text"}), "only free text is returned (response_format {\"type\": \"text\"})"),
+)
+
+
+def sampling_of(body: dict):
+    """The request's decoding: None (greedy: no temperature, or 0) or a Sampling (temperature above 0, top_p, seed).
+    Fields this server does not implement are refused (400, naming the field)."""
+    from finetune.inference.sampling import SEED_LIMIT, Sampling
+
+    for key, unused, why in UNSUPPORTED:
+        if key in body and not any(type(body[key]) is type(u) and body[key] == u for u in unused):
+            raise APIError(400, f"'{key}': {why}", key)
+    values = {}
+    for key, low, high, low_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True)):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise APIError(400, f"'{key}' must be a number", key)
+        if value > high or value < low or (low_open and value == low):
+            raise APIError(400, f"'{key}' must be {'above' if low_open else 'at least'} {low} and at most {high}, got "
+                                f"{value}", key)
+        values[key] = float(value)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT):
+        raise APIError(400, f"'seed' must be an integer from 0 to {SEED_LIMIT - 1}, got {seed!r}", "seed")
+    if not values.get("temperature"):
+        if values.get("top_p", 1.0) < 1.0:
+            raise APIError(400, "'top_p' applies to sampling: send a temperature above 0 with it (without one, or with "
+                                "0, this server decodes greedily)", "top_p")
+        return None
+    return Sampling(values["temperature"], values.get("top_p", 1.0), seed)
 
 
 def build_app(service: Service):
@@ -321,10 +361,13 @@ def build_app(service: Service):
 
     @app.get("/stats")
     async def stats():
-        """Not OpenAI's: how the engine batches, and the most requests it generated together so far."""
-        return {"batching": service.engine.batching, "max_running": service.engine.max_running}
+        """Not OpenAI's: how the engine batches, and the most requests (and sampled requests) it generated together so
+        far."""
+        return {"batching": service.engine.batching, "max_running": service.engine.max_running,
+                "max_running_sampled": service.engine.max_sampled}
 
-    def submit(name: str, prompt_ids: list[int], max_new_tokens: int, stream: bool) -> tuple[str, asyncio.Queue]:
+    def submit(name: str, prompt_ids: list[int], max_new_tokens: int, stream: bool,
+               sampling) -> tuple[str, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
@@ -335,15 +378,24 @@ def build_app(service: Service):
                 pass
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        service.engine.submit(Request(rid, name, prompt_ids, max_new_tokens, on_output, stream=stream))
+        service.engine.submit(Request(rid, name, prompt_ids, max_new_tokens, on_output, stream=stream,
+                                      sampling=sampling))
         return rid, outputs
 
     async def complete(kind: str, body: dict):
         name = service.model_of(body)
         prompt_ids = service.prompt_ids_chat(body) if kind == "chat" else service.prompt_ids_text(body)
+        sampling = sampling_of(body)
         budget = service.budget(body, len(prompt_ids))
         stream = bool(body.get("stream"))
-        rid, outputs = submit(name, prompt_ids, budget, stream)
+        # vLLM's extension: the completion's token ids in the choice (what a check of exact decoding compares)
+        with_ids = body.get("return_token_ids")
+        if with_ids not in (None, True, False):
+            raise APIError(400, "'return_token_ids' must be true or false", "return_token_ids")
+        if with_ids and stream:
+            raise APIError(400, "'return_token_ids' is given with a whole reply, not a stream: send it without "
+                                "\"stream\": true", "return_token_ids")
+        rid, outputs = submit(name, prompt_ids, budget, stream, sampling)
         created, stop_ids = int(time.time()), service.engine.stop_ids
         usage = lambda tokens: {"prompt_tokens": len(prompt_ids), "completion_tokens": len(visible(tokens, stop_ids)),
                                 "total_tokens": len(prompt_ids) + len(visible(tokens, stop_ids))}
@@ -362,6 +414,8 @@ def build_app(service: Service):
             reason = finish_reason(tokens, stop_ids)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                       if kind == "chat" else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+            if with_ids:
+                choice["token_ids"] = visible(tokens, stop_ids)
             return {"id": rid, "object": obj, "created": created, "model": name, "choices": [choice],
                     "usage": usage(tokens)}
 
