@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
-from finetune.models.families import ModelShape, Saving, Tensor
+from finetune.models.families import Images, ModelShape, Saving, Tensor
 from finetune.models.hub import looks_like_repo_id
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
@@ -220,6 +220,10 @@ class Workload:
     # per prompt, seq_len then counting prompt and completion), and the completion's longest length.
     generations: int = 0
     completion_length: int = 0
+    # A vision-language model's image records: the pictures of one record (each row of a micro-batch has them) as its
+    # tower takes them (None: text records), and whether the tower and projector train (--freeze_vision_tower false).
+    images: Images | None = None
+    tower_trains: bool = False
 
     @property
     def rows(self) -> int:
@@ -377,18 +381,14 @@ def model_states(job: Workload, rank: int | None = None) -> StateBytes:
         # Ranks differ only under ZeRO-1/2 (tensors cut by a partition edge) and by the last rank's padding.
         candidates = {0, n - 1}
         if job.strategy.stage in (1, 2) and n > 2:
-            trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets)) if job.use_peft else job.shape.tensors()
+            trainable = trained_and_frozen(job)[0]
             candidates.add(_worst_zero12_rank(job, [g for g in _groups(job, trainable) if g]))
         return max((model_states(job, r) for r in candidates), key=lambda s: s.device_total + s.host_total + s.step_transient)
     prec = precision_of(job)
     strat = job.strategy
     h = job.shape.hidden_size
     base = job.shape.tensors()
-    if job.use_peft:
-        trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets))
-        frozen = base
-    else:
-        trainable, frozen = base, []
+    trainable, frozen = trained_and_frozen(job)
     tensors_in_optimizer = [g for g in _groups(job, trainable) if g]
     s = StateBytes()
     # Frozen base weights (LoRA): bitsandbytes-quantized linears, the rest as loaded (finetune.models.quant's
@@ -554,7 +554,7 @@ def _fsdp_states(job: Workload, s: StateBytes, prec: Precision, trainable: list[
             return sum(quant.get(t.name, gathered_elt * t.numel) if t.name not in trainable_names
                        else gathered_elt * t.numel for t in unit)
 
-        units = _fsdp_units(job, trainable + frozen if job.use_peft else trainable)
+        units = _fsdp_units(job, trainable + frozen)
         layers = [unit_bytes(u) for u in units if any(".layers." in t.name for t in u)]
         # Whole at once: the largest unit (the tail, kept gathered from the end of the forward into the backward,
         # or the embeddings) and the decoder layer prefetched beside it. In backward the unit's whole gradients
@@ -612,6 +612,7 @@ class Activations:
     per_layer: int  # one decoder layer without checkpointing
     detail: dict[str, int]
     stages: list[Stage]
+    inputs: int = 0  # the batch's pixel values (image records): alive through the step, not saved by autograd
 
 
 def _dropout_saved(job: Workload, features: int, elt: int) -> int:
@@ -628,9 +629,11 @@ def saving(job: Workload, micro_batch: int | None = None) -> Saving:
     # o_proj's input is saved where o_proj trains, under ZeRO-3's linear, or by LoRA's lora_A without dropout.
     o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0 if job.use_peft else False
     chunk = 0 if job.pairs else min(job.loss_chunk, b * job.seq_len)
+    # Image records of a family whose image tokens attend both ways: a mask in every layer, as a padded batch has.
+    image_mask = bool(job.images) and getattr(job.shape.family, "image_mask", False)
     return Saving(a=precision_of(job).act, rows=b, seq_len=job.seq_len, trains_weights=full,
                   adapted_experts=job.use_peft and job.shape.family.adapts_experts(job.lora_targets),
-                  padding_mask=job.padding_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,
+                  padding_mask=job.padding_mask or image_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,
                   logit_rows=0 if chunk else (b * job.seq_len - b if job.pairs else b * job.seq_len))
 
 
@@ -696,6 +699,24 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
             mask = a if job.accelerator == "cpu" else 1
             per -= mask * h * sum(lin.reads == "attn_in" for lin in targets)
     return per
+
+
+def tower_tensors(job: Workload) -> list[Tensor]:
+    """A vision-language model's tower and projector tensors (its family's vision_prefixes); [] for a text model."""
+    prefixes = job.shape.family.vision_prefixes(job.shape.config) if job.shape.family.vision else ()
+    return [t for t in job.shape.tensors() if any(t.name == p or t.name.startswith(p + ".") for p in prefixes)]
+
+
+def trained_and_frozen(job: Workload) -> tuple[list[Tensor], list[Tensor]]:
+    """(the tensors the optimizer trains, the frozen ones): LoRA's adapters beside a frozen base; a full fine-tune's
+    every tensor but a vision tower and projector left frozen (--freeze_vision_tower, the default)."""
+    base = job.shape.tensors()
+    if job.use_peft:
+        return lora_tensors(job.shape, job.lora_r, list(job.lora_targets)), base
+    if job.shape.family.vision and not job.tower_trains:
+        tower = {t.name for t in tower_tensors(job)}
+        return [t for t in base if t.name not in tower], [t for t in base if t.name in tower]
+    return base, []
 
 
 def _lora_linears(job: Workload) -> list:
@@ -797,6 +818,11 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     # What the family's model keeps outside its layers beyond Llama's (Gemma: the embedding scale, the final soft-cap).
     detail.update(sh.family.model_saved_extra(sh, run))
+    # Image records: what the vision tower and projector save (nothing when frozen), and the image tokens' merge into
+    # the embeddings; the image tokens themselves are positions of seq_len, counted with the decoder's.
+    images = job.images.times(b) if job.images else None
+    vision = sh.family.vision_saved(sh, run, images, job.tower_trains) if images and sh.family.vision else {}
+    detail.update(vision)
     saved = sum(detail.values())
     if chunk:
         in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full,
@@ -837,9 +863,18 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         stages.append(Stage(f"layer {k}", layer_saved_bytes[k], layer_params, layer_largest,
                             layer_tmp + (full_layers[k] if ckpt else 0)))
     emb = v * h if full else 0
-    rest = saved - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
+    tower = sum(vision.values())
+    rest = saved - tower - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
     stages.append(Stage("embedding", rest, emb, emb, a * t * h))
-    return Activations(saved, forward_peak, per_layer, detail, stages)
+    if tower:
+        # The tower's backward after the decoder's: its saved tensors go, its gradients come (when it trains), its
+        # largest activation gradients alive (the widest of its layers' outputs: counted as its patch embedding's input).
+        params = [x.numel for x in tower_tensors(job)] if job.tower_trains else [0]
+        stages.append(Stage("vision tower", tower, sum(params), max(params),
+                            vision.get("vision tower: patch embedding input", 0)))
+    # The batch's pixel values live through the step (the tower's patch embedding keeps them, or a copy, when it trains).
+    pixels = a * images.pixels if images else 0
+    return Activations(saved, forward_peak + pixels, per_layer, detail, stages, inputs=pixels)
 
 
 def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: int = 0) -> tuple[int, int, int]:
@@ -851,7 +886,7 @@ def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: 
     Each stage is looked at twice: while it computes (its activation gradients and the parameter gradient it
     produces, beside the saved activations not yet freed) and after (its activations freed, gradients handed on).
     """
-    remaining = act.saved
+    remaining = act.saved + act.inputs
     grads = 0
     standing = 0
     best = (0, 0, 0)
@@ -1384,8 +1419,7 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
 def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
     sh = job.shape
     prec = precision_of(job)
-    trainable = (sum(t.numel for t in lora_tensors(sh, job.lora_r, list(job.lora_targets))) if job.use_peft
-                 else sh.num_params)
+    trainable = sum(t.numel for t in trained_and_frozen(job)[0])
     act = pred.act
     states = rank_state_bytes(job, 0)
     states = {"parameters": states["params"], "gradients": states["grads"], "optimizer states": states["optimizer"]}
