@@ -36,6 +36,15 @@ class Qwen3VLFamily(VisionFamily, Qwen3Family):
                     ) -> tuple[Images, int]:
         return qwen_image_input(self.vision_dict(config), processor, size)
 
+    def vision_saved(self, sh: ModelShape, run: Saving, images: Images, tower_trains: bool) -> dict[str, int]:
+        """The deepstack features are added into the first decoder layers' hidden states at the image positions (an
+        indexed add, keeping the image mask, one storage with the embeddings' scatter mask), which need a gradient
+        under LoRA too."""
+        out = super().vision_saved(sh, run, images, tower_trains)
+        if self.vision_dict(sh.config).get("deepstack_visual_indexes"):
+            out.setdefault("image tokens: the embeddings' scatter mask", run.tokens)
+        return out
+
     def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
         """The patch embedding's input (the batch's pixel_values), the position embedding's bilinear interpolation (four
         indices and weights per patch), the rotary cos and sin (fp32, shared by the blocks), each block (two LayerNorms,
