@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from launch import matrix
+
 from finetune.models import families
 from finetune.models.tiny import VLMS
 from finetune.plan import planner as plan
@@ -127,3 +129,88 @@ def test_image_record_activations_are_the_planners(name, variant, tiny_vlm):
     assert act.saved == got
     if not tower_trains:
         assert not any(k.startswith(("vision tower", "projector")) for k in act.detail)
+
+
+# Each tiny model with its tower grown (128 wide, 6 layers) and larger pictures, so that what the tower saves is a
+# sizeable share of the peak: (vision_config, config, image processor settings, picture size, pictures per record).
+GROW = dict(hidden_size=128, intermediate_size=256)
+PINPOINTS = [[112, 224], [224, 112], [224, 224], [336, 112], [112, 336]]
+GROWN = {
+    "qwen2_5_vl": (dict(GROW, depth=6, num_heads=4, window_size=112, fullatt_block_indexes=[5]), {},
+                   dict(size={"shortest_edge": 56 * 56, "longest_edge": 224 * 224}), (224, 224), 4),
+    "qwen3_vl": (dict(GROW, depth=6, num_heads=4, num_position_embeddings=256, deepstack_visual_indexes=[1, 3]), {},
+                 dict(size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}), (256, 256), 4),
+    "gemma3": (dict(GROW, num_hidden_layers=6, num_attention_heads=4, image_size=224), dict(mm_tokens_per_image=16),
+               dict(size={"height": 224, "width": 224}), (224, 224), 4),
+    "llava": (dict(GROW, num_hidden_layers=6, num_attention_heads=4, image_size=224), {},
+              dict(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}), (224, 224), 1),
+    "llava_next": (dict(GROW, num_hidden_layers=6, num_attention_heads=4, image_size=112),
+                   dict(image_grid_pinpoints=PINPOINTS),
+                   dict(size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112},
+                        image_grid_pinpoints=PINPOINTS), (224, 224), 1),
+    "smolvlm": (dict(GROW, num_hidden_layers=6, num_attention_heads=4, image_size=128), {},
+                dict(size={"longest_edge": 256}, max_image_size={"longest_edge": 128}), (256, 256), 4),
+}
+RSS_MICRO, RSS_SEQ = 2, 512
+
+
+def grown_vlm(name: str, tiny, out):
+    """The tiny model of NAME with GROWN's tower (random weights) and its processor set for GROWN's pictures."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.models.load import load_processor
+
+    vision, top, settings, _, _ = GROWN[name]
+    config = AutoConfig.from_pretrained(tiny)
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
+    for key, value in top.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    processor = load_processor(tiny)
+    for key, value in settings.items():
+        setattr(processor.image_processor, key, value)
+    if "mm_tokens_per_image" in top:  # Gemma-3: the image's tokens in the text, as many as the projector pools to
+        old = processor.image_seq_length
+        processor.image_seq_length = top["mm_tokens_per_image"]
+        processor.full_image_sequence = processor.full_image_sequence.replace(
+            processor.image_token * old, processor.image_token * processor.image_seq_length)
+    if hasattr(processor, "image_seq_len"):  # SmolVLM: a tile's tokens, its patches pixel-shuffled by scale_factor
+        processor.image_seq_len = (config.vision_config.image_size // config.vision_config.patch_size
+                                   // config.scale_factor) ** 2
+    processor.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+# CI's cover: Qwen2.5-VL (dynamic patches, window attention, the merger); every family with FINETUNE_FULL_MATRIX=1.
+@pytest.mark.parametrize("name", matrix(list(VLMS), ["qwen2_5_vl"]))
+def test_predicted_peak_on_image_records_within_5_percent_of_measured_rss(name, tiny_vlm, tmp_path):
+    """Full fine-tuning with the tower trained (--freeze_vision_tower false) on image records, one process:
+    bench/memory.py's worker (config -> load_model -> the vision collator -> HF Trainer) trains 2 steps on records of
+    exactly --max_seq_length tokens with GROWN's pictures; the planner's per-device total, its pictures taken from the
+    processor's settings for that picture size, is within 5% of the process's peak RSS, and the bytes autograd saved
+    are the planner's to the byte."""
+    from test_plan import _bench
+
+    bench = _bench()
+    folder = grown_vlm(name, tiny_vlm(name), tmp_path / "model")
+    _, _, _, size, pictures = GROWN[name]
+    flags = ["--per_device_train_batch_size", str(RSS_MICRO), "--max_seq_length", str(RSS_SEQ), "--seed", "0",
+             "--attn_implementation", "sdpa", "--freeze_vision_tower", "false"]
+    (rank,) = bench.measure(folder, "ddp", 1, tmp_path / "run", flags, steps=bench.MEASURE_STEP, timeout=600,
+                            images=(pictures, *size))
+    config = json.loads((folder / "config.json").read_text())
+    one, _ = families.family_of(config).image_input(config, processor_settings(folder), size)
+    job = bench.job_for(folder, "ddp", 1, micro=RSS_MICRO, seq=RSS_SEQ).replace(
+        images=one.times(pictures), tower_trains=True, processor_bytes=plan.processor_memory(folder))
+    pred = plan.predict(job)
+    error = pred.device_total / rank["maxrss"] - 1
+    tower = sum(v for k, v in pred.act.detail.items() if k.startswith(("vision tower", "projector")))
+    print(f"{name}: peak RSS predicted {pred.device_total / 1e6:,.0f} MB, measured {rank['maxrss'] / 1e6:,.0f} MB "
+          f"({error * 100:+.1f}%); saved activations predicted {pred.act.saved:,} ({tower:,} the tower's and "
+          f"projector's), measured {rank['saved_for_backward']:,}; peak moment {pred.peak_moment}; "
+          f"{rank['seconds']:.0f} s")
+    assert rank["saved_for_backward"] == pred.act.saved
+    assert abs(error) <= 0.05, (pred.device, rank["phase_peaks"])

@@ -224,6 +224,7 @@ class Workload:
     # tower takes them (None: text records), and whether the tower and projector train (--freeze_vision_tower false).
     images: Images | None = None
     tower_trains: bool = False
+    processor_bytes: int = 0  # the model's processor in each training process (image records: the collator's)
 
     @property
     def rows(self) -> int:
@@ -930,6 +931,20 @@ CPU_VISION_OVERHEAD = 2 * 10**6
 CPU_SCIPY_OVERHEAD = 41 * 10**6
 
 
+# A vision-language model's processor in the training process (the collator runs it on every batch of image records):
+# its tokenizer, about 9 bytes of memory per byte of tokenizer.json, measured on this stack after the model is loaded
+# (the tiny families' real tokenizers: LLaVA's and SmolVLM's 3.5 MB files 36 MB, Qwen's 11.4 MB 118 MB, Gemma-3's
+# 33.4 MB 288 MB), the image processor's share is small.
+PROCESSOR_BYTES_PER_TOKENIZER_BYTE = 9
+
+
+def processor_memory(folder: str | Path) -> int:
+    """The memory a vision-language model folder's processor takes in a process, estimated from its tokenizer.json's
+    size (not read); 0 where the folder has none."""
+    path = Path(folder) / "tokenizer.json"
+    return PROCESSOR_BYTES_PER_TOKENIZER_BYTE * path.stat().st_size if path.is_file() else 0
+
+
 def cpu_process_overhead(vision: bool) -> int:
     """A CPU training process's RSS before its model states and activations, on this environment."""
     import importlib.util
@@ -978,7 +993,7 @@ def predict(job: Workload) -> Prediction:
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
     stage = job.strategy.stage
-    overhead = cpu_process_overhead(job.shape.family.vision) if cpu else GPU_DEVICE_OVERHEAD
+    overhead = cpu_process_overhead(job.shape.family.vision) + job.processor_bytes if cpu else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
@@ -1043,7 +1058,7 @@ def predict(job: Workload) -> Prediction:
     else:
         for key, value in offloaded.items():
             host[key] = value * per_node
-        host["process overhead"] = GPU_PROCESS_HOST_OVERHEAD * per_node
+        host["process overhead"] = (GPU_PROCESS_HOST_OVERHEAD + job.processor_bytes) * per_node
         # The checkpoint is memory-mapped at load: page cache shared by the node's processes (reclaimable,
         # counted to be safe).
         host["checkpoint in page cache"] = _checkpoint_bytes(job)
