@@ -1244,6 +1244,13 @@ class PlanArgs:
     accelerator: str | None = field(
         default=None,
         metadata={"help": "gpu or cpu (default: gpu when --device_memory is given or a GPU is present, else cpu)."})
+    images_per_record: int | None = field(
+        default=None, metadata={"help": "A vision-language model: the images each record holds (default 1, or 0 where "
+                                        "one image's tokens exceed --max_seq_length; 0 plans text records)."})
+    image_size: str | None = field(
+        default=None, metadata={"help": "A vision-language model: the images' size in pixels, HEIGHTxWIDTH, as the "
+                                        "processor resizes and tiles such an image (default: the largest input it "
+                                        "makes that fits --max_seq_length)."})
     json: bool = field(default=False, metadata={"help": "Print the plan as JSON."})
 
 
@@ -1345,7 +1352,62 @@ def read_config(folder: str | Path) -> dict:
         raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
 
 
-def workload_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Workload:
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """'448x336' -> (448, 336); ValueError naming the flag."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not m or not int(m.group(1)) or not int(m.group(2)):
+        raise ValueError(f"--image_size: '{text}' is not HEIGHTxWIDTH in pixels (e.g. 448x336)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def processor_settings(folder: str | Path) -> dict:
+    """The image processor's saved settings in a model folder: processor_config.json's image_processor (transformers
+    5), else preprocessor_config.json; {} when neither is there (the family's defaults)."""
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                d = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+            d = d.get(key) or {} if key else d
+            if d:
+                return d
+    return {}
+
+
+def record_images(shape: ModelShape, folder: str | Path, seq_len: int, images_per_record: int | None,
+                  image_size: str | None) -> tuple[Images | None, str]:
+    """One record's pictures as the model's tower takes them (None: text records) and the plan's words for them, from
+    the processor's saved settings; ValueError naming the flag when they cannot be planned."""
+    family = shape.family
+    if not family.vision:
+        if images_per_record:
+            raise ValueError(f"--images_per_record: {folder} is a text model ({family.name}); it takes no images")
+        return None, ""
+    if images_per_record is not None and images_per_record < 0:
+        raise ValueError(f"--images_per_record: must be 0 or more, got {images_per_record}")
+    size = parse_image_size(image_size)
+    n = 1 if images_per_record is None else images_per_record
+    if n == 0:
+        return None, "text records (--images_per_record 0)"
+    one, tokens = family.image_input(shape.config, processor_settings(folder), size, max_tokens=seq_len // n)
+    if n * tokens > seq_len:
+        if images_per_record is None and size is None:
+            return None, (f"text records: one image is {tokens} tokens, more than --max_seq_length {seq_len} "
+                          "(such records are dropped)")
+        raise ValueError(f"--images_per_record {n} x {tokens} tokens per image"
+                         + (f" of {size[0]}x{size[1]} pixels" if size else "") + f" exceed --max_seq_length {seq_len}: "
+                         "such records are dropped, not trained; give fewer or smaller images, or a longer sequence")
+    what = f"{size[0]}x{size[1]} pixels" if size else "the largest the processor makes"
+    return one.times(n), (f"{n} image(s) per record ({what}): {one.tiles} tile(s), {one.patches} tower positions and "
+                          f"{tokens} tokens each")
+
+
+def workload_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str,
+                         images_per_record: int | None = None, image_size: str | None = None) -> Workload:
     args = cfg.training
     model = cfg.model
     config = read_config(model.model_name_or_path)
@@ -1365,6 +1427,9 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
     per_record = attention.applies(cfg, SimpleNamespace(**config))
     if model.use_peft:
         shape.family.lora_targets(list(model.lora_target_modules))  # ValueError: a target the plan cannot count
+    images, images_note = record_images(shape, model.model_name_or_path, cfg.data.max_seq_length, images_per_record,
+                                        image_size)
+    tower_trains = shape.family.vision and not getattr(model, "freeze_vision_tower", True)
     return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length + terms.completion_length,
@@ -1376,11 +1441,15 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
         # (and a method that generates scores its completions' log-probabilities the same way).
         loss_chunk=0 if terms.pairs or terms.generations or getattr(args, "use_liger_kernel", False)
         else getattr(model, "loss_chunk_size", 0),
-        pairs=terms.pairs, reference_copy=terms.reference_copy, method_note=terms.note,
+        pairs=terms.pairs, reference_copy=terms.reference_copy,
         generations=terms.generations, completion_length=terms.completion_length,
         # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,
+        images=images, tower_trains=tower_trains,
+        processor_bytes=processor_memory(model.model_name_or_path) if images else 0,
+        method_note=terms.note + (f"; {images_note}" if images_note else "")
+        + ("; the vision tower and projector trained" if tower_trains else ""),
     )
 
 
@@ -1421,7 +1490,8 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
     else:
         device = host // per_node
     try:
-        job = workload_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator)
+        job = workload_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator,
+                                   images_per_record=flags.images_per_record, image_size=flags.image_size)
     except ValueError as e:
         raise PlanError(str(e)) from None
     limits = Limits(device, host)

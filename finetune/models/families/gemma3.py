@@ -146,8 +146,8 @@ class Gemma3VisionFamily(VisionFamily, MmprojTower, Gemma3Family):
     projector = "gemma3"
     image_mask = True  # token_type_ids: an image's tokens attend to each other both ways, in every layer
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
         """One image resized to the tower's image_size (896 pixels in the published checkpoints; pan-and-scan off),
         mm_tokens_per_image tokens (256)."""
         v = self.vision_dict(config)

@@ -56,8 +56,8 @@ class LlavaFamily(VisionFamily, LlamaFamily):
         """Parameters registered before the tower: none in LLaVA 1.5."""
         return []
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
         """One crop of the tower's image_size whatever the image: its patches and the class position; the patches
         become tokens (vision_feature_select_strategy "default" drops the class position)."""
         v = self.vision_dict(config)
@@ -86,8 +86,8 @@ class LlavaNextFamily(LlavaFamily):
     def newline(self, sh: ModelShape) -> list[Tensor]:
         return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
         """anyres: the image's best grid of image_grid_pinpoints (LlavaNextImageProcessor's select_best_resolution; the
         largest grid when no size is given) in tiles of the tower's image_size, plus the resized whole image; tokens:
         the whole image's patches, the grid's (unpadded to the image's aspect at most all of them) and one newline per

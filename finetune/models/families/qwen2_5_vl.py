@@ -28,9 +28,9 @@ class Qwen25VLFamily(VisionFamily, Qwen2Family):
     vision_defaults = dict(depth=32, hidden_size=3584, intermediate_size=3420, in_channels=3, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584)
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
-        return qwen_image_input(self.vision_dict(config), processor, size)
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        return qwen_image_input(self.vision_dict(config), processor, size, max_tokens)
 
     def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
         """The patch embedding's input (the batch's pixel_values), the window order and its inverse (one index per

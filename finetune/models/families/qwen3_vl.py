@@ -32,9 +32,9 @@ class Qwen3VLFamily(VisionFamily, Qwen3Family):
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
                            num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
-        return qwen_image_input(self.vision_dict(config), processor, size)
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        return qwen_image_input(self.vision_dict(config), processor, size, max_tokens)
 
     def vision_saved(self, sh: ModelShape, run: Saving, images: Images, tower_trains: bool) -> dict[str, int]:
         """The deepstack features are added into the first decoder layers' hidden states at the image positions (an

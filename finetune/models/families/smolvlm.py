@@ -31,8 +31,8 @@ class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
     projector = "idefics3"
     layer_norm_eps = 1e-5
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
         """The image resized so that its longer edge is size.longest_edge (its edges then rounded up to max_image_size's), split into tiles of
         max_image_size plus the whole image as a global tile (do_image_splitting), each tile the tower's image_size,
         image_seq_len tokens each (its patches pixel-shuffled by scale_factor squared); None: the largest image."""

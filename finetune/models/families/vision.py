@@ -37,11 +37,12 @@ class VisionFamily:
 
     # ---- image records, for the planner ----
 
-    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None
-                    ) -> tuple[Images, int]:
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
         """(one image as the tower takes it, the tokens it becomes in the language model's sequence), as the image
         processor (its saved settings, PROCESSOR) resizes and tiles an image of SIZE (height, width) pixels; None: the
-        largest input it makes, the worst case."""
+        largest input it makes, the worst case (where the resolution is dynamic, the largest of at most MAX_TOKENS
+        tokens: a larger image's record does not fit and is dropped)."""
         raise NotImplementedError
 
     def vision_saved(self, sh: ModelShape, run: Saving, images: Images, tower_trains: bool) -> dict[str, int]:
@@ -141,17 +142,18 @@ def patches_per_side(v: dict[str, Any]) -> int:
     return int(v["image_size"]) // int(v["patch_size"])
 
 
-def qwen_image_input(v: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None) -> tuple[Images, int]:
+def qwen_image_input(v: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                     max_tokens: int | None = None) -> tuple[Images, int]:
     """Qwen2-VL's image processor: the image resized to multiples of patch_size x spatial_merge_size (smart_resize)
     within [min_pixels, max_pixels] (size.shortest_edge, size.longest_edge), one frame padded to temporal_patch_size;
-    each spatial_merge_size squared patches one token. None: the most patches max_pixels allows."""
+    each spatial_merge_size squared patches one token. None: the most patches max_pixels allows (and MAX_TOKENS)."""
     p, m = int(v["patch_size"]), int(v["spatial_merge_size"])
     factor = p * m
     limits = processor.get("size") or {}
     most = int(processor.get("max_pixels") or limits.get("longest_edge") or 28 * 28 * 1280)
     least = int(processor.get("min_pixels") or limits.get("shortest_edge") or 56 * 56)
     if size is None:
-        units = most // factor ** 2
+        units = most // factor ** 2 if max_tokens is None else min(most // factor ** 2, max_tokens)
     else:
         h, w = size
         hb, wb = round(h / factor) * factor, round(w / factor) * factor
