@@ -214,3 +214,59 @@ def test_predicted_peak_on_image_records_within_5_percent_of_measured_rss(name, 
           f"{rank['seconds']:.0f} s")
     assert rank["saved_for_backward"] == pred.act.saved
     assert abs(error) <= 0.05, (pred.device, rank["phase_peaks"])
+
+
+def test_plan_flags_for_image_records(tiny_vlm, tiny_chatml):
+    """`finetune plan` on the tiny LLaVA: one image per record by default (its crop: 5 tower positions, 4 tokens),
+    the frozen tower out of the trainable parameters and its activations out of the plan, --freeze_vision_tower false
+    adds them, --images_per_record scales them; the mistakes are refused naming the flag."""
+    folder = tiny_vlm("llava")
+
+    def planned(*flags):
+        return plan.make_plan(["--model_name_or_path", str(folder), "--accelerator", "cpu", "--host_memory", "64GB",
+                               "--max_seq_length", "64", "--per_device_train_batch_size", "2", *flags])
+
+    config = json.loads((folder / "config.json").read_text())
+    job = plan.Workload(plan.model_shape(config), plan.Strategy("ddp", 0))
+    tower = sum(t.numel for t in plan.tower_tensors(job))
+    frozen = planned()
+    assert frozen["model"]["trainable_parameters"] == frozen["model"]["parameters"] - tower and tower > 0
+    assert "1 image(s) per record (the largest the processor makes): 1 tile(s), 5 tower positions and 4 tokens" in (
+        frozen["job"]["method"])
+    assert not any(k.startswith(("vision tower", "projector")) for k in frozen["activations_detail"])
+    trained = planned("--freeze_vision_tower", "false")
+    assert trained["model"]["trainable_parameters"] == trained["model"]["parameters"]
+    one = {k: v for k, v in trained["activations_detail"].items() if k.startswith(("vision tower", "projector"))}
+    three = planned("--freeze_vision_tower", "false", "--images_per_record", "3", "--image_size", "30x40")
+    assert {k: v for k, v in three["activations_detail"].items() if k in one and k != "vision tower: position ids"} == {
+        k: 3 * v for k, v in one.items() if k != "vision tower: position ids"}
+    assert "text records" in planned("--images_per_record", "0")["job"]["method"]
+    for flags, message in ((["--images_per_record", "20"], "exceed --max_seq_length 64"),
+                           (["--image_size", "big"], "--image_size: 'big' is not HEIGHTxWIDTH"),
+                           (["--images_per_record", "-1"], "--images_per_record: must be 0 or more")):
+        with pytest.raises(plan.PlanError, match=message):
+            planned(*flags)
+    with pytest.raises(plan.PlanError, match="--images_per_record: .* is a text model"):
+        plan.make_plan(["--model_name_or_path", str(tiny_chatml), "--accelerator", "cpu", "--images_per_record", "1"])
+
+
+def test_published_qwen2_5_vl_pictures_follow_the_image_size():
+    """Qwen2.5-VL-7B's processor (patch 14, merge 2, max_pixels 12,845,056): a 448 x 448 image is 1,024 patches and 256
+    tokens; with no size, the most patches whose tokens fit the sequence; the tower's saved bytes grow with them."""
+    from test_families_vision import PUBLISHED
+
+    config = PUBLISHED["Qwen2.5-VL-7B-Instruct"]
+    family = families.family_of(config)
+    settings = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    one, tokens = family.image_input(config, settings, (448, 448))
+    assert (one.patches, tokens, one.pixels) == (1024, 256, 1024 * 3 * 2 * 14 * 14)
+    worst, worst_tokens = family.image_input(config, settings, None, max_tokens=2048)
+    assert (worst.patches, worst_tokens) == (8192, 2048)
+    shape = plan.model_shape(config)
+    job = plan.Workload(shape, plan.Strategy("ddp", 0), micro_batch=1, seq_len=2048, accelerator="gpu",
+                        weight_dtype="bfloat16", images=one, tower_trains=True)
+    small = plan.activations(job).detail["vision tower: layers"]
+    big = plan.activations(job.replace(images=worst)).detail["vision tower: layers"]
+    assert big == 8 * small > 0
+    print(f"Qwen2.5-VL-7B, tower trained, bf16: a 448x448 image's tower layers save {small / 1e9:.2f} GB, the largest "
+          f"image that fits 2,048 tokens {big / 1e9:.2f} GB")
