@@ -88,9 +88,17 @@ def test_planned_pictures_are_the_processor_s(name, tiny_vlm):
           f"{made} made; largest image: {worst.tiles} tiles, {worst.patches} positions, {worst_tokens} tokens")
 
 
+# CI's cover: LLaVA's three variants in the fast subset; every other family's trained tower (its own layers and
+# projector), Gemma-3's frozen one (its mask in every layer) and Qwen3-VL's LoRA (its deepstack mask) as slow tests;
+# the rest with FINETUNE_FULL_MATRIX=1.
+SAVED_COVER = ([("llava", v) for v in VARIANTS] + [(n, "full-tower") for n in VLMS if n != "llava"]
+               + [("gemma3", "full"), ("qwen3_vl", "lora")])
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("name", VLMS)
+@pytest.mark.parametrize("name,variant", [
+    pytest.param(n, v, id=f"{n}-{v}", marks=[] if n == "llava" else pytest.mark.slow)
+    for n, v in matrix([(n, v) for n in VLMS for v in VARIANTS], SAVED_COVER)])
 def test_image_record_activations_are_the_planners(name, variant, tiny_vlm):
     """One training forward on two image records: the distinct storages autograd saves (the parameters left out) are
     the planner's activations, tower, projector and language model together, to the byte."""
@@ -212,7 +220,14 @@ def test_predicted_peak_on_image_records_within_5_percent_of_measured_rss(name, 
           f"({error * 100:+.1f}%); saved activations predicted {pred.act.saved:,} ({tower:,} the tower's and "
           f"projector's), measured {rank['saved_for_backward']:,}; peak moment {pred.peak_moment}; "
           f"{rank['seconds']:.0f} s")
-    assert rank["saved_for_backward"] == pred.act.saved
+    if name.startswith("llava"):
+        # The tower's layers past vision_feature_layer (-2: the last) run; with the model's outputs dropped, as the
+        # Trainer drops them, part of that layer's MLP goes before the forward's end (two [positions, intermediate]
+        # tensors: 1.05 MB of LLaVA's 33.1 MB, 1.33 MB of LLaVA-NeXT's 39.5 MB), which the planner keeps (it counts
+        # what the in-process test above measures, the outputs held).
+        assert 0 <= pred.act.saved - rank["saved_for_backward"] <= 0.04 * pred.act.saved
+    else:
+        assert rank["saved_for_backward"] == pred.act.saved
     assert abs(error) <= 0.05, (pred.device, rank["phase_peaks"])
 
 
