@@ -16,7 +16,9 @@ The arithmetic (docs/plan.md has the derivation and what was measured):
   2 x ranks elements (ZeRO-1/2), per-parameter padding to the number of ranks (ZeRO-3), DeepSpeed's separate
   fp32 master partition even when the weights are fp32, and one 4-byte `step` tensor per AdamW parameter.
 - activations are counted tensor by tensor from what autograd saves in a Hugging Face Llama layer (SDPA
-  attention, SwiGLU MLP, RMSNorm), for full fine-tuning and LoRA, with and without gradient checkpointing.
+  attention, SwiGLU MLP, RMSNorm), for full fine-tuning and LoRA, with and without gradient checkpointing; a
+  vision-language model's image records add what its tower and projector save (the family's, per image or tile,
+  nothing when frozen), the pictures taken from the processor's saved settings (--images_per_record, --image_size).
 - framework overhead is a measured constant (CPU) or a stated allowance (GPU).
 """
 
