@@ -633,7 +633,7 @@ def saving(job: Workload, micro_batch: int | None = None) -> Saving:
     o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0 if job.use_peft else False
     chunk = 0 if job.pairs else min(job.loss_chunk, b * job.seq_len)
     # Image records of a family whose image tokens attend both ways: a mask in every layer, as a padded batch has.
-    image_mask = bool(job.images) and getattr(job.shape.family, "image_mask", False)
+    image_mask = bool(job.images) and job.shape.family.image_mask
     return Saving(a=precision_of(job).act, rows=b, seq_len=job.seq_len, trains_weights=full,
                   adapted_experts=job.use_peft and job.shape.family.adapts_experts(job.lora_targets),
                   padding_mask=job.padding_mask or image_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,

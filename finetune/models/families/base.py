@@ -181,6 +181,8 @@ class Family(ABC):
     # a projector beside the language model, load with AutoModelForImageTextToText and an AutoProcessor. A class
     # attribute, not a field: what a family is, not a value of one instance.
     vision = False
+    # On image records a mask reaches every decoder layer's attention (a vision family's; Gemma-3's): none here.
+    image_mask = False
 
     def vision_prefixes(self, config) -> tuple[str, ...]:
         """The module-name prefixes (as in named_modules() of the model AutoModelForImageTextToText builds) of the
