@@ -172,6 +172,9 @@ def worker(argv: list[str]) -> None:
     steps = 3
     if argv[:1] == ["--steps"]:
         steps, argv = int(argv[1]), argv[2:]
+    images = None  # image records: (pictures per record, height, width)
+    if argv[:1] == ["--images"]:
+        images, argv = tuple(int(x) for x in argv[1:4]), argv[4:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     timeline = [("start", _rss(), peak_rss_bytes())]
@@ -215,6 +218,8 @@ def worker(argv: list[str]) -> None:
     if cfg.objective.method == "dpo":
         trainer = _dpo_trainer(cfg, model, n_records, sampler)
         result["reference_bytes_at_start"] = reference_bytes(trainer)
+    elif images:
+        trainer = Trainer(model=model, args=args, **image_records(cfg, n_records, *images))
     else:
         gen = torch.Generator().manual_seed(0)
         records = []
@@ -314,6 +319,36 @@ def worker(argv: list[str]) -> None:
     if torch.cuda.is_available():  # on a GPU machine: the number the planner's device total is meant to bound
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))
+
+
+def image_records(cfg, n: int, pictures: int, height: int, width: int) -> dict:
+    """N records of PICTURES random images of HEIGHT x WIDTH each and a long answer, through the model's processor and
+    finetune's vision collator (finetune.data.images.VisionCollator, as a training run batches them), every record cut
+    to exactly --max_seq_length tokens (its image tokens first, all kept) and every token trained: the planner's worst
+    case. -> the Trainer's train_dataset and data_collator."""
+    import numpy as np
+    from PIL import Image
+
+    from finetune.data.images import VisionCollator
+    from finetune.models.load import load_processor
+
+    processor = load_processor(cfg.model.model_name_or_path)
+    seq = cfg.data.max_seq_length
+    rng = np.random.RandomState(0)
+    records = []
+    for _ in range(n):
+        ims = [Image.fromarray(rng.randint(0, 255, (height, width, 3), dtype=np.uint8)) for _ in range(pictures)]
+        answer = " ".join(rng.choice(["red", "green", "blue", "dots", "noise", "grey", "a", "the"], size=seq))
+        conversation = [{"role": "user", "content": [{"type": "image"}] * pictures + [{"type": "text", "text": "What?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        text = processor.apply_chat_template(conversation, tokenize=False)
+        ids = processor(text=[text], images=[ims], add_special_tokens=False)["input_ids"][0]
+        ids = list(ids)[:seq]
+        if len(ids) < seq:
+            raise ValueError(f"image_records: a record of {len(ids)} tokens is shorter than --max_seq_length {seq}")
+        records.append({"text": text, "images": ims, "input_ids": ids, "labels": ids})
+    pad = processor.tokenizer.pad_token_id
+    return {"train_dataset": records, "data_collator": VisionCollator(processor, 0 if pad is None else pad)}
 
 
 class SavedTensors:
@@ -447,8 +482,9 @@ def build_model(folder: str | Path, **dims) -> Path:
 
 
 def measure(model: str | Path, preset: str, nproc: int, out_dir: str | Path, flags: list[str] = (),
-            steps: int = 3, timeout: float = 900) -> list[dict]:
-    """Launch one measured run (nproc ranks) and return each rank's result."""
+            steps: int = 3, timeout: float = 900, images: tuple[int, int, int] | None = None) -> list[dict]:
+    """Launch one measured run (nproc ranks) and return each rank's result. IMAGES: image records of that many
+    pictures of height x width each (a vision-language model)."""
     from finetune import testing as launch
 
     out_dir = Path(out_dir)
@@ -461,7 +497,8 @@ def measure(model: str | Path, preset: str, nproc: int, out_dir: str | Path, fla
         cmd = [str(launch.BIN / "accelerate"), "launch", "--main_process_ip", "127.0.0.1", "--main_process_port",
                str(launch.free_port()), "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", script]
-    cmd += ["worker", str(result_file), "--steps", str(steps), "--", "--config", preset,
+    cmd += ["worker", str(result_file), "--steps", str(steps), *(["--images", *map(str, images)] if images else []),
+            "--", "--config", preset,
             "--model_name_or_path", str(model), "--output_dir", str(out_dir / "out"), *flags]
     run = launch.run(cmd, timeout=timeout, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD).check()
     ranks = []

@@ -272,8 +272,7 @@ def test_processors_without_torchvision_are_patched_where_it_is_missing():
 def test_text_activations_are_the_planners(name, variant, tiny_vlm):
     """On text (no image), the bytes autograd saves in one training forward of the tiny model are the planner's to the
     byte, full fine-tuning and the default LoRA: Qwen's mrope keeps one more [rows, seq, head_dim] tensor than a 1-d
-    rope, Gemma-3 with both kinds of layer one more for its second rope. (The vision tower's activations on images
-    are not in the planner.)"""
+    rope, Gemma-3 with both kinds of layer one more for its second rope. (Image records: tests/test_vision_plan.py.)"""
     import types
 
     from test_plan import _saved_bytes

@@ -16,7 +16,9 @@ The arithmetic (docs/plan.md has the derivation and what was measured):
   2 x ranks elements (ZeRO-1/2), per-parameter padding to the number of ranks (ZeRO-3), DeepSpeed's separate
   fp32 master partition even when the weights are fp32, and one 4-byte `step` tensor per AdamW parameter.
 - activations are counted tensor by tensor from what autograd saves in a Hugging Face Llama layer (SDPA
-  attention, SwiGLU MLP, RMSNorm), for full fine-tuning and LoRA, with and without gradient checkpointing.
+  attention, SwiGLU MLP, RMSNorm), for full fine-tuning and LoRA, with and without gradient checkpointing; a
+  vision-language model's image records add what its tower and projector save (the family's, per image or tile,
+  nothing when frozen), the pictures taken from the processor's saved settings (--images_per_record, --image_size).
 - framework overhead is a measured constant (CPU) or a stated allowance (GPU).
 """
 
@@ -36,7 +38,7 @@ from types import SimpleNamespace
 from finetune import methods
 from finetune.config.parser import ConfigError
 from finetune.models import attention, families
-from finetune.models.families import ModelShape, Saving, Tensor
+from finetune.models.families import Images, ModelShape, Saving, Tensor
 from finetune.models.hub import looks_like_repo_id
 
 LSE_ROWS = 32  # finetune.training.loss.LSE_ROWS (that module imports torch; this one must not)
@@ -220,6 +222,11 @@ class Workload:
     # per prompt, seq_len then counting prompt and completion), and the completion's longest length.
     generations: int = 0
     completion_length: int = 0
+    # A vision-language model's image records: the pictures of one record (each row of a micro-batch has them) as its
+    # tower takes them (None: text records), and whether the tower and projector train (--freeze_vision_tower false).
+    images: Images | None = None
+    tower_trains: bool = False
+    processor_bytes: int = 0  # the model's processor in each training process (image records: the collator's)
 
     @property
     def rows(self) -> int:
@@ -377,18 +384,14 @@ def model_states(job: Workload, rank: int | None = None) -> StateBytes:
         # Ranks differ only under ZeRO-1/2 (tensors cut by a partition edge) and by the last rank's padding.
         candidates = {0, n - 1}
         if job.strategy.stage in (1, 2) and n > 2:
-            trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets)) if job.use_peft else job.shape.tensors()
+            trainable = trained_and_frozen(job)[0]
             candidates.add(_worst_zero12_rank(job, [g for g in _groups(job, trainable) if g]))
         return max((model_states(job, r) for r in candidates), key=lambda s: s.device_total + s.host_total + s.step_transient)
     prec = precision_of(job)
     strat = job.strategy
     h = job.shape.hidden_size
     base = job.shape.tensors()
-    if job.use_peft:
-        trainable = lora_tensors(job.shape, job.lora_r, list(job.lora_targets))
-        frozen = base
-    else:
-        trainable, frozen = base, []
+    trainable, frozen = trained_and_frozen(job)
     tensors_in_optimizer = [g for g in _groups(job, trainable) if g]
     s = StateBytes()
     # Frozen base weights (LoRA): bitsandbytes-quantized linears, the rest as loaded (finetune.models.quant's
@@ -554,7 +557,7 @@ def _fsdp_states(job: Workload, s: StateBytes, prec: Precision, trainable: list[
             return sum(quant.get(t.name, gathered_elt * t.numel) if t.name not in trainable_names
                        else gathered_elt * t.numel for t in unit)
 
-        units = _fsdp_units(job, trainable + frozen if job.use_peft else trainable)
+        units = _fsdp_units(job, trainable + frozen)
         layers = [unit_bytes(u) for u in units if any(".layers." in t.name for t in u)]
         # Whole at once: the largest unit (the tail, kept gathered from the end of the forward into the backward,
         # or the embeddings) and the decoder layer prefetched beside it. In backward the unit's whole gradients
@@ -612,6 +615,7 @@ class Activations:
     per_layer: int  # one decoder layer without checkpointing
     detail: dict[str, int]
     stages: list[Stage]
+    inputs: int = 0  # the batch's pixel values (image records): alive through the step, not saved by autograd
 
 
 def _dropout_saved(job: Workload, features: int, elt: int) -> int:
@@ -628,9 +632,11 @@ def saving(job: Workload, micro_batch: int | None = None) -> Saving:
     # o_proj's input is saved where o_proj trains, under ZeRO-3's linear, or by LoRA's lora_A without dropout.
     o_lora = any(lin.reads == "attn_out" for lin in _lora_linears(job)) and job.lora_dropout == 0 if job.use_peft else False
     chunk = 0 if job.pairs else min(job.loss_chunk, b * job.seq_len)
+    # Image records of a family whose image tokens attend both ways: a mask in every layer, as a padded batch has.
+    image_mask = bool(job.images) and job.shape.family.image_mask
     return Saving(a=precision_of(job).act, rows=b, seq_len=job.seq_len, trains_weights=full,
                   adapted_experts=job.use_peft and job.shape.family.adapts_experts(job.lora_targets),
-                  padding_mask=job.padding_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,
+                  padding_mask=job.padding_mask or image_mask, o_input_kept=full or job.strategy.stage == 3 or o_lora,
                   logit_rows=0 if chunk else (b * job.seq_len - b if job.pairs else b * job.seq_len))
 
 
@@ -696,6 +702,24 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
             mask = a if job.accelerator == "cpu" else 1
             per -= mask * h * sum(lin.reads == "attn_in" for lin in targets)
     return per
+
+
+def tower_tensors(job: Workload) -> list[Tensor]:
+    """A vision-language model's tower and projector tensors (its family's vision_prefixes); [] for a text model."""
+    prefixes = job.shape.family.vision_prefixes(job.shape.config) if job.shape.family.vision else ()
+    return [t for t in job.shape.tensors() if any(t.name == p or t.name.startswith(p + ".") for p in prefixes)]
+
+
+def trained_and_frozen(job: Workload) -> tuple[list[Tensor], list[Tensor]]:
+    """(the tensors the optimizer trains, the frozen ones): LoRA's adapters beside a frozen base; a full fine-tune's
+    every tensor but a vision tower and projector left frozen (--freeze_vision_tower, the default)."""
+    base = job.shape.tensors()
+    if job.use_peft:
+        return lora_tensors(job.shape, job.lora_r, list(job.lora_targets)), base
+    if job.shape.family.vision and not job.tower_trains:
+        tower = {t.name for t in tower_tensors(job)}
+        return [t for t in base if t.name not in tower], [t for t in base if t.name in tower]
+    return base, []
 
 
 def _lora_linears(job: Workload) -> list:
@@ -797,6 +821,11 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         detail["labels"] = 8 * t + 8  # the shifted labels, the loss' total weight and num_items_in_batch
     # What the family's model keeps outside its layers beyond Llama's (Gemma: the embedding scale, the final soft-cap).
     detail.update(sh.family.model_saved_extra(sh, run))
+    # Image records: what the vision tower and projector save (nothing when frozen), and the image tokens' merge into
+    # the embeddings; the image tokens themselves are positions of seq_len, counted with the decoder's.
+    images = job.images.times(b) if job.images else None
+    vision = sh.family.vision_saved(sh, run, images, job.tower_trains) if images and sh.family.vision else {}
+    detail.update(vision)
     saved = sum(detail.values())
     if chunk:
         in_head = chunked_loss_peak(a, prec.weight, prec.grad, v, h, trained, chunk, trains_head=full,
@@ -837,9 +866,18 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
         stages.append(Stage(f"layer {k}", layer_saved_bytes[k], layer_params, layer_largest,
                             layer_tmp + (full_layers[k] if ckpt else 0)))
     emb = v * h if full else 0
-    rest = saved - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
+    tower = sum(vision.values())
+    rest = saved - tower - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
     stages.append(Stage("embedding", rest, emb, emb, a * t * h))
-    return Activations(saved, forward_peak, per_layer, detail, stages)
+    if tower:
+        # The tower's backward after the decoder's: its saved tensors go, its gradients come (when it trains), its
+        # largest activation gradients alive (the widest of its layers' outputs: counted as its patch embedding's input).
+        params = [x.numel for x in tower_tensors(job)] if job.tower_trains else [0]
+        stages.append(Stage("vision tower", tower, sum(params), max(params),
+                            vision.get("vision tower: patch embedding input", 0)))
+    # The batch's pixel values live through the step (the tower's patch embedding keeps them, or a copy, when it trains).
+    pixels = a * images.pixels if images else 0
+    return Activations(saved, forward_peak + pixels, per_layer, detail, stages, inputs=pixels)
 
 
 def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: int = 0) -> tuple[int, int, int]:
@@ -851,7 +889,7 @@ def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: 
     Each stage is looked at twice: while it computes (its activation gradients and the parameter gradient it
     produces, beside the saved activations not yet freed) and after (its activations freed, gradients handed on).
     """
-    remaining = act.saved
+    remaining = act.saved + act.inputs
     grads = 0
     standing = 0
     best = (0, 0, 0)
@@ -893,6 +931,20 @@ CPU_VISION_OVERHEAD = 2 * 10**6
 # Llama, Gemma-2 and Qwen3-MoE: +41 MB against the same run with scipy hidden). The vision figure above was measured
 # with it installed and read 43 MB; its own share is the 2 MB left.
 CPU_SCIPY_OVERHEAD = 41 * 10**6
+
+
+# A vision-language model's processor in the training process (the collator runs it on every batch of image records):
+# its tokenizer, about 9 bytes of memory per byte of tokenizer.json, measured on this stack after the model is loaded
+# (the tiny families' real tokenizers: LLaVA's and SmolVLM's 3.5 MB files 36 MB, Qwen's 11.4 MB 118 MB, Gemma-3's
+# 33.4 MB 288 MB), the image processor's share is small.
+PROCESSOR_BYTES_PER_TOKENIZER_BYTE = 9
+
+
+def processor_memory(folder: str | Path) -> int:
+    """The memory a vision-language model folder's processor takes in a process, estimated from its tokenizer.json's
+    size (not read); 0 where the folder has none."""
+    path = Path(folder) / "tokenizer.json"
+    return PROCESSOR_BYTES_PER_TOKENIZER_BYTE * path.stat().st_size if path.is_file() else 0
 
 
 def cpu_process_overhead(vision: bool) -> int:
@@ -943,7 +995,7 @@ def predict(job: Workload) -> Prediction:
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
     stage = job.strategy.stage
-    overhead = cpu_process_overhead(job.shape.family.vision) if cpu else GPU_DEVICE_OVERHEAD
+    overhead = cpu_process_overhead(job.shape.family.vision) + job.processor_bytes if cpu else GPU_DEVICE_OVERHEAD
     # DPO's frozen reference (full fine-tuning): the whole model again, in the dtype the engine gives the policy, on
     # every rank; under ZeRO-3 partitioned like the policy (kept in memory even when the policy's are swapped to
     # NVMe), each layer gathered for its forward as the policy's are. Its no-grad forward runs before the policy's
@@ -1008,7 +1060,7 @@ def predict(job: Workload) -> Prediction:
     else:
         for key, value in offloaded.items():
             host[key] = value * per_node
-        host["process overhead"] = GPU_PROCESS_HOST_OVERHEAD * per_node
+        host["process overhead"] = (GPU_PROCESS_HOST_OVERHEAD + job.processor_bytes) * per_node
         # The checkpoint is memory-mapped at load: page cache shared by the node's processes (reclaimable,
         # counted to be safe).
         host["checkpoint in page cache"] = _checkpoint_bytes(job)
@@ -1194,6 +1246,13 @@ class PlanArgs:
     accelerator: str | None = field(
         default=None,
         metadata={"help": "gpu or cpu (default: gpu when --device_memory is given or a GPU is present, else cpu)."})
+    images_per_record: int | None = field(
+        default=None, metadata={"help": "A vision-language model: the images each record holds (default 1, or 0 where "
+                                        "one image's tokens exceed --max_seq_length; 0 plans text records)."})
+    image_size: str | None = field(
+        default=None, metadata={"help": "A vision-language model: the images' size in pixels, HEIGHTxWIDTH, as the "
+                                        "processor resizes and tiles such an image (default: the largest input it "
+                                        "makes that fits --max_seq_length)."})
     json: bool = field(default=False, metadata={"help": "Print the plan as JSON."})
 
 
@@ -1295,7 +1354,62 @@ def read_config(folder: str | Path) -> dict:
         raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
 
 
-def workload_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str) -> Workload:
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """'448x336' -> (448, 336); ValueError naming the flag."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not m or not int(m.group(1)) or not int(m.group(2)):
+        raise ValueError(f"--image_size: '{text}' is not HEIGHTxWIDTH in pixels (e.g. 448x336)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def processor_settings(folder: str | Path) -> dict:
+    """The image processor's saved settings in a model folder: processor_config.json's image_processor (transformers
+    5), else preprocessor_config.json; {} when neither is there (the family's defaults)."""
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                d = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+            d = d.get(key) or {} if key else d
+            if d:
+                return d
+    return {}
+
+
+def record_images(shape: ModelShape, folder: str | Path, seq_len: int, images_per_record: int | None,
+                  image_size: str | None) -> tuple[Images | None, str]:
+    """One record's pictures as the model's tower takes them (None: text records) and the plan's words for them, from
+    the processor's saved settings; ValueError naming the flag when they cannot be planned."""
+    family = shape.family
+    if not family.vision:
+        if images_per_record:
+            raise ValueError(f"--images_per_record: {folder} is a text model ({family.name}); it takes no images")
+        return None, ""
+    if images_per_record is not None and images_per_record < 0:
+        raise ValueError(f"--images_per_record: must be 0 or more, got {images_per_record}")
+    size = parse_image_size(image_size)
+    n = 1 if images_per_record is None else images_per_record
+    if n == 0:
+        return None, "text records (--images_per_record 0)"
+    one, tokens = family.image_input(shape.config, processor_settings(folder), size, max_tokens=seq_len // n)
+    if n * tokens > seq_len:
+        if images_per_record is None and size is None:
+            return None, (f"text records: one image is {tokens} tokens, more than --max_seq_length {seq_len} "
+                          "(such records are dropped)")
+        raise ValueError(f"--images_per_record {n} x {tokens} tokens per image"
+                         + (f" of {size[0]}x{size[1]} pixels" if size else "") + f" exceed --max_seq_length {seq_len}: "
+                         "such records are dropped, not trained; give fewer or smaller images, or a longer sequence")
+    what = f"{size[0]}x{size[1]} pixels" if size else "the largest the processor makes"
+    return one.times(n), (f"{n} image(s) per record ({what}): {one.tiles} tile(s), {one.patches} tower positions and "
+                          f"{tokens} tokens each")
+
+
+def workload_from_config(cfg, *, world_size: int, devices_per_node: int, accelerator: str,
+                         images_per_record: int | None = None, image_size: str | None = None) -> Workload:
     args = cfg.training
     model = cfg.model
     config = read_config(model.model_name_or_path)
@@ -1315,6 +1429,9 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
     per_record = attention.applies(cfg, SimpleNamespace(**config))
     if model.use_peft:
         shape.family.lora_targets(list(model.lora_target_modules))  # ValueError: a target the plan cannot count
+    images, images_note = record_images(shape, model.model_name_or_path, cfg.data.max_seq_length, images_per_record,
+                                        image_size)
+    tower_trains = shape.family.vision and not getattr(model, "freeze_vision_tower", True)
     return Workload(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=devices_per_node,
         micro_batch=args.per_device_train_batch_size, seq_len=cfg.data.max_seq_length + terms.completion_length,
@@ -1326,11 +1443,15 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
         # (and a method that generates scores its completions' log-probabilities the same way).
         loss_chunk=0 if terms.pairs or terms.generations or getattr(args, "use_liger_kernel", False)
         else getattr(model, "loss_chunk_size", 0),
-        pairs=terms.pairs, reference_copy=terms.reference_copy, method_note=terms.note,
+        pairs=terms.pairs, reference_copy=terms.reference_copy,
         generations=terms.generations, completion_length=terms.completion_length,
         # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,
+        images=images, tower_trains=tower_trains,
+        processor_bytes=processor_memory(model.model_name_or_path) if images else 0,
+        method_note=terms.note + (f"; {images_note}" if images_note else "")
+        + ("; the vision tower and projector trained" if tower_trains else ""),
     )
 
 
@@ -1371,7 +1492,8 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
     else:
         device = host // per_node
     try:
-        job = workload_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator)
+        job = workload_from_config(cfg, world_size=per_node * nodes, devices_per_node=per_node, accelerator=accelerator,
+                                   images_per_record=flags.images_per_record, image_size=flags.image_size)
     except ValueError as e:
         raise PlanError(str(e)) from None
     limits = Limits(device, host)
@@ -1384,8 +1506,7 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
 def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
     sh = job.shape
     prec = precision_of(job)
-    trainable = (sum(t.numel for t in lora_tensors(sh, job.lora_r, list(job.lora_targets))) if job.use_peft
-                 else sh.num_params)
+    trainable = sum(t.numel for t in trained_and_frozen(job)[0])
     act = pred.act
     states = rank_state_bytes(job, 0)
     states = {"parameters": states["params"], "gradients": states["grads"], "optimizer states": states["optimizer"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.models.families.base import Family, Linear, ModelShape, Saving, Tensor
+from finetune.models.families.base import Family, Images, Linear, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import GEMMA2
 from finetune.models.families.gemma3 import GEMMA3, GEMMA3_MM
 from finetune.models.families.llava import LLAVA, LLAVA_NEXT
@@ -29,7 +29,7 @@ FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA2, GEMMA3, PH
 # `finetune plan` may leave it out, and were always read as Llama).
 UNNAMED = LLAMA
 
-__all__ = ["FAMILIES", "Family", "FamilyError", "Linear", "ModelShape", "Saving", "Tensor", "by_gguf_arch", "family_of",
+__all__ = ["FAMILIES", "Family", "FamilyError", "Images", "Linear", "ModelShape", "Saving", "Tensor", "by_gguf_arch", "family_of",
            "find"]
 
 

@@ -69,6 +69,24 @@ class Saving:
 
 
 @dataclass(frozen=True)
+class Images:
+    """The pictures of one micro-batch as a vision tower takes them, for the planner: `tiles`, what the tower encodes
+    one at a time (an image; SmolVLM's and LLaVA-NeXT's tiles of an image and its global view each count); `patches`,
+    the tower's positions over all of them (a class position per tile included where the tower has one; Qwen's
+    patches before their merge); `pixels`, the elements of the batch's pixel_values (padding tiles included)."""
+
+    tiles: int
+    patches: int
+    pixels: int
+
+    def __add__(self, other: "Images") -> "Images":
+        return Images(self.tiles + other.tiles, self.patches + other.patches, self.pixels + other.pixels)
+
+    def times(self, n: int) -> "Images":
+        return Images(self.tiles * n, self.patches * n, self.pixels * n)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes of one model, read from its config.json by its family (no weights)."""
 
@@ -163,6 +181,8 @@ class Family(ABC):
     # a projector beside the language model, load with AutoModelForImageTextToText and an AutoProcessor. A class
     # attribute, not a field: what a family is, not a value of one instance.
     vision = False
+    # On image records a mask reaches every decoder layer's attention (a vision family's; Gemma-3's): none here.
+    image_mask = False
 
     def vision_prefixes(self, config) -> tuple[str, ...]:
         """The module-name prefixes (as in named_modules() of the model AutoModelForImageTextToText builds) of the

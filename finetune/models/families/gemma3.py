@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import Family, ModelShape, Saving, Tensor
+from finetune.models.families.base import Family, Images, ModelShape, Saving, Tensor
 from finetune.models.families.gemma2 import Gemma2Family
-from finetune.models.families.vision import MmprojTower, VisionFamily, dense, ln
+from finetune.models.families.vision import (F32, MmprojTower, VisionFamily, dense, encoder_layer_saved,
+                                             layer_norm_saved, ln, patches_per_side, tile_pixels)
 
 LOCAL_THETA = 10000.0  # llama.cpp's rope base of Gemma-3's sliding layers (fixed: not read from the file)
 from finetune.models.families.llama import LlamaFamily
@@ -143,6 +144,29 @@ class Gemma3VisionFamily(VisionFamily, MmprojTower, Gemma3Family):
                            patch_size=14, num_channels=3, num_attention_heads=16)
 
     projector = "gemma3"
+    image_mask = True  # token_type_ids: an image's tokens attend to each other both ways, in every layer
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        """One image resized to the tower's image_size (896 pixels in the published checkpoints; pan-and-scan off),
+        mm_tokens_per_image tokens (256)."""
+        v = self.vision_dict(config)
+        side = patches_per_side(v)
+        return Images(1, side * side, tile_pixels(v)), int(config.get("mm_tokens_per_image", 256))
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """SigLIP: the patch embedding's input, the position ids of one image, every encoder layer, the post-LayerNorm;
+        the projector: the average pool's input (the positions as a grid, a copy), its RMSNorm (the fp32 input, the
+        reciprocal deviation, 1 + weight, the normalized value) on mm_tokens_per_image positions per image, and the
+        projection's input."""
+        a, n, t = run.a, images.tiles, images.patches
+        h = int(v["hidden_size"])
+        pooled = n * int(sh.config.get("mm_tokens_per_image", 256))
+        return {"vision tower: patch embedding input": a * n * tile_pixels(v),
+                "vision tower: position ids": 8 * (t // max(n, 1)),
+                "vision tower: layers": int(v["num_hidden_layers"]) * encoder_layer_saved(a, t, v)
+                + layer_norm_saved(a, t, h),
+                "projector": a * t * h + pooled * h * (2 * F32 + a) + F32 * pooled + F32 * h}
 
     def mmproj_source(self, name: str) -> str | None:
         # Gemma3VisionModel.filter_tensors: the tower and projector, not SigLIP's unused head; "_weight" -> ".weight".

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.llama import LlamaFamily
-from finetune.models.families.vision import VisionFamily, clip_layers, dense, ln
+from finetune.models.families.vision import (VisionFamily, clip_layers, dense, encoder_layer_saved, layer_norm_saved, ln,
+                                             patches_per_side, tile_pixels)
 
 # The language models whose layout is Llama's (the text_config model_types of the published LLaVA checkpoints).
 LLAMA_LAYOUT = ("llama", "mistral")
@@ -55,6 +56,28 @@ class LlavaFamily(VisionFamily, LlamaFamily):
         """Parameters registered before the tower: none in LLaVA 1.5."""
         return []
 
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        """One crop of the tower's image_size whatever the image: its patches and the class position; the patches
+        become tokens (vision_feature_select_strategy "default" drops the class position)."""
+        v = self.vision_dict(config)
+        side = patches_per_side(v)
+        full = config.get("vision_feature_select_strategy", "default") == "full"
+        return Images(1, side * side + 1, tile_pixels(v)), side * side + full
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """CLIP: the patch embedding's input (the pixels of each tile), the position ids of one tile, the pre-LayerNorm,
+        every encoder layer (those past vision_feature_layer run too, and their saved tensors stay until the forward's
+        end: measured), no post-LayerNorm; the projector: linear_1's input (the selected positions, a copy), its
+        GELU's input and linear_2's."""
+        a, n, t = run.a, images.tiles, images.patches
+        h = int(v["hidden_size"])
+        selected = t if sh.config.get("vision_feature_select_strategy", "default") == "full" else t - n
+        return {"vision tower: patch embedding input": a * n * tile_pixels(v),
+                "vision tower: position ids": 8 * (t // max(n, 1)),
+                "vision tower: layers": layer_norm_saved(a, t, h) + int(v["num_hidden_layers"]) * encoder_layer_saved(a, t, v),
+                "projector": a * selected * (h + 2 * sh.hidden_size)}
+
 
 @dataclass(frozen=True)
 class LlavaNextFamily(LlavaFamily):
@@ -62,6 +85,36 @@ class LlavaNextFamily(LlavaFamily):
 
     def newline(self, sh: ModelShape) -> list[Tensor]:
         return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        """anyres: the image's best grid of image_grid_pinpoints (LlavaNextImageProcessor's select_best_resolution; the
+        largest grid when no size is given) in tiles of the tower's image_size, plus the resized whole image; tokens:
+        the whole image's patches, the grid's (unpadded to the image's aspect at most all of them) and one newline per
+        row of the grid's patches."""
+        v = self.vision_dict(config)
+        s, side = int(v["image_size"]), patches_per_side(v)
+        pinpoints = [tuple(map(int, p)) for p in (config.get("image_grid_pinpoints") or processor.get("image_grid_pinpoints")
+                                                   or [[s, s]])]
+        grid = max(pinpoints, key=lambda p: p[0] * p[1]) if size is None else best_resolution(size, pinpoints)
+        tiles = 1 + (grid[0] // s) * (grid[1] // s)
+        rows, cols = grid[0] // s * side, grid[1] // s * side
+        return Images(tiles, tiles * (side * side + 1), tiles * tile_pixels(v)), side * side + rows * cols + rows
+
+
+def best_resolution(size: tuple[int, int], pinpoints: list[tuple[int, int]]) -> tuple[int, int]:
+    """transformers' select_best_resolution: the (height, width) keeping the most of the image's resolution once it is
+    fitted inside, then the least wasted area."""
+    h, w = size
+    best, best_fit, best_waste = pinpoints[0], -1, float("inf")
+    for ph, pw in pinpoints:
+        scale = min(pw / w, ph / h)
+        dh, dw = int(h * scale), int(w * scale)
+        fit = min(dh * dw, h * w)
+        waste = ph * pw - fit
+        if fit > best_fit or (fit == best_fit and waste < best_waste):
+            best, best_fit, best_waste = (ph, pw), fit, waste
+    return best
 
 
 LLAVA = LlavaFamily(

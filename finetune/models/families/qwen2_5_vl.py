@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Saving, Tensor
+from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.qwen2 import Qwen2Family
-from finetune.models.families.vision import VisionFamily, dense
+from finetune.models.families.vision import F32, VisionFamily, dense, qwen_attention_saved, qwen_image_input
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,27 @@ class Qwen25VLFamily(VisionFamily, Qwen2Family):
     # Qwen2_5_VLVisionConfig's defaults for keys a config.json leaves out.
     vision_defaults = dict(depth=32, hidden_size=3584, intermediate_size=3420, in_channels=3, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584)
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        return qwen_image_input(self.vision_dict(config), processor, size, max_tokens)
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """The patch embedding's input (the batch's pixel_values), the window order and its inverse (one index per
+        merged patch), the rotary cos and sin (fp32, shared by the blocks), each block (two RMSNorms: the fp32 input,
+        the reciprocal deviation, the normalized value; its attention, windowed or not alike; the SwiGLU MLP's input,
+        gate, SiLU and up outputs, down's input), and the merger (its RMSNorm, both linears' inputs and the GELU's)."""
+        a, t = run.a, images.patches
+        h, i = int(v["hidden_size"]), int(v["intermediate_size"])
+        heads = int(v.get("num_heads", 16))
+        merged = t // int(v["spatial_merge_size"]) ** 2
+        norm = t * (h * (F32 + a) + F32)
+        block = 2 * norm + qwen_attention_saved(a, t, v) + a * t * h + 4 * a * t * i
+        return {"vision tower: patch embedding input": a * images.pixels,
+                "vision tower: window order": 2 * 8 * merged,
+                "vision tower: rotary cos/sin": 2 * F32 * t * (h // heads),
+                "vision tower: layers": int(v["depth"]) * block,
+                "projector": norm + 3 * a * t * h}
 
     def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
         h, i, p, t = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]), int(v["temporal_patch_size"])

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Saving, Tensor
+from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.qwen3 import Qwen3Family
-from finetune.models.families.vision import VisionFamily, dense, ln
+from finetune.models.families.vision import (F32, VisionFamily, dense, layer_norm_saved, ln, qwen_attention_saved,
+                                             qwen_image_input)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,37 @@ class Qwen3VLFamily(VisionFamily, Qwen3Family):
     vision_defaults = dict(depth=27, hidden_size=1152, intermediate_size=4304, in_channels=3, patch_size=16,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
                            num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        return qwen_image_input(self.vision_dict(config), processor, size, max_tokens)
+
+    def vision_saved(self, sh: ModelShape, run: Saving, images: Images, tower_trains: bool) -> dict[str, int]:
+        """The deepstack features are added into the first decoder layers' hidden states at the image positions (an
+        indexed add, keeping the image mask, one storage with the embeddings' scatter mask), which need a gradient
+        under LoRA too."""
+        out = super().vision_saved(sh, run, images, tower_trains)
+        if self.vision_dict(sh.config).get("deepstack_visual_indexes"):
+            out.setdefault("image tokens: the embeddings' scatter mask", run.tokens)
+        return out
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """The patch embedding's input (the batch's pixel_values), the position embedding's bilinear interpolation (four
+        indices and weights per patch), the rotary cos and sin (fp32, shared by the blocks), each block (two LayerNorms,
+        its attention, fc1's input, the GELU's, fc2's), each deepstack merger (its LayerNorm's statistics over the merged
+        patches, whose input is its layer's output, kept already; both linears' inputs and the GELU's), and the merger
+        (its LayerNorm, both linears' inputs and the GELU's)."""
+        a, t = run.a, images.patches
+        h, i = int(v["hidden_size"]), int(v["intermediate_size"])
+        heads = int(v.get("num_heads", 16))
+        merged = t // int(v["spatial_merge_size"]) ** 2
+        block = (2 * layer_norm_saved(a, t, h) + qwen_attention_saved(a, t, v) + a * t * h + 2 * a * t * i)
+        deepstack = len(v.get("deepstack_visual_indexes") or ()) * (2 * F32 * merged + 3 * a * t * h)
+        return {"vision tower: patch embedding input": a * images.pixels,
+                "vision tower: position interpolation": 4 * t * (8 + a),
+                "vision tower: rotary cos/sin": 2 * F32 * t * (h // heads),
+                "vision tower: layers": int(v["depth"]) * block,
+                "projector": deepstack + layer_norm_saved(a, t, h) + 3 * a * t * h}
 
     def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
         h, i, p, t = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"]), int(v["temporal_patch_size"])

@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+import math
+
+from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.llama import LlamaFamily
-from finetune.models.families.vision import MmprojTower, VisionFamily, clip_layers, dense, ln
+from finetune.models.families.vision import (MmprojTower, VisionFamily, clip_layers, dense, encoder_layer_saved,
+                                             layer_norm_saved, ln, patches_per_side, tile_pixels)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,34 @@ class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
 
     projector = "idefics3"
     layer_norm_eps = 1e-5
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        """The image resized so that its longer edge is size.longest_edge (its edges then rounded up to max_image_size's), split into tiles of
+        max_image_size plus the whole image as a global tile (do_image_splitting), each tile the tower's image_size,
+        image_seq_len tokens each (its patches pixel-shuffled by scale_factor squared); None: the largest image."""
+        v = self.vision_dict(config)
+        side = patches_per_side(v)
+        tile = int((processor.get("max_image_size") or {}).get("longest_edge", v["image_size"]))
+        longest = int((processor.get("size") or {}).get("longest_edge", 4 * tile))
+        h, w = size or (longest, longest)
+        scale = longest / max(h, w)  # up or down
+        h, w = (max(tile, math.ceil(int(h * scale) / tile) * tile), max(tile, math.ceil(int(w * scale) / tile) * tile))
+        grid = (h // tile) * (w // tile)
+        tiles = grid + 1 if processor.get("do_image_splitting", True) and grid > 1 else 1
+        tokens = side * side // int(config.get("scale_factor", 2)) ** 2
+        return Images(tiles, tiles * side * side, tiles * tile_pixels(v)), tiles * tokens
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """The patch embedding's input (the real tiles, a copy without the batch's padding tiles), the position ids of
+        every tile, every encoder layer, the post-LayerNorm; the connector's input (the pixel shuffle's copy)."""
+        a, n, t = run.a, images.tiles, images.patches
+        h = int(v["hidden_size"])
+        return {"vision tower: patch embedding input": a * n * tile_pixels(v),
+                "vision tower: position ids": 8 * t,
+                "vision tower: layers": int(v["num_hidden_layers"]) * encoder_layer_saved(a, t, v)
+                + layer_norm_saved(a, t, h),
+                "projector": a * t * h}
 
     def mmproj_source(self, name: str) -> str | None:
         # SmolVLMModel.filter_tensors: the tower and the connector.

@@ -10,10 +10,11 @@ and projector are what `vision_prefixes` names, frozen by default."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
-from finetune.models.families.base import ModelShape, Tensor
+from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 
 
 class VisionFamily:
@@ -27,8 +28,37 @@ class VisionFamily:
     text_defaults: dict[str, Any] = {}
     vision_defaults: dict[str, Any] = {}
 
+    # On image records the language model's attention takes a mask in every layer, padded or not (Gemma-3's image
+    # tokens attend to each other both ways).
+    image_mask = False
+
     def vision_prefixes(self, config) -> tuple[str, ...]:
         return self.towers
+
+    # ---- image records, for the planner ----
+
+    def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                    max_tokens: int | None = None) -> tuple[Images, int]:
+        """(one image as the tower takes it, the tokens it becomes in the language model's sequence), as the image
+        processor (its saved settings, PROCESSOR) resizes and tiles an image of SIZE (height, width) pixels; None: the
+        largest input it makes, the worst case (where the resolution is dynamic, the largest of at most MAX_TOKENS
+        tokens: a larger image's record does not fit and is dropped)."""
+        raise NotImplementedError
+
+    def vision_saved(self, sh: ModelShape, run: Saving, images: Images, tower_trains: bool) -> dict[str, int]:
+        """Bytes saved for backward on a micro-batch's IMAGES, by name. A frozen tower and projector save nothing (no
+        gradient flows into them); the image features are scattered into the token embeddings (masked_scatter), which
+        keeps its boolean mask where a gradient flows through it (the embeddings train, or the tower does)."""
+        out = {}
+        if run.trains_weights or tower_trains:
+            out["image tokens: the embeddings' scatter mask"] = run.tokens
+        if tower_trains:
+            out.update(self.tower_saved(sh, run, images, self.vision_dict(sh.config)))
+        return out
+
+    def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
+        """What the trained tower and projector save, by part (V: vision_config over the defaults)."""
+        raise NotImplementedError
 
     def text_dict(self, d: dict[str, Any]) -> dict[str, Any]:
         """The language model's config keys: text_config (older configs keep them at the top level), over the
@@ -79,6 +109,72 @@ class VisionFamily:
         where = ("llama.cpp reads them from a separate mmproj file" if isinstance(self, MmprojTower)
                  else "llama.cpp's converter has no projector of this family")
         return lm.eval(), f"the file holds the language model only: the vision tower and projector are not included ({where})"
+
+
+# ---- the towers' saved tensors (sdpa, no dropout), by building block ----
+
+# Tensors of the MLP's width its activation saves: its input (GELU), also its sigmoid (CLIP's quick_gelu).
+ACTIVATION_SAVES = {"quick_gelu": 2, "gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1}
+F32 = 4
+
+
+def layer_norm_saved(a: int, tokens: int, h: int) -> int:
+    """A LayerNorm: its input, and an fp32 mean and reciprocal deviation per position."""
+    return tokens * (a * h + 2 * F32)
+
+
+def encoder_layer_saved(a: int, tokens: int, v: dict[str, Any]) -> int:
+    """A CLIP-ordered encoder layer (CLIP, SigLIP, Idefics3): layer_norm1; q/k/v's input (the norm's output); SDPA's
+    q, k, v, output (out_proj's input, a view) and fp32 log-sum-exp per head; layer_norm2; fc1's input; what the
+    activation keeps; fc2's input."""
+    h, i, heads = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_attention_heads"])
+    act = ACTIVATION_SAVES.get(str(v.get("hidden_act", "gelu_pytorch_tanh")), 1)
+    return (2 * layer_norm_saved(a, tokens, h) + tokens * (a * h * (1 + 4 + 1) + F32 * heads)
+            + tokens * a * i * (act + 1))
+
+
+def tile_pixels(v: dict[str, Any]) -> int:
+    """pixel_values elements of one square tile of the tower's image_size."""
+    return int(v.get("num_channels", 3)) * int(v["image_size"]) ** 2
+
+
+def patches_per_side(v: dict[str, Any]) -> int:
+    return int(v["image_size"]) // int(v["patch_size"])
+
+
+def qwen_image_input(v: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
+                     max_tokens: int | None = None) -> tuple[Images, int]:
+    """Qwen2-VL's image processor: the image resized to multiples of patch_size x spatial_merge_size (smart_resize)
+    within [min_pixels, max_pixels] (size.shortest_edge, size.longest_edge), one frame padded to temporal_patch_size;
+    each spatial_merge_size squared patches one token. None: the most patches max_pixels allows (and MAX_TOKENS)."""
+    p, m = int(v["patch_size"]), int(v["spatial_merge_size"])
+    factor = p * m
+    limits = processor.get("size") or {}
+    most = int(processor.get("max_pixels") or limits.get("longest_edge") or 28 * 28 * 1280)
+    least = int(processor.get("min_pixels") or limits.get("shortest_edge") or 56 * 56)
+    if size is None:
+        units = most // factor ** 2 if max_tokens is None else min(most // factor ** 2, max_tokens)
+    else:
+        h, w = size
+        hb, wb = round(h / factor) * factor, round(w / factor) * factor
+        if hb * wb > most:
+            beta = math.sqrt(h * w / most)
+            hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
+        elif hb * wb < least:
+            beta = math.sqrt(least / (h * w))
+            hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+        units = (hb // factor) * (wb // factor)
+    patches = units * m * m
+    channels = int(v.get("in_chans", v.get("in_channels", 3)))
+    return Images(1, patches, patches * channels * int(v["temporal_patch_size"]) * p * p), units
+
+
+def qwen_attention_saved(a: int, tokens: int, v: dict[str, Any]) -> int:
+    """A Qwen-VL block's attention over TOKENS patches, one SDPA call per image (or window): qkv's input, the rotated q
+    and k, qkv's output (v is a view of it), the calls' outputs and fp32 log-sum-exp per head, and proj's input (the
+    outputs joined, a copy)."""
+    h, heads = int(v["hidden_size"]), int(v.get("num_heads", v.get("num_attention_heads", 16)))
+    return tokens * (a * h * (1 + 2 + 3 + 1 + 1) + F32 * heads)
 
 
 # ---- the towers' building blocks, as transformers names them ----
