@@ -158,16 +158,17 @@ class DPO(Method):
     def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
         from finetune.data.preference import prepare_pairs
 
-        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log, seed=seed)
+        # Image pairs too (TRL's vision preference format) with a vision-language model (docs/vision.md).
+        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log, seed=seed, images=True)
 
     def examples(self, dataset, key: str | None) -> Examples:
         """The pairs numbered (`pair_index`: where their precomputed reference log-probs are)."""
         return Examples(dataset.add_column("pair_index", list(range(len(dataset)))), key)
 
     def collator(self, cfg, tokenizer):
-        from finetune.data.preference import PairCollator
+        from finetune.data.preference import pair_collator
 
-        return PairCollator(tokenizer.pad_token_id)
+        return pair_collator(tokenizer, images=True)
 
     def count(self, batches: list[dict]):
         """The pairs (a step's loss is the mean over the pairs of the global batch, not over its tokens)."""
@@ -241,14 +242,15 @@ def completion_logps(logits, labels, positions, index=None):
 
 
 def sequence_logps(model, batch: dict):
-    """The completion log-probability of every row of a pair batch under `model` (grad where enabled)."""
-    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
+    """The completion log-probability of every row of a pair batch under `model` (grad where enabled). The model
+    gets the batch's tokens and attention mask, and what else the collator gave it (a vision-language model's pixel
+    values, image grids, token types: finetune.data.preference.model_inputs)."""
+    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS, model_inputs
 
     labels = batch["labels"]
     positions = batch.get(SCORED_POSITIONS)
     positions = scored_positions(labels) if positions is None else positions.to(labels.device, non_blocking=True)
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions,
-                use_cache=False)
+    out = model(**model_inputs(batch), logits_to_keep=positions, use_cache=False)
     return completion_logps(out.logits, labels, positions, batch.get(SCORED_INDEX))
 
 
@@ -363,7 +365,7 @@ def precompute(module, dataset, collator, batch_size: int, device, autocast=cont
         for s in range(steps):
             idx = mine[s * batch_size:(s + 1) * batch_size]
             batch = collator([dataset[i] for i in (idx or [0])])
-            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+            batch = {k: v.to(device) for k, v in batch.items() if k != "pair_index"}
             with autocast():
                 logps = sequence_logps(module, batch).double()
             if idx:
@@ -533,10 +535,7 @@ class Reference:
         return batch
 
     def logps(self, batch: dict):
-        from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
-
-        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", SCORED_POSITIONS, SCORED_INDEX)
-                 if k in batch}
+        batch = {k: v for k, v in batch.items() if k not in ("pair_index", "ref_logps")}
         if self.partitioned:  # the reference's own engine: placed and cast by DeepSpeed
             return sequence_logps(self.copy, batch)
         if self.copy is not None:
