@@ -214,8 +214,8 @@ def tokenize_image_pair(tokenizer, record: dict, where: str = "", base: Path | N
     processor = processor_of(tokenizer)
     refs = image_refs(record) if isinstance(record, dict) else []
     if processor is None:
-        if refs or (isinstance(record, dict) and any(_image_parts(_maybe_turns(record.get(k))) for k in KEYS)):
-            raise text_only(where, len(refs) or 1, f" ({tokenizer.name_or_path})" if tokenizer.name_or_path else "")
+        if isinstance(record, dict) and (refs or any(_image_parts(_maybe_turns(record.get(k))) for k in KEYS)):
+            raise text_only(where, len(refs) or 1, tokenizer.name_or_path)
         return ImagePair(tokenize_pair(tokenizer, record, where), "", [], 0)
     P.require_chat_template(tokenizer, FORMAT, where)
     prompt, chosen, rejected = pair_of(record, where, True, images=True)
