@@ -210,3 +210,95 @@ def test_loss_and_logps_equal_trl_and_float64(family, root, one_thread, isolated
     # vocabulary): measured within 2.0e-5 of float64, a relative 1.3e-7.
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
     assert abs(metrics["logps/chosen"] - float(want[:, 0, 0].mean())) < 1e-6 * abs(float(want[:, 0, 0].mean()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad records, by file and line (the `vision` format's checks, as SFT's).
+
+
+def pair_with(**changes) -> dict:
+    return {**copy.deepcopy(PAIRS[0]), **changes}
+
+
+@pytest.mark.parametrize("record, message", [
+    (pair_with(images=["img/0.png", "img/1.png"]),
+     r"d\.jsonl:4 \(chosen\): 1 image part \(\{\"type\": \"image\"\}\) in 'messages' but 2 images in 'images'; give "
+     r"one image per image part"),
+    (pair_with(images=[]), r"d\.jsonl:4 \(chosen\): 1 image part .* but 0 images in 'images'"),
+    (pair_with(prompt=[{"role": "user", "content": "What colour is this?"}]),
+     r"d\.jsonl:4 \(chosen\): 0 image parts .* but 1 image in 'images'"),
+    (pair_with(chosen=[{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "This."}]}]),
+     r"d\.jsonl:4: 'chosen'\[0\] has an image part; a pair's images belong to its prompt"),
+    (pair_with(prompt=[user(None), {"role": "human", "content": "Which?"}]),
+     r"d\.jsonl:4 \(prompt\): messages\[1\]\.role is 'human'.*did you mean 'user'"),
+    (pair_with(prompt=[{"role": "user", "content": [{"type": "video"}]}]),
+     r"d\.jsonl:4 \(chosen\): messages\[0\]\.content\[0\] must be \{\"type\": \"text\", \"text\": \.\.\.\} or "
+     r"\{\"type\": \"image\"\}"),
+])
+def test_bad_image_pairs_name_file_and_line(record, message):
+    with pytest.raises(DataError, match=message):
+        PR.pair_of(record, "d.jsonl:4", chat=True, images=True)
+
+
+def test_images_for_a_text_only_model_are_refused(tiny_chatml):
+    """DPO reads image pairs; a model without an image processor refuses them by file and line, as SFT does."""
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(model_name_or_path=str(tiny_chatml)))
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the record has 1 image, and the model \(.*\) is text-only: it "
+                                        r"has no image processor"):
+        PR.tokenize_image_pair(tokenizer, PAIRS[0], "d.jsonl:2")
+    text = {"prompt": "Say hello.", "chosen": "Hello!", "rejected": "Go away."}  # a text pair: as tokenize_pair's
+    assert PR.tokenize_image_pair(tokenizer, text, "d.jsonl:3").tokens == PR.tokenize_pair(tokenizer, text, "d.jsonl:3")
+
+
+# ----------------------------------------------------------------------------------------------
+# With a tiny Qwen2.5-VL: the pipeline, truncation, and a short training run.
+
+
+@pytest.fixture(scope="module")
+def qwen(root):
+    folder = tiny.tiny_vlm("qwen2_5_vl", root / "qwen2_5_vl")
+    return folder, vision_tokenizer(folder)
+
+
+@pytest.mark.slow
+def test_missing_image_names_file_line_and_image(qwen, root):
+    bad = write_jsonl(root / "missing.jsonl", [PAIRS[0], pair_with(images=["img/nope.png"])])
+    with pytest.raises(DataError, match=r"missing\.jsonl:2: images\[0\]: image file 'img/nope\.png' not found"):
+        prepare(qwen[1], bad, root / "cache-missing", max_seq_length=1024)
+
+
+@pytest.mark.slow
+def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, root):
+    """An image pair's prompt is kept whole: a max_seq_length that its prompt fills drops the pair (counted); one
+    that leaves room cuts the completions' ends only. No image token, and no prompt token, is ever scored."""
+    _, tokenizer = qwen
+    processor = tokenizer.finetune_processor
+    image_ids = {processor.image_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+                 tokenizer.convert_tokens_to_ids("<|vision_end|>")}
+    text = {"prompt": "Say hello.", "chosen": "Hello there, friend!", "rejected": "Go away."}
+    data = write_jsonl(root / "mixed.jsonl", PAIRS + [text])
+    full, stats, _ = prepare(tokenizer, data, root / "cache-full", max_seq_length=1024)
+    assert stats.pairs == 4 and stats.dropped == 0 and stats.without_images == 1
+    prompts = [len(p) for p in full["prompt_ids"]]
+    # Between the shortest and the longest image prompt (+ 2: one completion token left to score, after the shift).
+    limit = sorted(prompts[:3])[1] + 2
+    cut, cut_stats, _ = prepare(tokenizer, data, root / "cache-cut", max_seq_length=limit)
+    dropped = sum(p >= limit for p in prompts[:3])
+    print(f"\nprompts {prompts}, max_seq_length {limit}: {cut_stats.summary()}")
+    assert dropped and cut_stats.dropped_image_cut == dropped and cut_stats.pairs == 4 - dropped
+    assert f"{dropped} because their prompt, kept whole with its images, fills max_seq_length={limit}" in cut_stats.summary()
+    kept = [i for i in range(3) if prompts[i] < limit]
+    for row, i in enumerate(kept):  # the image prompts kept are whole, their completions cut to fit
+        assert cut[row]["prompt_ids"] == full[i]["prompt_ids"] and cut[row]["text"] == full[i]["text"]
+        assert len(cut[row]["prompt_ids"]) + len(cut[row]["chosen_ids"]) <= limit
+    batch = dpo.DPO().collator(None, tokenizer)([full[i] for i in range(len(full))])
+    scored = batch["labels"] != IGNORE_INDEX
+    assert not any(t in image_ids for t in batch["input_ids"][scored].tolist())
+    assert not (scored & (batch["mm_token_type_ids"] != 0)).any()
+    for r in range(batch["input_ids"].shape[0]):  # nothing of the prompt is scored
+        n = len(full[r % len(full)]["prompt_ids"])
+        assert not scored[r, :n].any() and scored[r, n:].any()
+    assert int(batch["image_grid_thw"].shape[0]) == 2 * 4  # each image twice: the chosen rows, then the rejected
