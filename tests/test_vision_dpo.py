@@ -302,3 +302,56 @@ def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, 
         n = len(full[r % len(full)]["prompt_ids"])
         assert not scored[r, :n].any() and scored[r, n:].any()
     assert int(batch["image_grid_thw"].shape[0]) == 2 * 4  # each image twice: the chosen rows, then the rejected
+
+
+def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str) -> list[dict]:
+    from finetune.training import trainer
+
+    trainer.main(["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir",
+                  str(out), "--dataset_cache_dir", str(cache), "--per_device_train_batch_size", "2",
+                  "--gradient_accumulation_steps", "2", "--max_steps", "6", "--logging_steps", "1", "--optim", "sgd",
+                  "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", "0.5",
+                  "--max_seq_length", "1024", "--disable_tqdm", "true", "--seed", "3", *flags])
+    return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+
+@pytest.mark.slow
+def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
+    """The Trainer path with LoRA on image pairs (the reference: the model with its adapters disabled): the first
+    step is the base model's (loss log 2, its chosen log-probabilities those of float64), then the reward margin
+    grows step by step; the reference log-probabilities precomputed once (and cached) give the same run."""
+    folder, tokenizer = qwen
+    data = write_jsonl(root / "train.jsonl", PAIRS + [{"prompt": "Say hello.", "chosen": "Hello!", "rejected": "No."}])
+    flags = ("--use_peft", "--lora_r", "8", "--learning_rate", "1.0")
+    logs = train(folder, data, root / "out-lora", root / "cache-train", *flags)
+    margins = [e["rewards/margins"] for e in logs]
+    print("\nloss", [round(e["loss"], 5) for e in logs], "margins", [round(m, 4) for m in margins])
+    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and margins[0] == pytest.approx(0.0, abs=1e-6)
+    base = load_vlm(folder, torch.float64).eval()
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    want = float64_logps(tokenizer.finetune_processor, base, base, "qwen2_5_vl", records[:3], root)
+    # The first step's 4 pairs: the three image pairs and the text pair, whose chosen side is scored here alone.
+    text_chosen = float64_text_logp(tokenizer, base, records[3])
+    want_chosen = (float(want[:, 0, 0].sum()) + text_chosen) / 4
+    print(f"step 1 logps/chosen {logs[0]['logps/chosen']:.6f}, float64 {want_chosen:.6f}")
+    assert abs(logs[0]["logps/chosen"] - want_chosen) < 1e-6 * abs(want_chosen)
+    assert all(b > a for a, b in zip(margins, margins[1:])) and margins[-1] > 0.2
+    assert logs[-1]["loss"] < logs[0]["loss"] - 0.1
+    pre = train(folder, data, root / "out-lora-pre", root / "cache-train", *flags, "--precompute_ref_log_probs")
+    assert [e["loss"] for e in pre] == pytest.approx([e["loss"] for e in logs], abs=1e-6)
+
+
+def float64_text_logp(tokenizer, model, record: dict) -> float:
+    """A text pair's chosen log-probability, from the processor's chat template and model alone (string records are
+    one user turn and one assistant answer)."""
+    processor = tokenizer.finetune_processor
+    prompt = [{"role": "user", "content": [{"type": "text", "text": record["prompt"]}]}]
+    chosen = [{"role": "assistant", "content": [{"type": "text", "text": record["chosen"]}]}]
+    prompt_text = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    full = processor.apply_chat_template(prompt + chosen, tokenize=False)
+    ids = processor.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    completion = processor.tokenizer(full[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    scored = completion[:completion.index(processor.tokenizer.convert_tokens_to_ids(END["qwen2_5_vl"])) + 1]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids + completion])).logits[0].double(), dim=-1)
+    return float(sum(logp[len(ids) + t - 1, tok] for t, tok in enumerate(scored)))
