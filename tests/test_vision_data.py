@@ -311,7 +311,8 @@ def test_methods_without_images_refuse_image_records():
     pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "Red."}],
             "rejected": [{"role": "assistant", "content": "Blue."}], "images": ["img/0.png"]}
     with pytest.raises(DataError, match=r"p\.jsonl:3: the record has 1 image, and preference training \(ORPO, .*\) "
-                                        r"does not train on images yet \(SFT does: docs/vision\.md\)"):
+                                        r"does not train on images yet \(SFT and DPO do: docs/vision\.md\); leave the images out, or train "
+                                        r"with --method dpo"):
         preference.pair_of(pair, "p.jsonl:3", chat=True)
     example = {"prompt": prompt, "completion": [{"role": "assistant", "content": "Red."}], "label": True}
     with pytest.raises(DataError, match=r"k\.jsonl:1: the record has 1 image, and KTO does not train on images"):

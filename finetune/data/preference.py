@@ -78,7 +78,7 @@ def pair_of(record: dict, where: str, chat: bool, images: bool = False) -> tuple
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with {', '.join(KEYS)}")
     if not images:
-        refuse_images(record, where, "preference training (ORPO, SimPO, CPO, reward models)")
+        refuse_images(record, where, "preference training (ORPO, SimPO, CPO, reward models)", instead="dpo")
     for key in ("chosen", "rejected"):
         if key not in record or record[key] is None:
             raise DataError(f"{where}: missing field '{key}' (format preference: prompt, chosen, rejected)"
