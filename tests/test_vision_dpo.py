@@ -3,7 +3,7 @@ loss and chosen/rejected log-probabilities on a tiny vision-language model again
 batch and against a float64 computation made from transformers' processor and model alone; the pipeline's checks
 (bad records by file and line, truncation that never cuts an image, image tokens never scored); a short training run
 that moves the reward margin. CI runs Qwen2.5-VL (mrope positions, dynamic image grids) and Gemma-3 (token types,
-pooled image tokens)."""
+pooled image tokens); FINETUNE_FULL_MATRIX=1 adds Qwen3-VL and SmolVLM."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import matrix
 from vision_data import write_images, write_jsonl
 
 from finetune.constants import IGNORE_INDEX
@@ -139,7 +140,7 @@ def float64_loss(logps: torch.Tensor, beta: float) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3"])
+@pytest.fixture(scope="module", params=matrix(list(END), ["qwen2_5_vl", "gemma3"]))
 def family(request, root):
     folder = tiny.tiny_vlm(request.param, root / request.param)
     return request.param, folder, vision_tokenizer(folder)
