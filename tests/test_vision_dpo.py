@@ -305,10 +305,10 @@ def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, 
     assert int(batch["image_grid_thw"].shape[0]) == 2 * 4  # each image twice: the chosen rows, then the rejected
 
 
-def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str) -> list[dict]:
-    from finetune.training import trainer
+def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str, path: str = "trainer") -> list[dict]:
+    from finetune.training import loop, trainer
 
-    trainer.main(["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir",
+    {"trainer": trainer.main, "loop": loop.main}[path](["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir",
                   str(out), "--dataset_cache_dir", str(cache), "--per_device_train_batch_size", "2",
                   "--gradient_accumulation_steps", "2", "--max_steps", "6", "--logging_steps", "1", "--optim", "sgd",
                   "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", "0.5",
@@ -320,7 +320,8 @@ def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str) -> list
 def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
     """The Trainer path with LoRA on image pairs (the reference: the model with its adapters disabled): the first
     step is the base model's (loss log 2, its chosen log-probabilities those of float64), then the reward margin
-    grows step by step; the reference log-probabilities precomputed once (and cached) give the same run."""
+    grows step by step; the reference log-probabilities precomputed once (and cached) give the same run, and so does
+    the accelerate loop."""
     folder, tokenizer = qwen
     data = write_jsonl(root / "train.jsonl", PAIRS + [{"prompt": "Say hello.", "chosen": "Hello!", "rejected": "No."}])
     flags = ("--use_peft", "--lora_r", "8", "--learning_rate", "1.0")
@@ -340,6 +341,9 @@ def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
     assert logs[-1]["loss"] < logs[0]["loss"] - 0.1
     pre = train(folder, data, root / "out-lora-pre", root / "cache-train", *flags, "--precompute_ref_log_probs")
     assert [e["loss"] for e in pre] == pytest.approx([e["loss"] for e in logs], abs=1e-6)
+    looped = train(folder, data, root / "out-lora-loop", root / "cache-train", *flags, path="loop")
+    print("loop", [round(e["loss"], 5) for e in looped])
+    assert [e["loss"] for e in looped] == pytest.approx([e["loss"] for e in logs], abs=1e-5)
 
 
 def float64_text_logp(tokenizer, model, record: dict) -> float:
