@@ -360,3 +360,30 @@ def float64_text_logp(tokenizer, model, record: dict) -> float:
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([ids + completion])).logits[0].double(), dim=-1)
     return float(sum(logp[len(ids) + t - 1, tok] for t, tok in enumerate(scored)))
+
+
+@pytest.mark.slow
+def test_an_image_column_gives_the_tokens_and_pixels_of_the_paths(qwen, root):
+    """The same pairs from a Parquet file whose `images` column is a datasets.Image column (the images' bytes
+    embedded, as a Hub data set has them): the same cached tokens, and the same batch, pixel values included."""
+    import shutil
+
+    import datasets
+    from datasets.table import embed_table_storage
+
+    _, tokenizer = qwen
+    shutil.copytree(root / "img", root / "gone")
+    rows = [dict(r, images=[str(root / "gone" / Path(p).name) for p in r["images"]]) for r in PAIRS]
+    table = datasets.Dataset.from_list(rows).cast_column("images", datasets.List(datasets.Image()))
+    # The images' bytes embedded, as push_to_hub writes them; then the files are gone.
+    table = table.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
+    table.to_parquet(str(root / "pairs.parquet"))
+    shutil.rmtree(root / "gone")
+    from_paths, _, _ = prepare(tokenizer, root / "pairs.jsonl", root / "cache-paths", max_seq_length=1024)
+    from_column, _, _ = prepare(tokenizer, root / "pairs.parquet", root / "cache-column", max_seq_length=1024)
+    for key in PR.PAIR_COLUMNS + ("text",):
+        assert from_column[key] == from_paths[key]
+    collate = dpo.DPO().collator(None, tokenizer)
+    a = collate([from_paths[i] for i in range(len(PAIRS))])
+    b = collate([from_column[i] for i in range(len(PAIRS))])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
