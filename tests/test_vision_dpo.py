@@ -305,12 +305,12 @@ def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, 
     assert int(batch["image_grid_thw"].shape[0]) == 2 * 4  # each image twice: the chosen rows, then the rejected
 
 
-def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str, path: str = "trainer") -> list[dict]:
+def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str, path: str = "trainer", steps: int = 6) -> list[dict]:
     from finetune.training import loop, trainer
 
     {"trainer": trainer.main, "loop": loop.main}[path](["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir",
                   str(out), "--dataset_cache_dir", str(cache), "--per_device_train_batch_size", "2",
-                  "--gradient_accumulation_steps", "2", "--max_steps", "6", "--logging_steps", "1", "--optim", "sgd",
+                  "--gradient_accumulation_steps", "2", "--max_steps", str(steps), "--logging_steps", "1", "--optim", "sgd",
                   "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", "0.5",
                   "--max_seq_length", "1024", "--disable_tqdm", "true", "--seed", "3", *flags])
     return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
@@ -321,7 +321,7 @@ def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
     """The Trainer path with LoRA on image pairs (the reference: the model with its adapters disabled): the first
     step is the base model's (loss log 2, its chosen log-probabilities those of float64), then the reward margin
     grows step by step; the reference log-probabilities precomputed once (and cached) give the same run, and so does
-    the accelerate loop."""
+    the accelerate loop. Full fine-tuning (the reference a frozen copy) moves the margin too."""
     folder, tokenizer = qwen
     data = write_jsonl(root / "train.jsonl", PAIRS + [{"prompt": "Say hello.", "chosen": "Hello!", "rejected": "No."}])
     flags = ("--use_peft", "--lora_r", "8", "--learning_rate", "1.0")
@@ -344,6 +344,12 @@ def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
     looped = train(folder, data, root / "out-lora-loop", root / "cache-train", *flags, path="loop")
     print("loop", [round(e["loss"], 5) for e in looped])
     assert [e["loss"] for e in looped] == pytest.approx([e["loss"] for e in logs], abs=1e-5)
+    # Full fine-tuning: the reference is a frozen copy of the model as loaded (the vision tower frozen as in SFT).
+    full = train(folder, data, root / "out-full", root / "cache-train", "--learning_rate", "0.5", steps=3)
+    full_margins = [e["rewards/margins"] for e in full]
+    print("full", [round(e["loss"], 5) for e in full], "margins", [round(m, 4) for m in full_margins])
+    assert full[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and full[0]["logps/chosen"] == logs[0]["logps/chosen"]
+    assert all(b > a for a, b in zip(full_margins, full_margins[1:]))
 
 
 def float64_text_logp(tokenizer, model, record: dict) -> float:
