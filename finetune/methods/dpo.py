@@ -4,8 +4,8 @@ sigmoid, hinge, ipo, robust, as TRL's DPOTrainer names them; LOSSES below).
 A micro-batch holds whole pairs: rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (PairCollator), scored in
 one forward. With a vision-language model, pairs may hold images (TRL's vision preference format, docs/vision.md):
 VisionPairCollator adds what the processor makes of each row's prompt images, and every forward, the policy's and the
-reference's, gets it (finetune.data.preference.model_inputs). A sequence's log-probability is the sum over its completion's trained tokens (labels != -100) of
-log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
+reference's, gets it (finetune.data.preference.model_inputs). A sequence's log-probability is the sum over its
+completion's trained tokens (labels != -100) of log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
 
     d    = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     loss = -(1 - ε) log σ(β d) - ε log σ(-β d)                       (sigmoid, the default; conservative DPO for ε > 0)
