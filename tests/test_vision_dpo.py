@@ -290,7 +290,8 @@ def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, 
     dropped = sum(p >= limit for p in prompts[:3])
     print(f"\nprompts {prompts}, max_seq_length {limit}: {cut_stats.summary()}")
     assert dropped and cut_stats.dropped_image_cut == dropped and cut_stats.pairs == 4 - dropped
-    assert f"{dropped} because their prompt, kept whole with its images, fills max_seq_length={limit}" in cut_stats.summary()
+    summary = cut_stats.summary()
+    assert f"{dropped} because their prompt, kept whole with its images, fills max_seq_length={limit}" in summary
     kept = [i for i in range(3) if prompts[i] < limit]
     for row, i in enumerate(kept):  # the image prompts kept are whole, their completions cut to fit
         assert cut[row]["prompt_ids"] == full[i]["prompt_ids"] and cut[row]["text"] == full[i]["text"]
@@ -305,14 +306,16 @@ def test_truncation_never_cuts_an_image_and_image_tokens_are_never_scored(qwen, 
     assert int(batch["image_grid_thw"].shape[0]) == 2 * 4  # each image twice: the chosen rows, then the rejected
 
 
-def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str, path: str = "trainer", steps: int = 6) -> list[dict]:
+def train(folder: Path, data: Path, out: Path, cache: Path, *flags: str, path: str = "trainer",
+          steps: int = 6) -> list[dict]:
     from finetune.training import loop, trainer
 
-    {"trainer": trainer.main, "loop": loop.main}[path](["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir",
-                  str(out), "--dataset_cache_dir", str(cache), "--per_device_train_batch_size", "2",
-                  "--gradient_accumulation_steps", "2", "--max_steps", str(steps), "--logging_steps", "1", "--optim", "sgd",
-                  "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0", "--beta", "0.5",
-                  "--max_seq_length", "1024", "--disable_tqdm", "true", "--seed", "3", *flags])
+    main = {"trainer": trainer.main, "loop": loop.main}[path]
+    main(["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--output_dir", str(out),
+          "--dataset_cache_dir", str(cache), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+          "--max_steps", str(steps), "--logging_steps", "1", "--optim", "sgd", "--lr_scheduler_type", "constant",
+          "--max_grad_norm", "0", "--weight_decay", "0", "--beta", "0.5", "--max_seq_length", "1024",
+          "--disable_tqdm", "true", "--seed", "3", *flags])
     return [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
 
 
@@ -348,7 +351,8 @@ def test_training_moves_the_reward_margin(qwen, root, one_thread, isolated):
     full = train(folder, data, root / "out-full", root / "cache-train", "--learning_rate", "0.5", steps=3)
     full_margins = [e["rewards/margins"] for e in full]
     print("full", [round(e["loss"], 5) for e in full], "margins", [round(m, 4) for m in full_margins])
-    assert full[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and full[0]["logps/chosen"] == logs[0]["logps/chosen"]
+    assert full[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert full[0]["logps/chosen"] == logs[0]["logps/chosen"]
     assert all(b > a for a, b in zip(full_margins, full_margins[1:]))
 
 
@@ -405,12 +409,13 @@ def test_two_processes_equal_one(qwen, root):
     from launch import TRAIN, launcher, losses, run, unexpected_warnings
 
     folder, _ = qwen
-    pairs = [dict(r, images=[f"img/{(k + j) % 4}.png" for j in range(len(r["images"]))]) for k in range(4) for r in PAIRS]
+    pairs = [dict(r, images=[f"img/{(k + j) % 4}.png" for j in range(len(r["images"]))])
+             for k in range(4) for r in PAIRS]
     data = write_jsonl(root / "ddp.jsonl", pairs)
     flags = ["--method", "dpo", "--model_name_or_path", str(folder), "--dataset", str(data), "--dataset_cache_dir",
              str(root / "cache-ddp"), "--gradient_accumulation_steps", "2", "--max_steps", "3", "--use_peft",
-             "--lora_r", "8", "--lora_dropout", "0", "--learning_rate", "0.05", "--beta", "0.5", "--seed", "5", "--logging_steps", "1",
-             "--max_seq_length", "1024", "--disable_tqdm", "true"]
+             "--lora_r", "8", "--lora_dropout", "0", "--learning_rate", "0.05", "--beta", "0.5", "--seed", "5",
+             "--logging_steps", "1", "--max_seq_length", "1024", "--disable_tqdm", "true"]
     got = {}
     for name, cmd, micro in (("one", [sys.executable, TRAIN], 2), ("two", launcher("accelerate", 2, script=TRAIN), 1)):
         out = root / f"ddp-{name}"

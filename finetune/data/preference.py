@@ -139,7 +139,7 @@ def _image_pair_checks(record: dict, prompt: list[dict], completion: list[dict],
     """An image pair's side: no image in the completion (the images are the prompt's, as in TRL's format), then the
     `vision` format's checks of prompt + completion with the record's images (parts, their count, roles)."""
     for j, m in enumerate(completion):
-        if isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]):
+        if _image_parts([m]):
             raise DataError(f"{where}: '{key}'[{j}] has an image part; a pair's images belong to its prompt (one "
                             "{\"type\": \"image\"} part in 'prompt' per entry of 'images'), its completions are text")
     conversation = {"messages": prompt + completion, "tools": record.get("tools")}
@@ -279,7 +279,8 @@ class Truncation:
     completion_tokens: int = 0  # tokens cut from the completions' ends (both sides)
 
 
-def truncate_pair(prompt: list[int], sides: list[tuple[list[int], list[int]]], max_len: int, keep_prompt: bool = False):
+def truncate_pair(prompt: list[int], sides: list[tuple[list[int], list[int]]], max_len: int,
+                  keep_prompt: bool = False):
     """Fit prompt + each completion in max_len: the prompt loses its start (it keeps at least half of max_len when
     longer, so a long completion cannot crowd it out), then each completion loses its end. `keep_prompt`: the prompt
     is kept whole (an image pair's: the processor renders it again per batch, images and all) and only the
@@ -398,7 +399,8 @@ class TokenizePairs:
                 out["margin"].append(record_margin(record, where))
             image_cut = False
             if self.images:
-                pair, cut, image_cut = image_pair_features(self.tokenizer, record, where, self.max_seq_length, self.base)
+                pair, cut, image_cut = image_pair_features(self.tokenizer, record, where, self.max_seq_length,
+                                                           self.base)
                 prompt, c, cl, r, rl = pair.tokens
             else:
                 (prompt, c, cl, r, rl), cut = pair_features(self.tokenizer, record, where, self.max_seq_length)
@@ -613,7 +615,9 @@ def pair_collator(tokenizer, images: bool = False):
     """The collator of a pair method's batches: VisionPairCollator for a method that reads image pairs (`images`)
     with a vision-language model's processor on the tokenizer, else PairCollator."""
     processor = processor_of(tokenizer) if images else None
-    return VisionPairCollator(processor, tokenizer.pad_token_id) if processor is not None else PairCollator(tokenizer.pad_token_id)
+    if processor is not None:
+        return VisionPairCollator(processor, tokenizer.pad_token_id)
+    return PairCollator(tokenizer.pad_token_id)
 
 
 # The batch keys of what the pair losses score (finetune.methods.dpo.sequence_logps), found on the host by the
