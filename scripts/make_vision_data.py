@@ -1,6 +1,7 @@
 """Write data/vision/: a tiny image data set for docs/vision.md's worked example. 12 pictures of 32x32 pixels (a red,
-green or blue square, circle, triangle or cross on white), and train.jsonl in TRL's conversational vision format:
-one-image questions, two-image comparisons over two turns, and text-only records in the same file.
+green or blue square, circle, triangle or cross on white), train.jsonl in TRL's conversational vision format:
+one-image questions, two-image comparisons over two turns, and text-only records in the same file; and pairs.jsonl,
+preference pairs in TRL's vision preference format (DPO: the right description chosen, a wrong one rejected).
 
 Drawn here with Pillow, no third-party images: the files are under the repository's Apache-2.0 license.
 """
@@ -53,6 +54,26 @@ def records(pictures: list[tuple[str, str, str]], rng: random.Random) -> list[di
     return out
 
 
+def pairs(pictures: list[tuple[str, str, str]], rng: random.Random) -> list[dict]:
+    out = []
+    for path, colour, shape in pictures:
+        wrong_colour = rng.choice([c for c in COLOURS if c != colour])
+        wrong_shape = rng.choice([s for s in SHAPES if s != shape])
+        out.append({"images": [path], "prompt": [user("What is in this picture?", 1)],
+                    "chosen": [{"role": "assistant", "content": f"A {colour} {shape}."}],
+                    "rejected": [{"role": "assistant", "content": f"A {wrong_colour} {wrong_shape}."}]})
+    for _ in range(6):
+        (a, ca, _), (b, cb, _) = rng.sample(pictures, 2)
+        right = f"Yes: both are {ca}." if ca == cb else f"No: one is {ca}, the other {cb}."
+        wrong = f"No: one is {ca}, the other {rng.choice([c for c in COLOURS if c != ca])}." if ca == cb else \
+            f"Yes: both are {ca}."
+        out.append({"images": [a, b], "prompt": [user("Are these two the same colour?", 2)],
+                    "chosen": [{"role": "assistant", "content": right}],
+                    "rejected": [{"role": "assistant", "content": wrong}]})
+    rng.shuffle(out)
+    return out
+
+
 if __name__ == "__main__":
     root = Path(__file__).resolve().parent.parent / "data" / "vision"
     (root / "images").mkdir(parents=True, exist_ok=True)
@@ -63,4 +84,6 @@ if __name__ == "__main__":
         pictures.append((path, colour, shape))
     rows = records(pictures, random.Random(0))
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{root}: {len(rows)} records, {len(pictures)} images")
+    preference = pairs(pictures, random.Random(1))
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in preference))
+    print(f"{root}: {len(rows)} records, {len(preference)} preference pairs, {len(pictures)} images")

@@ -302,15 +302,17 @@ def test_hub_image_dataset(tok, vlm, data, tmp_path):
 
 
 def test_methods_without_images_refuse_image_records():
-    """DPO's pairs, KTO's examples and GRPO's prompts do not carry images yet: a record with one is refused by file
-    and line, naming the method and the fix, instead of training on the placeholder text alone."""
+    """The other pair methods' pairs (DPO reads image pairs: tests/test_vision_dpo.py), KTO's examples and GRPO's
+    prompts do not carry images yet: a record with one is refused by file and line, naming the method and the fix,
+    instead of training on the placeholder text alone."""
     from finetune.data import preference, prompts, unpaired
 
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
     pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "Red."}],
             "rejected": [{"role": "assistant", "content": "Blue."}], "images": ["img/0.png"]}
-    with pytest.raises(DataError, match=r"p\.jsonl:3: the record has 1 image, and preference training \(DPO, .*\) "
-                                        r"does not train on images yet \(SFT does: docs/vision\.md\)"):
+    with pytest.raises(DataError, match=r"p\.jsonl:3: the record has 1 image, and preference training \(ORPO, .*\) "
+                                        r"does not train on images yet \(SFT and DPO do: docs/vision\.md\); leave the images out, or train "
+                                        r"with --method dpo"):
         preference.pair_of(pair, "p.jsonl:3", chat=True)
     example = {"prompt": prompt, "completion": [{"role": "assistant", "content": "Red."}], "label": True}
     with pytest.raises(DataError, match=r"k\.jsonl:1: the record has 1 image, and KTO does not train on images"):

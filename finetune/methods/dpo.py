@@ -2,8 +2,10 @@
 sigmoid, hinge, ipo, robust, as TRL's DPOTrainer names them; LOSSES below).
 
 A micro-batch holds whole pairs: rows [chosen of pair 0..n-1, rejected of pair 0..n-1] (PairCollator), scored in
-one forward. A sequence's log-probability is the sum over its completion's trained tokens (labels != -100) of
-log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
+one forward. With a vision-language model, pairs may hold images (TRL's vision preference format, docs/vision.md):
+VisionPairCollator adds what the processor makes of each row's prompt images, and every forward, the policy's and the
+reference's, gets it (finetune.data.preference.model_inputs). A sequence's log-probability is the sum over its
+completion's trained tokens (labels != -100) of log p(token | everything before it). With β = --beta and ε = --label_smoothing, per pair:
 
     d    = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     loss = -(1 - ε) log σ(β d) - ε log σ(-β d)                       (sigmoid, the default; conservative DPO for ε > 0)
@@ -158,16 +160,17 @@ class DPO(Method):
     def prepare(self, data, tokenizer, *, local_rank: int, log, seed: int = 42):
         from finetune.data.preference import prepare_pairs
 
-        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log, seed=seed)
+        # Image pairs too (TRL's vision preference format) with a vision-language model (docs/vision.md).
+        return prepare_pairs(data, tokenizer, local_rank=local_rank, log=log, seed=seed, images=True)
 
     def examples(self, dataset, key: str | None) -> Examples:
         """The pairs numbered (`pair_index`: where their precomputed reference log-probs are)."""
         return Examples(dataset.add_column("pair_index", list(range(len(dataset)))), key)
 
     def collator(self, cfg, tokenizer):
-        from finetune.data.preference import PairCollator
+        from finetune.data.preference import pair_collator
 
-        return PairCollator(tokenizer.pad_token_id)
+        return pair_collator(tokenizer, images=True)
 
     def count(self, batches: list[dict]):
         """The pairs (a step's loss is the mean over the pairs of the global batch, not over its tokens)."""
@@ -241,14 +244,15 @@ def completion_logps(logits, labels, positions, index=None):
 
 
 def sequence_logps(model, batch: dict):
-    """The completion log-probability of every row of a pair batch under `model` (grad where enabled)."""
-    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
+    """The completion log-probability of every row of a pair batch under `model` (grad where enabled). The model
+    gets the batch's tokens and attention mask, and what else the collator gave it (a vision-language model's pixel
+    values, image grids, token types: finetune.data.preference.model_inputs)."""
+    from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS, model_inputs
 
     labels = batch["labels"]
     positions = batch.get(SCORED_POSITIONS)
     positions = scored_positions(labels) if positions is None else positions.to(labels.device, non_blocking=True)
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions,
-                use_cache=False)
+    out = model(**model_inputs(batch), logits_to_keep=positions, use_cache=False)
     return completion_logps(out.logits, labels, positions, batch.get(SCORED_INDEX))
 
 
@@ -363,7 +367,7 @@ def precompute(module, dataset, collator, batch_size: int, device, autocast=cont
         for s in range(steps):
             idx = mine[s * batch_size:(s + 1) * batch_size]
             batch = collator([dataset[i] for i in (idx or [0])])
-            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+            batch = {k: v.to(device) for k, v in batch.items() if k != "pair_index"}
             with autocast():
                 logps = sequence_logps(module, batch).double()
             if idx:
@@ -533,10 +537,7 @@ class Reference:
         return batch
 
     def logps(self, batch: dict):
-        from finetune.data.preference import SCORED_INDEX, SCORED_POSITIONS
-
-        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", SCORED_POSITIONS, SCORED_INDEX)
-                 if k in batch}
+        batch = {k: v for k, v in batch.items() if k not in ("pair_index", "ref_logps")}
         if self.partitioned:  # the reference's own engine: placed and cast by DeepSpeed
             return sequence_logps(self.copy, batch)
         if self.copy is not None:

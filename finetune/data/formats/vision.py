@@ -36,12 +36,14 @@ def image_count(record: dict) -> int:
     return max(len(refs), parts)
 
 
-def refuse_images(record: dict, where: str, what: str) -> None:
-    """DataError for a record with images given to a method that does not train on them (only SFT does)."""
+def refuse_images(record: dict, where: str, what: str, instead: str = "sft") -> None:
+    """DataError for a record with images given to a method that does not train on them (SFT and DPO do); `instead`:
+    the method that reads such records."""
     n = image_count(record) if isinstance(record, dict) else 0
     if n:
         raise DataError(f"{where}: the record has {n} image{'s' if n != 1 else ''}, and {what} does not train on "
-                        "images yet (SFT does: docs/vision.md); leave the images out, or train with --method sft")
+                        f"images yet (SFT and DPO do: docs/vision.md); leave the images out, or train with --method "
+                        f"{instead}")
 
 
 def _parts(content: Any, where: str) -> int:
