@@ -161,12 +161,19 @@ def _decode(data, qtype, shape):
     return quants.dequantize(data, qtype).reshape(shape)
 
 
+def lm_family(model):
+    """The family a causal LM (as its family's gguf_model gave it) is written and read back as: the one it names
+    (`gguf_family`: a language model llama.cpp keeps under an architecture of its own, Qwen2.5-VL's "qwen2vl"), else
+    its config's."""
+    return getattr(model, "gguf_family", None) or families.family_of(model.config)
+
+
 def gguf_tensors(model, gguf_type: str):
     """[(gguf name, data, qtype, HF name, stored shape)] for every weight of MODEL, named and laid out as its
     family's (a weight llama.cpp keeps in parts, as a MoE's fused gate/up experts, is one row per part)."""
     import torch
 
-    family = families.family_of(model.config)
+    family = lm_family(model)
     shape = family.shape(model.config.to_dict())
     names = family.gguf_names(shape)
     tied = shape.tie_word_embeddings
@@ -457,9 +464,9 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
 
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
-    model, _ = families.family_of(model.config).gguf_model(model)
+    model, _ = lm_family(model).gguf_model(model)
     config = model.config
-    family = families.family_of(config)
+    family = lm_family(model)
     writer = gguf.GGUFWriter(str(path), family.gguf_arch)
     writer.add_name(name)
     for adder, value in family.gguf_metadata(config):
@@ -518,7 +525,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str, sou
     # proves the Q/K permutation and the name mapping, whatever the type.
     weight_diff = 0.0
     hf_state = model.state_dict()
-    family = families.family_of(model.config)
+    family = lm_family(model)
     shape = family.shape(model.config.to_dict())
     stored: dict[str, list] = {}
     for name, data, qtype, hf_name, part_shape in tensors:
@@ -571,7 +578,9 @@ def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> l
     if "image_mean" not in preprocessor:
         raise ExportError(f"{model_dir}: no image processor settings (processor_config.json or "
                           "preprocessor_config.json): the mmproj file needs its image mean and std")
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, int(family.mmproj_vision(config)["num_hidden_layers"]))
+    # At least 3 blocks: the table numbers a projector's layers as blocks too (Qwen2.5-VL's merger.mlp.2 is mm.2).
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ,
+                                     max(3, int(family.mmproj_vision(config)["num_hidden_layers"])))
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_name(name)
@@ -588,6 +597,10 @@ def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> l
                         continue
                     for part, array in family.mmproj_parts(source, f.get_tensor(key).float().numpy()):
                         gguf_name = table.get_name(part, try_suffixes=(".weight", ".bias"))
+                        stem, _, number = part.rpartition(".")
+                        if gguf_name is None and number.isdigit():  # a tensor's numbered part (".weight.1")
+                            gguf_name = table.get_name(stem, try_suffixes=(".weight", ".bias"))
+                            gguf_name = gguf_name and f"{gguf_name}.{number}"
                         if gguf_name is None:
                             raise ExportError(f"{file}: {key} has no name in llama.cpp's mmproj table (as {part})")
                         force = family.mmproj_force(source, gguf_name, f16)
