@@ -302,6 +302,14 @@ def sentencepiece_scores(tj: dict, vocab_size: int) -> list[float]:
     return scores
 
 
+def looks_special(token: str) -> bool:
+    """An added token llama.cpp's converter writes as a control token though the tokenizer does not mark it special
+    (its TextModel.does_token_look_special, for BPE vocabularies): <|...|> (Qwen's <|fim_prefix|>, ...), <｜...｜>,
+    <unused...>, and a few names."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or token.startswith("<|") and token.endswith("|>")
+            or token.startswith("<\uff5c") and token.endswith("\uff5c>") or token.startswith("<unused") and token.endswith(">"))
+
+
 def add_tokenizer(writer, model_dir: Path, vocab_size: int, tokenizer, tj: dict) -> dict:
     """Write the vocabulary (BPE: merges; SentencePiece: scores), special ids and chat template; return what the
     Modelfile needs."""
@@ -326,7 +334,8 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int, tokenizer, tj: dict)
             types.append(gguf.TokenType.UNKNOWN)
         elif i in added:
             tokens.append(added[i].content)
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+            control = added[i].special or kind == "gpt2" and looks_special(added[i].content)
+            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
         elif kind == "llama" and byte_token.fullmatch(reverse[i]):
             tokens.append(reverse[i])
             types.append(gguf.TokenType.BYTE)
@@ -468,6 +477,7 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
     config = model.config
     family = lm_family(model)
     writer = gguf.GGUFWriter(str(path), family.gguf_arch)
+    writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     for adder, value in family.gguf_metadata(config):
         getattr(writer, adder)(value)
@@ -586,6 +596,7 @@ def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> l
     writer.add_name(name)
     for adder, value in family.mmproj_metadata(config, preprocessor, f16):
         getattr(writer, adder)(value)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     position = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_POS]
     written = []
     try:

@@ -108,12 +108,14 @@ class Gemma3Family(Gemma2Family):
 
     def softcap_metadata(self, config) -> list[tuple[str, Any]]:
         full = config.rope_parameters["full_attention"]
+        # The sliding layers' rope base (gguf_refusal: always LOCAL_THETA), as llama.cpp's converter writes it.
+        meta: list[tuple[str, Any]] = [("add_rope_freq_base_swa", LOCAL_THETA)]
         if full.get("rope_type", "default") == "linear":
             from gguf import RopeScalingType
 
-            return [("add_rope_scaling_type", RopeScalingType.LINEAR),
-                    ("add_rope_scaling_factor", float(full["factor"]))]
-        return []
+            meta += [("add_rope_scaling_type", RopeScalingType.LINEAR),
+                     ("add_rope_scaling_factor", float(full["factor"]))]
+        return meta
 
     def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
         a = self.gguf_arch
