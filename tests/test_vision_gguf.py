@@ -256,12 +256,12 @@ def qwen2_5_vl_four_blocks(tmp_path_factory):
 
 def test_qwen2_5_vl_gguf_as_llama_cpp_writes_it(qwen2_5_vl_four_blocks, tmp_path, capsys):
     """Qwen2.5-VL: the language model as llama.cpp's "qwen2vl" (q8_0) and its mmproj file (f16) equal llama.cpp's
-    converter's; finetune reads the language model back (its own reader: transformers refuses "qwen2vl") to the
+    converter's (tokens, merges and token types included); finetune reads the language model back (its own reader:
+    transformers refuses "qwen2vl") to the
     weights HF's rounded to q8_0 exactly, and to the VLM's text-only logits, from its file and from llama.cpp's."""
     import gguf
     from transformers import AutoModelForImageTextToText
 
-    from finetune.convert.gguf_import import load_gguf
     from finetune.convert.writers.gguf import LOGIT_BOUNDS
     from finetune.models.verify import fixed_input, logits_of
 
@@ -284,7 +284,7 @@ def test_qwen2_5_vl_gguf_as_llama_cpp_writes_it(qwen2_5_vl_four_blocks, tmp_path
     ids = fixed_input(vlm.config.get_text_config().vocab_size)
     ref = logits_of(vlm, ids)
     # The weights: HF's, rounded to Q8_0 by the gguf package, are what reads back (Q and K unpermuted: none).
-    loaded, tokenizer = load_gguf(out)
+    loaded = read_lm(out)
     hf = {k.replace("model.language_model.", "model."): v for k, v in vlm.state_dict().items()}
     hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     worst = 0.0
@@ -298,17 +298,35 @@ def test_qwen2_5_vl_gguf_as_llama_cpp_writes_it(qwen2_5_vl_four_blocks, tmp_path
     q8_diff = (logits_of(loaded, ids) - ref).abs().max().item()
     assert q8_diff <= LOGIT_BOUNDS["q8_0"] * ref.abs().max().item()
     # llama.cpp's own f32 file, read by finetune: the text model computes the VLM's text-only logits.
-    f32, _ = load_gguf(llama_cpp_convert(folder, tmp_path / "ref-f32.gguf", "f32"))
+    f32 = read_lm(llama_cpp_convert(folder, tmp_path / "ref-f32.gguf", "f32"))
     f32_diff = (logits_of(f32, ids) - ref).abs().max().item()
     assert f32_diff <= 1e-5, f32_diff
-    sample = "Hello world! 123 <|im_end|> 日本"
-    assert tokenizer(sample)["input_ids"] == vlm_tokenizer(folder)(sample)["input_ids"]
     print(f"qwen2_5_vl: q8_0 language model ({lm[1]} tensors, {lm[0]} keys) and f16 mmproj ({mm[1]} tensors, {mm[0]} "
           f"keys) equal llama.cpp's converter's; read back: weights = HF's rounded to Q8_0 (max {worst:.3g} from HF), "
           f"logits vs the VLM's text-only {q8_diff:.3g} (q8_0), {f32_diff:.2g} (llama.cpp's f32 file)")
 
 
-def vlm_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+def read_lm(path: Path):
+    """The language model of a GGUF file as finetune reads it (finetune import-gguf's reader, less the tokenizer:
+    the exporter checks that encodings match, and the tokenizer keys equal llama.cpp's above)."""
+    from finetune.convert.gguf_import import inspect
 
-    return AutoTokenizer.from_pretrained(folder)
+    info = inspect(path)
+    return info.family.load_gguf(info.path, info.meta).eval()
+
+
+def test_qwen2_5_vl_towers_llama_cpp_cannot_read_are_refused_by_key():
+    """A vision config llama.cpp's qwen2.5vl_merger cannot express is refused before anything is written, naming the
+    key: full attention not on every n-th block, or a temporal patch other than 2 frames."""
+    from transformers import Qwen2_5_VLConfig
+
+    from finetune.models.families import QWEN2_5_VL
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    ok = dict(depth=4, hidden_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[1, 3])
+    assert QWEN2_5_VL.gguf_refusal(Qwen2_5_VLConfig(text_config=text, vision_config=ok)) is None
+    uneven = QWEN2_5_VL.gguf_refusal(Qwen2_5_VLConfig(text_config=text, vision_config=dict(ok, fullatt_block_indexes=[1, 2])))
+    assert uneven.startswith("vision_config.fullatt_block_indexes [1, 2]: llama.cpp's qwen2.5vl_merger reads")
+    frames = QWEN2_5_VL.gguf_refusal(Qwen2_5_VLConfig(text_config=text, vision_config=dict(ok, temporal_patch_size=3)))
+    assert frames == "vision_config.temporal_patch_size 3: llama.cpp's qwen2.5vl_merger reads 2"

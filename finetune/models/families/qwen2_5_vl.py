@@ -24,6 +24,15 @@ from finetune.models.families.qwen2 import QWEN2, Qwen2Family
 from finetune.models.families.vision import MmprojTower, VisionFamily, dense
 
 
+def window_pattern(vision: dict[str, Any]) -> int | None:
+    """n, where every n-th vision block attends fully (fullatt_block_indexes n-1, 2n-1, ...: llama.cpp's n_wa_pattern),
+    or None for another pattern."""
+    full = list(vision.get("fullatt_block_indexes") or [])
+    if not full or any(b - a != full[0] + 1 for a, b in zip(full, full[1:])):
+        return None
+    return full[0] + 1
+
+
 @dataclass(frozen=True)
 class Qwen2VLTextFamily(Qwen2Family):
     """The language model of a Qwen2.5-VL checkpoint as llama.cpp's "qwen2vl" file holds it: Qwen2's tensors and
@@ -125,6 +134,15 @@ class Qwen25VLFamily(VisionFamily, MmprojTower, Qwen2Family):
         return lm.eval(), ("the file holds the language model only: the vision tower and projector are not included "
                            "(llama.cpp reads them from a separate mmproj file)")
 
+    def gguf_refusal(self, config) -> str | None:
+        v = config.vision_config
+        if int(v.temporal_patch_size) != 2:
+            return f"vision_config.temporal_patch_size {v.temporal_patch_size}: llama.cpp's qwen2.5vl_merger reads 2"
+        if window_pattern(v.to_dict()) is None:
+            return (f"vision_config.fullatt_block_indexes {v.fullatt_block_indexes}: llama.cpp's qwen2.5vl_merger reads "
+                    "full attention on every n-th block only (n-1, 2n-1, ...)")
+        return super().gguf_refusal(config)
+
     def gguf_required_names(self) -> tuple[str, ...]:
         return QWEN2VL_TEXT.gguf_required_names()
 
@@ -146,11 +164,7 @@ class Qwen25VLFamily(VisionFamily, MmprojTower, Qwen2Family):
         if ".qkv." in name:
             third = array.shape[0] // 3
             return [(name.replace("qkv", part), array[k * third:(k + 1) * third]) for k, part in enumerate("qkv")]
-        if "patch_embed.proj.weight" in name:
-            if array.shape[2] != 2:
-                from finetune.convert.messages import ExportError
-
-                raise ExportError(f"{name}: temporal_patch_size {array.shape[2]}; llama.cpp's qwen2.5vl_merger reads 2")
+        if "patch_embed.proj.weight" in name:  # temporal_patch_size 2 (gguf_refusal)
             return [(name, array[:, :, 0]), (name + ".1", array[:, :, 1])]
         return [(name, array)]
 
@@ -164,14 +178,8 @@ class Qwen25VLFamily(VisionFamily, MmprojTower, Qwen2Family):
                     num_hidden_layers=v.get("depth"))
 
     def mmproj_metadata(self, config: dict[str, Any], preprocessor: dict[str, Any], f16: bool) -> list[tuple[str, Any]]:
-        full = list(self.mmproj_vision(config).get("fullatt_block_indexes") or [])
         # The window-attention pattern: every n-th block attends fully (fullatt_block_indexes n-1, 2n-1, ...).
-        pattern = full[0] + 1 if full else 0
-        if not full or any(b - a != pattern for a, b in zip(full, full[1:])):
-            from finetune.convert.messages import ExportError
-
-            raise ExportError(f"vision_config.fullatt_block_indexes {full}: llama.cpp's qwen2.5vl_merger reads full "
-                              "attention every n-th block only (n-1, 2n-1, ...)")
+        pattern = window_pattern(self.mmproj_vision(config))
         meta = [m for m in super().mmproj_metadata(config, preprocessor, f16)
                 if m[0] != "add_vision_attention_layernorm_eps"]
         return meta + [("add_vision_use_silu", True), ("add_vision_n_wa_pattern", pattern),
