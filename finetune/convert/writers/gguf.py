@@ -11,7 +11,9 @@ llama-cpp-python, gguf_kquant.py): the family's metadata (finetune.models.famili
 byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
 permuted); a checkpoint holding more than the architecture (Gemma-3's multimodal one) is written as the causal LM its
-family's gguf_model gives, with one line saying what is left out. The file is written under a temporary name in the output folder, verified
+family's gguf_model gives, with one line saying what is left out, and where llama.cpp's multimodal tool reads the
+vision tower (SmolVLM, Gemma-3, Qwen2.5-VL: MmprojTower) its mmproj file is written beside it (write_mmproj; Qwen2.5-VL's
+language model is llama.cpp's "qwen2vl", which finetune reads back itself: lm_family). The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
 weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it. An adapter or a ZeRO checkpoint becomes an HF
 folder first (the HF export type's `hf_folder`, verified as for --to hf).
