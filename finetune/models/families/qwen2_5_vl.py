@@ -17,6 +17,7 @@ axes, so mrope is Qwen2's rope)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from finetune.models.families.base import ModelShape, Saving, Tensor
@@ -54,13 +55,12 @@ class Qwen2VLTextFamily(Qwen2Family):
         """The text model (Qwen2ForCausalLM in float32) of a "qwen2vl" file, built from the file's keys and tensors
         (gguf_state_dict), which transformers' loader does not read."""
         import torch
+        from gguf import GGUFReader
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         a = self.gguf_arch
         layers, hidden, heads = (int(meta[f"{a}.block_count"]), int(meta[f"{a}.embedding_length"]),
                                  int(meta[f"{a}.attention.head_count"]))
-        from gguf import GGUFReader
-
         reader = GGUFReader(str(path))
         names = {t.name: t for t in reader.tensors}
         config = Qwen2Config(
@@ -86,8 +86,6 @@ class Qwen2VLTextFamily(Qwen2Family):
     def load_gguf_tokenizer(self, path):
         """transformers' GGUF tokenizer without its config reader (which refuses "qwen2vl"): the same converter
         from the file's tokenizer.ggml keys."""
-        from pathlib import Path
-
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
@@ -135,6 +133,10 @@ class Qwen25VLFamily(VisionFamily, MmprojTower, Qwen2Family):
                            "(llama.cpp reads them from a separate mmproj file)")
 
     def gguf_refusal(self, config) -> str | None:
+        text = config.get_text_config()
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        if not rope.get("mrope_section"):
+            return "text_config.rope_parameters has no mrope_section: llama.cpp's qwen2vl needs the mrope sections"
         v = config.vision_config
         if int(v.temporal_patch_size) != 2:
             return f"vision_config.temporal_patch_size {v.temporal_patch_size}: llama.cpp's qwen2.5vl_merger reads 2"
