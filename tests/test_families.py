@@ -83,7 +83,7 @@ def test_unknown_family_is_refused_by_name(tmp_path):
                                                    r"idefics3, llava, llava_next\)"):
         families.family_of({"model_type": "gpt_neox", "hidden_size": 8})
     with pytest.raises(families.FamilyError, match=r"no model family for GGUF architecture 'falcon' "
-                                                   r"\(known: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe\)"):
+                                                   r"\(known: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe, qwen2vl\)"):
         families.by_gguf_arch("falcon")
     assert families.by_gguf_arch("llama") is LLAMA
     with pytest.raises(plan.PlanError, match="no model family for model_type 'gpt_neox'"):

@@ -466,7 +466,7 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(tokenizers, tmp_path,
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type 'gpt2' cannot be written as GGUF by finetune (supported: llama, qwen2, " \
-        "qwen3, mistral, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, gemma3, smolvlm, idefics3)" in err[0], err
+        "qwen3, mistral, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, gemma3, qwen2_5_vl, smolvlm, idefics3)" in err[0], err
     assert not (tmp_path / "x.gguf").exists()
 
 
@@ -487,7 +487,7 @@ def test_import_of_an_architecture_no_family_covers_is_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
     assert ("no model family for GGUF architecture 'falcon' (known: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-            "qwen3moe); finetune imports the model families it trains only") in err[0]
+            "qwen3moe, qwen2vl); finetune imports the model families it trains only") in err[0]
     assert not (tmp_path / "out").exists()
 
 

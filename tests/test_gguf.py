@@ -181,7 +181,7 @@ def test_not_llama_style_is_exit_2(tmp_path, capsys):
     w.write_tensors_to_file()
     w.close()
     code, err = _cli(capsys, str(path), str(tmp_path / "out"))
-    assert code == 2 and "no model family for GGUF architecture 'gpt2' (known: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe)" in err, err
+    assert code == 2 and "no model family for GGUF architecture 'gpt2' (known: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe, qwen2vl)" in err, err
 
 
 def test_existing_output_is_exit_2(tiny_folder, tmp_path, capsys):

@@ -112,13 +112,12 @@ def load_gguf(path: str | Path):
     loader with the config values it leaves at its defaults set from the file, Gemma-2's soft-caps, a MoE's expert
     width; Mixtral's, which transformers cannot read, built by the family), so the model computes what llama.cpp
     computes. The tokenizer is transformers' GGUF tokenizer."""
-    from transformers import AutoTokenizer
 
     from finetune import compat
 
     with compat.shared_gguf_reader():
         info = inspect(path)
-        tokenizer = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+        tokenizer = info.family.load_gguf_tokenizer(info.path)
         model = info.family.load_gguf(info.path, info.meta)
     model.eval()
     return model, tokenizer

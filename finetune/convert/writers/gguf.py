@@ -11,7 +11,9 @@ llama-cpp-python, gguf_kquant.py): the family's metadata (finetune.models.famili
 byte-level BPE tokenizer (tokens, token types, merges, pre-tokenizer name), special token ids and the chat template;
 tensor names and layouts are the family's as llama.cpp's convert_hf_to_gguf.py writes them (Llama's Q and K rows
 permuted); a checkpoint holding more than the architecture (Gemma-3's multimodal one) is written as the causal LM its
-family's gguf_model gives, with one line saying what is left out. The file is written under a temporary name in the output folder, verified
+family's gguf_model gives, with one line saying what is left out, and where llama.cpp's multimodal tool reads the
+vision tower (SmolVLM, Gemma-3, Qwen2.5-VL: MmprojTower) its mmproj file is written beside it (write_mmproj; Qwen2.5-VL's
+language model is llama.cpp's "qwen2vl", which finetune reads back itself: lm_family). The file is written under a temporary name in the output folder, verified
 (transformers loads it, its logits match the HF model's within the bound of its type, and its weights are the HF
 weights rounded to that type), then renamed into place; an Ollama `Modelfile` is written next to it. An adapter or a ZeRO checkpoint becomes an HF
 folder first (the HF export type's `hf_folder`, verified as for --to hf).
@@ -161,12 +163,19 @@ def _decode(data, qtype, shape):
     return quants.dequantize(data, qtype).reshape(shape)
 
 
+def lm_family(model):
+    """The family a causal LM (as its family's gguf_model gave it) is written and read back as: the one it names
+    (`gguf_family`: a language model llama.cpp keeps under an architecture of its own, Qwen2.5-VL's "qwen2vl"), else
+    its config's."""
+    return getattr(model, "gguf_family", None) or families.family_of(model.config)
+
+
 def gguf_tensors(model, gguf_type: str):
     """[(gguf name, data, qtype, HF name, stored shape)] for every weight of MODEL, named and laid out as its
     family's (a weight llama.cpp keeps in parts, as a MoE's fused gate/up experts, is one row per part)."""
     import torch
 
-    family = families.family_of(model.config)
+    family = lm_family(model)
     shape = family.shape(model.config.to_dict())
     names = family.gguf_names(shape)
     tied = shape.tie_word_embeddings
@@ -295,6 +304,14 @@ def sentencepiece_scores(tj: dict, vocab_size: int) -> list[float]:
     return scores
 
 
+def looks_special(token: str) -> bool:
+    """An added token llama.cpp's converter writes as a control token though the tokenizer does not mark it special
+    (its TextModel.does_token_look_special, for BPE vocabularies): <|...|> (Qwen's <|fim_prefix|>, ...), <｜...｜>,
+    <unused...>, and a few names."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or token.startswith("<|") and token.endswith("|>")
+            or token.startswith("<\uff5c") and token.endswith("\uff5c>") or token.startswith("<unused") and token.endswith(">"))
+
+
 def add_tokenizer(writer, model_dir: Path, vocab_size: int, tokenizer, tj: dict) -> dict:
     """Write the vocabulary (BPE: merges; SentencePiece: scores), special ids and chat template; return what the
     Modelfile needs."""
@@ -319,7 +336,8 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int, tokenizer, tj: dict)
             types.append(gguf.TokenType.UNKNOWN)
         elif i in added:
             tokens.append(added[i].content)
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+            control = added[i].special or kind == "gpt2" and looks_special(added[i].content)
+            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
         elif kind == "llama" and byte_token.fullmatch(reverse[i]):
             tokens.append(reverse[i])
             types.append(gguf.TokenType.BYTE)
@@ -457,10 +475,11 @@ def write_gguf(model, model_dir: Path, path: Path, gguf_type: str, name: str, to
 
     tokenizer, tj = tokenizer or load_tokenizer(model_dir)
 
-    model, _ = families.family_of(model.config).gguf_model(model)
+    model, _ = lm_family(model).gguf_model(model)
     config = model.config
-    family = families.family_of(config)
+    family = lm_family(model)
     writer = gguf.GGUFWriter(str(path), family.gguf_arch)
+    writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     for adder, value in family.gguf_metadata(config):
         getattr(writer, adder)(value)
@@ -518,7 +537,7 @@ def verify_gguf(path: Path, model, tokenizer, tensors: list, gguf_type: str, sou
     # proves the Q/K permutation and the name mapping, whatever the type.
     weight_diff = 0.0
     hf_state = model.state_dict()
-    family = families.family_of(model.config)
+    family = lm_family(model)
     shape = family.shape(model.config.to_dict())
     stored: dict[str, list] = {}
     for name, data, qtype, hf_name, part_shape in tensors:
@@ -571,12 +590,15 @@ def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> l
     if "image_mean" not in preprocessor:
         raise ExportError(f"{model_dir}: no image processor settings (processor_config.json or "
                           "preprocessor_config.json): the mmproj file needs its image mean and std")
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, int(family.mmproj_vision(config)["num_hidden_layers"]))
+    # At least 3 blocks: the table numbers a projector's layers as blocks too (Qwen2.5-VL's merger.mlp.2 is mm.2).
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ,
+                                     max(3, int(family.mmproj_vision(config)["num_hidden_layers"])))
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_name(name)
     for adder, value in family.mmproj_metadata(config, preprocessor, f16):
         getattr(writer, adder)(value)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     position = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_POS]
     written = []
     try:
@@ -588,6 +610,10 @@ def write_mmproj(family, model_dir: Path, path: Path, name: str, f16: bool) -> l
                         continue
                     for part, array in family.mmproj_parts(source, f.get_tensor(key).float().numpy()):
                         gguf_name = table.get_name(part, try_suffixes=(".weight", ".bias"))
+                        stem, _, number = part.rpartition(".")
+                        if gguf_name is None and number.isdigit():  # a tensor's numbered part (".weight.1")
+                            gguf_name = table.get_name(stem, try_suffixes=(".weight", ".bias"))
+                            gguf_name = gguf_name and f"{gguf_name}.{number}"
                         if gguf_name is None:
                             raise ExportError(f"{file}: {key} has no name in llama.cpp's mmproj table (as {part})")
                         force = family.mmproj_force(source, gguf_name, f16)

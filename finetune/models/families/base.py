@@ -460,6 +460,12 @@ class Family(ABC):
             setattr(config, key, value)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
 
+    def load_gguf_tokenizer(self, path):
+        """The tokenizer of the GGUF file PATH: transformers' own GGUF tokenizer."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+
     def gguf_state_dict(self, path, sh: ModelShape) -> dict[str, Any]:
         """The HF state dict (float32 torch tensors) of SH's tensors in the GGUF file PATH, dequantized and mapped back
         by this family (gguf_names, gguf_parts, from_gguf_parts): the inverse of what the exporter writes."""

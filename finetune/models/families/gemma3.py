@@ -14,7 +14,7 @@ layers' rope base at 10000 and the query scale by its rule (Gemma2Family.query_s
 global layers (Gemma-3 4B and up) is rope.scaling.type/factor, which transformers' loader does not read (gguf_config
 sets it). A multimodal checkpoint's file is its language model (text_config's sizes, model.language_model.'s weights
 and the LM head), as llama.cpp's converter writes it; the vision tower goes to a separate file in llama.cpp (mmproj),
-which finetune does not write (gguf_model says so in one line)."""
+which finetune writes beside it (Gemma3VisionFamily, MmprojTower)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class Gemma3Family(Gemma2Family):
             lm = Gemma3ForCausalLM(text_config)
         lm.model, lm.lm_head = model.model.language_model, model.lm_head
         return lm.eval(), ("the file holds the language model only: the vision tower and projector are not included "
-                           "(llama.cpp reads them from a separate mmproj file, which finetune does not write)")
+                           "(llama.cpp reads them from a separate mmproj file)")
 
     def softcap_refusal(self, config) -> str | None:
         if config.attn_logit_softcapping is not None or config.final_logit_softcapping is not None:
@@ -109,12 +109,14 @@ class Gemma3Family(Gemma2Family):
 
     def softcap_metadata(self, config) -> list[tuple[str, Any]]:
         full = config.rope_parameters["full_attention"]
+        # The sliding layers' rope base (gguf_refusal: always LOCAL_THETA), as llama.cpp's converter writes it.
+        meta: list[tuple[str, Any]] = [("add_rope_freq_base_swa", LOCAL_THETA)]
         if full.get("rope_type", "default") == "linear":
             from gguf import RopeScalingType
 
-            return [("add_rope_scaling_type", RopeScalingType.LINEAR),
-                    ("add_rope_scaling_factor", float(full["factor"]))]
-        return []
+            meta += [("add_rope_scaling_type", RopeScalingType.LINEAR),
+                     ("add_rope_scaling_factor", float(full["factor"]))]
+        return meta
 
     def gguf_config(self, meta: dict[str, Any]) -> dict[str, Any]:
         a = self.gguf_arch
