@@ -217,3 +217,31 @@ def _widen_mlp(model: Path, intermediate: int) -> None:
     config.max_position_embeddings = 32768
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(model)
+
+
+def test_plan_knows_the_split(tmp_path):
+    """`finetune plan --sequence_parallel_size 2`: each rank's activations are a half-row slice's (no mask) plus the
+    all-to-all buffers, and the longest record that fits is the bisection's boundary, about twice the unsplit one
+    on a model whose activations dominate."""
+    from finetune.plan import planner
+
+    model = tiny.build(tmp_path / "model", hidden=64, layers=8)
+    argv = ["--model_name_or_path", str(model), "--max_seq_length", "16384", "--per_device_train_batch_size", "1",
+            "--config", "zero2", "--devices_per_node", "2", "--accelerator", "cpu", "--host_memory", "16GB",
+            # Packed rows: no padding mask in either plan (the planner counts a [length x length] one per layer for
+            # padded batches, which a split row never builds).
+            "--packing", "true"]
+    one, two = planner.make_plan(argv), planner.make_plan([*argv, "--sequence_parallel_size", "2"])
+    assert 0 < two["per_device"]["activations"] < one["per_device"]["activations"] * 0.6
+    assert any("sequence parallel over 2 ranks: activations of a 8192-token slice" in n for n in two["notes"])
+    longest_one, longest_two = one["longest_record"]["tokens"], two["longest_record"]["tokens"]
+    assert 1.8 * longest_one < longest_two < 2.6 * longest_one, (longest_one, longest_two)
+    cfg, _ = planner.parse_plan_args([*argv, "--sequence_parallel_size", "2"])
+    job = planner.workload_from_config(cfg, world_size=2, devices_per_node=2, accelerator="cpu")
+    limits = planner.Limits(16 * 10**9 // 2, 16 * 10**9)
+    assert planner.fits(planner.predict(job.replace(seq_len=longest_two)), limits)[0]
+    assert not planner.fits(planner.predict(job.replace(seq_len=longest_two + 2)), limits)[0]
+    assert f"longest record that fits: {longest_two:,} tokens" in planner.render(two)
+    assert "each record split over 2 ranks" in planner.render(two)
+    with pytest.raises(planner.PlanError, match="does not divide the 2 devices"):
+        planner.make_plan([*argv, "--sequence_parallel_size", "3"])
