@@ -203,9 +203,17 @@ def test_16k_records_split_with_their_memory(tmp_path):
     worst = _assert_same(losses(tmp_path / "one"), losses(tmp_path / "split"), steps)
     unsplit = int((tmp_path / "hwm-one" / "hwm-0").read_text()) / 2**20
     ranks = [int((tmp_path / "hwm-split" / f"hwm-{r}").read_text()) / 2**20 for r in range(2)]
+    # The plan of the split run: each rank's total (a slice's activations, the all-to-all buffers, the process).
+    from finetune.plan import planner
+
+    plan = planner.make_plan(["--model_name_or_path", str(model), "--max_seq_length", str(length),
+                              "--per_device_train_batch_size", "1", "--config", "zero2", "--devices_per_node", "2",
+                              "--accelerator", "cpu", "--host_memory", "24GB", "--sequence_parallel_size", "2"])
+    planned = plan["per_device_total"] / 2**30
     print(f"16k: worst relative difference {worst:.2e}; peak RSS one process {unsplit:.2f} GiB, split ranks "
-          f"{ranks[0]:.2f} / {ranks[1]:.2f} GiB ({max(ranks) / unsplit:.2f}x)")
+          f"{ranks[0]:.2f} / {ranks[1]:.2f} GiB ({max(ranks) / unsplit:.2f}x); planned per rank {planned:.2f} GiB")
     assert max(ranks) <= 0.6 * unsplit, (ranks, unsplit)
+    assert abs(planned - max(ranks)) <= 0.1 * max(ranks), (planned, ranks)
 
 
 def _widen_mlp(model: Path, intermediate: int) -> None:
