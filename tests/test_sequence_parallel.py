@@ -26,7 +26,7 @@ from finetune.data.sequence import split_batch
 from finetune.methods.sft import SFT
 from finetune.models import tiny
 from finetune.training import sequence_parallel
-from launch import BIN, FULL_MATRIX, REPO, free_port, losses, run, unexpected_warnings
+from launch import BIN, REPO, free_port, losses, run, unexpected_warnings
 from test_bad_inputs import assert_clear, assert_no_debris, cli, train_args  # noqa: F401
 
 ENGINE = REPO / "scripts" / "sft.py"
@@ -183,7 +183,7 @@ def test_split_records_train_as_one_process(layout, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL_MATRIX, reason="16k-token records: FINETUNE_FULL_MATRIX=1 (several minutes)")
+@pytest.mark.full_matrix  # several minutes; CI's cover of the mechanism: the ~1.5k-token runs above
 def test_16k_records_split_with_their_memory(tmp_path):
     """16k-token records on a model whose activations dominate its memory at that length (8 layers, hidden 64,
     MLP 2048: ~0.6 GB of saved activations per layer unsplit, 1.4M parameters): per-step losses with each record
