@@ -26,7 +26,7 @@ from finetune.data.sequence import split_batch
 from finetune.methods.sft import SFT
 from finetune.models import tiny
 from finetune.training import sequence_parallel
-from launch import BIN, REPO, free_port, losses, run, unexpected_warnings
+from launch import BIN, REPO, free_port, matrix, losses, run, unexpected_warnings
 from test_bad_inputs import assert_clear, assert_no_debris, cli, train_args  # noqa: F401
 
 ENGINE = REPO / "scripts" / "sft.py"
@@ -162,7 +162,9 @@ def _assert_same(ref: list[float], got: list[float], steps: int) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["records-zero2", "packed-zero3"])
+# CI: packed rows on ZeRO-3 with offload and gradient checkpointing (the record boundaries through the exchange, the
+# recompute's exchanges); FINETUNE_FULL_MATRIX=1 adds padded records on ZeRO-2 (sdpa's causal path).
+@pytest.mark.parametrize("layout", matrix(["records-zero2", "packed-zero3"], ["packed-zero3"]))
 def test_split_records_train_as_one_process(layout, tmp_path):
     """~1.5k-token records (1.2k-1.9k), 4 steps of 2 records (packed: rows of up to 4k tokens holding 2-3 records):
     the loss of every step with each record split over 2 ranks equals one process's within 1e-4."""
@@ -170,11 +172,13 @@ def test_split_records_train_as_one_process(layout, tmp_path):
     model, data = _job(tmp_path, words=600, records=16)
     packed = layout.startswith("packed")
     extra = ["--gradient_accumulation_steps", "2", *(["--packing", "true"] if packed else [])]
+    split_only = ["--gradient_checkpointing", "true"] if packed else []
     length = 4096 if packed else 2048
     ref = [sys.executable, str(REPO / "finetune" / "train.py"), "--config", "ddp",
            *_flags(tmp_path, model, data, "one", steps, length, *extra)]
     run(ref, timeout=300).check()
-    output = _sp_run(_flags(tmp_path, model, data, "split", steps, length, "--config", layout.split("-")[1], *extra))
+    output = _sp_run(_flags(tmp_path, model, data, "split", steps, length, "--config", layout.split("-")[1], *extra,
+                            *split_only))
     if packed:
         assert "attention: packed records through one variable-length kernel call per layer" in output
     worst = _assert_same(losses(tmp_path / "one"), losses(tmp_path / "split"), steps)
