@@ -26,7 +26,7 @@ from finetune.data.sequence import split_batch
 from finetune.methods.sft import SFT
 from finetune.models import tiny
 from finetune.training import sequence_parallel
-from launch import BIN, REPO, free_port, matrix, losses, run, unexpected_warnings
+from launch import BIN, LOOP, REPO, free_port, launcher, matrix, losses, run, unexpected_warnings
 from test_bad_inputs import assert_clear, assert_no_debris, cli, train_args  # noqa: F401
 
 ENGINE = REPO / "scripts" / "sft.py"
@@ -83,6 +83,25 @@ def test_slices_put_together_are_the_batch(size, packed):
         assert parts[0]["seq_bounds"] == tuple(batch["seq_bounds"]) + tail
         assert parts[0]["cu_seq_lens_q"].tolist() == list(parts[0]["seq_bounds"])
         assert all(p["seq_bounds"] == parts[0]["seq_bounds"] for p in parts)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_sequence_parallel_groups_are_dealt_one_batch(groups):
+    """The loop's batch order with copies=N, dealt round-robin over groups x N ranks as accelerate deals it: the N
+    ranks of group g get the same batches, those rank g of `groups` processes gets without copies."""
+    from finetune.data.sampler import DistributedBatchOrder
+
+    size = 2
+    order = DistributedBatchOrder(37, groups, 3, seed=5, copies=size)
+    plain = DistributedBatchOrder(37, groups, 3, seed=5)
+    for epoch in (0, 1):
+        order.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        stream, reference = list(order), list(plain)
+        assert len(stream) == len(order) == size * len(plain)
+        for rank in range(groups * size):
+            got = [b for k, b in enumerate(stream) if k % (groups * size) == rank]
+            assert got == [b for k, b in enumerate(reference) if k % groups == rank // size]
 
 
 def test_config_refusals():
@@ -143,9 +162,13 @@ def _flags(root: Path, model: Path, data: Path, out: str, steps: int, length: in
             "--per_device_train_batch_size", "1", *extra]
 
 
-def _sp_run(flags: list[str], script: Path = ENGINE, pre: list[str] = (), timeout: float = 600) -> str:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script), *pre,
-           *flags, "--sequence_parallel_size", "2"]
+def _sp_run(flags: list[str], script: Path = ENGINE, pre: list[str] = (), timeout: float = 600,
+            path: str = "engine") -> str:
+    if path == "loop":
+        cmd = [*launcher("accelerate", 2, script=LOOP), *flags, "--sequence_parallel_size", "2"]
+    else:
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script), *pre,
+               *flags, "--sequence_parallel_size", "2"]
     result = run(cmd, timeout=timeout, MALLOC_MMAP_THRESHOLD_="131072").check()
     assert "x 1 data-parallel groups of 2 processes (sequence parallel: each record split over 2)" in result.output
     assert not unexpected_warnings(result.output), unexpected_warnings(result.output)
@@ -162,27 +185,31 @@ def _assert_same(ref: list[float], got: list[float], steps: int) -> float:
 
 
 @pytest.mark.slow
-# CI: packed rows on ZeRO-3 with offload and gradient checkpointing (the record boundaries through the exchange, the
-# recompute's exchanges); FINETUNE_FULL_MATRIX=1 adds padded records on ZeRO-2 (sdpa's causal path).
-@pytest.mark.parametrize("layout", matrix(["records-zero2", "packed-zero3"], ["packed-zero3"]))
-def test_split_records_train_as_one_process(layout, tmp_path):
+# CI: the engine with packed rows on ZeRO-3 with offload and gradient checkpointing (the record boundaries through
+# the exchange, the recompute's exchanges), the loop with padded records on ZeRO-2 (sdpa's causal path); both paths
+# with both under FINETUNE_FULL_MATRIX=1.
+@pytest.mark.parametrize("case", matrix(
+    ["engine-records-zero2", "engine-packed-zero3", "loop-records-zero2", "loop-packed-zero3"],
+    ["engine-packed-zero3", "loop-records-zero2"]))
+def test_split_records_train_as_one_process(case, tmp_path):
     """~1.5k-token records (1.2k-1.9k), 4 steps of 2 records (packed: rows of up to 4k tokens holding 2-3 records):
     the loss of every step with each record split over 2 ranks equals one process's within 1e-4."""
     steps = 4
     model, data = _job(tmp_path, words=600, records=16)
-    packed = layout.startswith("packed")
+    path, layout, preset = case.split("-")
+    packed = layout == "packed"
     extra = ["--gradient_accumulation_steps", "2", *(["--packing", "true"] if packed else [])]
     split_only = ["--gradient_checkpointing", "true"] if packed else []
     length = 4096 if packed else 2048
     ref = [sys.executable, str(REPO / "finetune" / "train.py"), "--config", "ddp",
            *_flags(tmp_path, model, data, "one", steps, length, *extra)]
     run(ref, timeout=300).check()
-    output = _sp_run(_flags(tmp_path, model, data, "split", steps, length, "--config", layout.split("-")[1], *extra,
-                            *split_only))
+    output = _sp_run(_flags(tmp_path, model, data, "split", steps, length, "--config", preset, *extra, *split_only),
+                     path=path)
     if packed:
         assert "attention: packed records through one variable-length kernel call per layer" in output
     worst = _assert_same(losses(tmp_path / "one"), losses(tmp_path / "split"), steps)
-    print(f"{layout}: worst relative difference {worst:.2e}")
+    print(f"{case}: worst relative difference {worst:.2e}")
     assert losses(tmp_path / "split")[-1] < losses(tmp_path / "split")[0]
 
 
@@ -257,3 +284,24 @@ def test_plan_knows_the_split(tmp_path):
     assert "each record split over 2 ranks" in planner.render(two)
     with pytest.raises(planner.PlanError, match="does not divide the 2 devices"):
         planner.make_plan([*argv, "--sequence_parallel_size", "3"])
+
+
+def test_path_refusals():
+    from types import SimpleNamespace
+
+    def cfg(preset="zero2", method="sft", eval_dataset=None):
+        return SimpleNamespace(launch=SimpleNamespace(sequence_parallel_size=2), preset=Preset.named(preset),
+                               objective=SimpleNamespace(method=method),
+                               data=SimpleNamespace(eval_dataset=eval_dataset, eval_split_size=None))
+
+    assert sequence_parallel.path_problems(cfg(), "scripts/sft.py") == []
+    assert sequence_parallel.path_problems(cfg(), "finetune/loop.py") == []
+    assert sequence_parallel.path_problems(cfg("ddp"), "scripts/sft.py") == []  # DeepSpeed's stage 0 there
+    [ddp] = sequence_parallel.path_problems(cfg("ddp"), "finetune/loop.py")
+    assert "needs a DeepSpeed preset" in ddp and "--config zero2" in ddp
+    [trainer] = sequence_parallel.path_problems(cfg(), "finetune/train.py")
+    assert "finetune/train.py does not split records" in trainer and "finetune/loop.py" in trainer
+    [dpo] = sequence_parallel.path_problems(cfg(method="dpo"), "scripts/sft.py")
+    assert "method dpo is not supported" in dpo
+    [ev] = sequence_parallel.path_problems(cfg(eval_dataset="eval.jsonl"), "scripts/sft.py")
+    assert "evaluation during training is not supported" in ev

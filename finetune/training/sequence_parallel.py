@@ -1,4 +1,4 @@
-"""--sequence_parallel_size N on the engine path: DeepSpeed Ulysses (docs/sequence-parallel.md).
+"""--sequence_parallel_size N on the engine path and the loop: DeepSpeed Ulysses (docs/sequence-parallel.md).
 
 Ranks r*N .. r*N + N - 1 form a sequence-parallel group (DeepSpeed's parallel_state_sp makes the groups so): they
 draw the same records (data parallel over world / N groups: DistributedSampler over the groups) and each trains
@@ -20,6 +20,7 @@ from finetune import methods
 from finetune.process import exit_with
 
 ENGINE = "scripts/sft.py"
+LOOP = "finetune/loop.py"
 
 
 def path_problems(cfg, script: str) -> list[str]:
@@ -28,10 +29,13 @@ def path_problems(cfg, script: str) -> list[str]:
     if size == 1:
         return []
     problems = []
-    if script != ENGINE:
+    if script not in (ENGINE, LOOP):
         problems.append(f"sequence_parallel_size: {script} does not split records; sequence parallelism runs on the "
-                        "engine path: `deepspeed --num_gpus N scripts/sft.py --config zero3 --sequence_parallel_size "
-                        f"{size} ...` (or `finetune engine`)")
+                        "engine path (`deepspeed --num_gpus N scripts/sft.py --config zero3 --sequence_parallel_size "
+                        f"{size} ...`, or `finetune engine`) and the loop (finetune/loop.py, `finetune loop`)")
+    elif script == LOOP and not cfg.preset.is_deepspeed:
+        problems.append(f"sequence_parallel_size: on the loop it needs a DeepSpeed preset (DeepSpeed's communication "
+                        f"groups carry the exchange), not --config {cfg.preset.name}; use --config zero2 or zero3")
     name = getattr(getattr(cfg, "objective", None), "method", methods.DEFAULT)
     if name != methods.DEFAULT:
         problems.append(f"sequence_parallel_size: method {name} is not supported (only {methods.DEFAULT}: its "
