@@ -229,8 +229,8 @@ class LaunchConfig:
     sequence_parallel_size: int = field(
         default=1,
         metadata={"help": "Split each record's tokens over this many processes (DeepSpeed Ulysses), data parallel over "
-                          "the rest: the world size must be a multiple of it. The engine path (scripts/sft.py, "
-                          "finetune engine) on a DeepSpeed preset; see docs/sequence-parallel.md."},
+                          "the rest: the world size must be a multiple of it. The engine path (scripts/sft.py) and "
+                          "the loop (finetune/loop.py) on a DeepSpeed preset; see docs/sequence-parallel.md."},
     )
     plan_check: bool = field(
         default=False,
@@ -693,7 +693,7 @@ def sequence_parallel_problems(size: int, data: DataConfig, training: dict[str, 
         problems.append(f"sequence_parallel_size: not supported with --config {preset.name} (FSDP2 has no sequence "
                         "parallelism here: torch's context_parallel does not run on the CPU's attention kernel and is "
                         "not wired in); use a DeepSpeed preset (--config zero3, zero2) on the engine path "
-                        "(scripts/sft.py), which splits records with DeepSpeed Ulysses")
+                        "(scripts/sft.py) or the loop (finetune/loop.py), which split records with DeepSpeed Ulysses")
     if training.get("per_device_train_batch_size", 1) != 1:
         problems.append(f"sequence_parallel_size: needs --per_device_train_batch_size 1 (one record, or one packed row "
                         f"with --packing, per micro-batch is split over the {size} processes), got "
