@@ -226,6 +226,12 @@ class LaunchConfig:
         default=None,
         metadata={"help": "Folder on a fast local disk for --config zero3_nvme (ZeRO-Infinity swaps parameters and optimizer states there)."},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Split each record's tokens over this many processes (DeepSpeed Ulysses), data parallel over "
+                          "the rest: the world size must be a multiple of it. The engine path (scripts/sft.py) and "
+                          "the loop (finetune/loop.py) on a DeepSpeed preset; see docs/sequence-parallel.md."},
+    )
     plan_check: bool = field(
         default=False,
         metadata={"help": "Predict this run's memory first (as `finetune plan` does) and refuse to start if it does not fit."},
@@ -328,6 +334,8 @@ class FinetuneConfig:
             for f in dataclasses.fields(section):
                 if f.name != "recipe":
                     out[f.name] = _plain(getattr(section, f.name))
+        if out.get("sequence_parallel_size") == 1:  # off: the recipe (and fingerprint) as before the flag existed
+            del out["sequence_parallel_size"]
         hub = getattr(self.model, "_hub", None)
         if hub is not None:
             # The repo id and the exact commit, not the cache folder: the recipe reruns on another machine.
@@ -587,6 +595,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
     problems = []
     if preset is not None:
         problems += nvme_problems(preset, launch.nvme_path)
+    problems += sequence_parallel_problems(launch.sequence_parallel_size, data, training, preset)
     if model.torch_dtype not in DTYPES:
         problems.append(f"torch_dtype: '{model.torch_dtype}' is not one of {', '.join(DTYPES)}")
     known_formats = ("auto", *formats.names())
@@ -668,6 +677,32 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
                              ("dataset_cache_dir", cache_root(data)), ("nvme_path", launch.nvme_path)):
             if folder and (problem := writable_problem(f"--{flag}", folder)):
                 problems.append(problem)
+    return problems
+
+
+def sequence_parallel_problems(size: int, data: DataConfig, training: dict[str, Any], preset: Preset | None) -> list[str]:
+    """--sequence_parallel_size: what every path refuses (the path's own refusals: finetune.training.core)."""
+    if size == 1:
+        return []
+    if size < 1:
+        return [f"sequence_parallel_size: must be at least 1 (1: off), got {size}"]
+    problems = []
+    if preset is not None and preset.is_fsdp:
+        # torch 2.13's context_parallel (ring attention) has no sharding rule for the CPU's sdpa kernel
+        # (aten._scaled_dot_product_flash_attention_for_cpu), and FSDP2 has no Ulysses: nothing splits a record there.
+        problems.append(f"sequence_parallel_size: not supported with --config {preset.name} (FSDP2 has no sequence "
+                        "parallelism here: torch's context_parallel does not run on the CPU's attention kernel and is "
+                        "not wired in); use a DeepSpeed preset (--config zero3, zero2) on the engine path "
+                        "(scripts/sft.py) or the loop (finetune/loop.py), which split records with DeepSpeed Ulysses")
+    if training.get("per_device_train_batch_size", 1) != 1:
+        problems.append(f"sequence_parallel_size: needs --per_device_train_batch_size 1 (one record, or one packed row "
+                        f"with --packing, per micro-batch is split over the {size} processes), got "
+                        f"{training.get('per_device_train_batch_size')}; use --gradient_accumulation_steps for more "
+                        "records per step")
+    for key, why in (("torch_compile", "the Ulysses attention's all-to-all is not compiled"),
+                     ("use_liger_kernel", "Liger's patched forward computes the loss without the split labels")):
+        if training.get(key):
+            problems.append(f"sequence_parallel_size: not supported with --{key} ({why}); drop --{key}")
     return problems
 
 

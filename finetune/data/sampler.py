@@ -59,11 +59,15 @@ class DistributedBatchOrder(Sampler[list[int]]):
     """
 
     def __init__(self, n: int, world: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 repeat: int = 1, accum: int = 1):
+                 repeat: int = 1, accum: int = 1, copies: int = 1):
         if n <= 0:
             raise ValueError("cannot sample from an empty data set")
         self.n, self.world, self.micro = n, world, batch_size
         self.repeat, self.accum = repeat, accum
+        # Each batch `copies` times in a row: dealt round-robin over world x copies processes, consecutive ranks (a
+        # sequence-parallel group, --sequence_parallel_size) get the same batch, and group g what rank g of `world`
+        # would get.
+        self.copies = copies
         self.shuffle, self.seed, self.drop_last_indices = shuffle, seed, drop_last
         self.drop_last = False  # read by accelerate: DataLoader-level drop_last; the tail policy is DistributedSampler's
         self.epoch = 0
@@ -83,6 +87,11 @@ class DistributedBatchOrder(Sampler[list[int]]):
         return -(-len(self.per_rank(0)) // self.micro)
 
     def __iter__(self) -> Iterator[list[int]]:
+        for batch in self._batches():
+            for _ in range(self.copies):
+                yield batch
+
+    def _batches(self) -> Iterator[list[int]]:
         streams = [self.per_rank(r) for r in range(self.world)]
         rounds = [[stream[start : start + self.micro] for stream in streams]
                   for start in range(0, len(streams[0]), self.micro)]
@@ -97,18 +106,18 @@ class DistributedBatchOrder(Sampler[list[int]]):
 
     def __len__(self) -> int:
         if self.repeat == 1:
-            return self.world * self.rounds()
-        return self.world * (self.rounds() // self.accum * self.accum) * self.repeat
+            return self.world * self.rounds() * self.copies
+        return self.world * (self.rounds() // self.accum * self.accum) * self.repeat * self.copies
 
 
 def distributed_dataloader(dataset, collate_fn, *, world: int, batch_size: int, shuffle: bool, seed: int,
                            drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False, repeat: int = 1,
-                           accum: int = 1, persistent_workers: bool = False):
+                           accum: int = 1, persistent_workers: bool = False, copies: int = 1):
     """A DataLoader to hand to `accelerator.prepare` (the Trainer and the prepare() loop both use it). With
     `num_workers`, batches are collated in worker processes ahead of the step (packing itself is done once, before
     training, by finetune.data.pipeline)."""
     order = DistributedBatchOrder(len(dataset), world, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                  repeat=repeat, accum=accum)
+                                  repeat=repeat, accum=accum, copies=copies)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=order, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=persistent_workers and num_workers > 0,

@@ -34,10 +34,12 @@ class SFT(Method):
         return make_collator(cfg, tokenizer)
 
     def count(self, batches: list[dict]):
-        """The trained tokens: labels shift by one, so a row's first label is never a target."""
+        """The trained tokens: labels shift by one, so a row's first label is never a target (a sequence-parallel
+        slice carries its targets already shifted, `shift_labels`)."""
         from finetune.data.prepare import IGNORE_INDEX
 
-        return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
+        return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:]).ne(IGNORE_INDEX).sum()
+                   for b in batches)
 
     def setup(self, options, model, tokenizer, examples, collator, context) -> Session:
         return SFTSession()

@@ -227,6 +227,9 @@ class Workload:
     images: Images | None = None
     tower_trains: bool = False
     processor_bytes: int = 0  # the model's processor in each training process (image records: the collator's)
+    # --sequence_parallel_size: each row's tokens split over this many ranks (DeepSpeed Ulysses), which hold a slice
+    # of every activation over the sequence, and exchange the attention's inputs and output by all-to-all.
+    sequence_parallel: int = 1
 
     @property
     def rows(self) -> int:
@@ -990,7 +993,8 @@ def predict(job: Workload) -> Prediction:
     is given at that moment.
     """
     st = model_states(job)
-    act = activations(job)
+    sliced = sequence_slice(job)
+    act = activations(sliced)
     prec = precision_of(job)
     cpu = job.accelerator == "cpu"
     notes = list(st.notes)
@@ -1026,8 +1030,14 @@ def predict(job: Workload) -> Prediction:
     forward = act.forward_peak
     if stage == 0 and not fsdp and job.world_size > 1 and not job.loss_chunk:
         # DDP's _DDPSink clones the logits (DPO's: the scored positions only)
-        forward += (prec.act * job.rows * (job.seq_len - (1 if job.pairs else 0))
+        forward += (prec.act * job.rows * (sliced.seq_len - (1 if job.pairs else 0))
                     * (job.shape.head_outputs or job.shape.vocab_size))
+    exchange = all_to_all_bytes(job)
+    if exchange:
+        notes.append(f"sequence parallel over {job.sequence_parallel} ranks: activations of a {sliced.seq_len}-token "
+                     f"slice of each row, plus {fmt_bytes(exchange)} of all-to-all buffers in a layer's attention")
+        forward += exchange
+        bw_acts += exchange
     moments = {
         "forward": {"gradients": standing_grads, "activations": forward + st.gathered},
         **({"generation": {"gradients": standing_grads, "activations": generation_kv_bytes(job) + st.gathered}}
@@ -1066,6 +1076,47 @@ def predict(job: Workload) -> Prediction:
         host["checkpoint in page cache"] = _checkpoint_bytes(job)
     host = {k: v for k, v in host.items() if v}
     return Prediction(job, device, host, notes, peak_name, st, act)
+
+
+def sequence_slice(job: Workload) -> Workload:
+    """The workload one rank of a sequence-parallel group runs through its layers: a 1/N slice of each row (padded
+    to a multiple of N)."""
+    n = max(1, job.sequence_parallel)
+    # No mask reaches the attention: the slices carry a prepared one that Ulysses drops (causal, or by the row's
+    # record boundaries).
+    return job if n == 1 else job.replace(seq_len=-(-job.seq_len // n), padding_mask=False)
+
+
+def all_to_all_bytes(job: Workload) -> int:
+    """The Ulysses attention's transient buffers in one layer (none without sequence parallelism): DeepSpeed's
+    exchange copies a slice's queries, keys and values (key/value heads replicated up to N) twice, contiguous
+    before and gathered after the all-to-all; what the attention kernel saves of them is its own (counted as the
+    slice's). Its output comes back through the same two copies, freed before the next layer."""
+    n = job.sequence_parallel
+    if n <= 1:
+        return 0
+    sh = job.shape
+    kv = max(sh.num_kv_heads, n) * sh.head_dim
+    return 2 * precision_of(job).act * job.rows * sequence_slice(job).seq_len * (sh.q_dim + 2 * kv)
+
+
+def longest_record(job: Workload, limits: Limits, cap: int = 1 << 24) -> int:
+    """The longest row (tokens) this job fits at its micro-batch (0: not even one token), by bisection on
+    predict: everything else about the job as given."""
+    def ok(n: int) -> bool:
+        return fits(predict(job.replace(seq_len=n)), limits)[0]
+
+    step = max(1, job.sequence_parallel)
+    lo, hi = 0, cap // step  # in slices of `step` tokens
+    if not ok(step):
+        return 0
+    if ok(hi * step):
+        return hi * step
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * step) else (lo, mid)
+    return lo * step
 
 
 def generation_kv_bytes(job: Workload) -> int:
@@ -1452,6 +1503,7 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
         processor_bytes=processor_memory(model.model_name_or_path) if images else 0,
         method_note=terms.note + (f"; {images_note}" if images_note else "")
         + ("; the vision tower and projector trained" if tower_trains else ""),
+        sequence_parallel=cfg.launch.sequence_parallel_size,
     )
 
 
@@ -1496,11 +1548,18 @@ def _make_plan(argv: list[str]) -> tuple[dict[str, Any], PlanArgs]:
                                    images_per_record=flags.images_per_record, image_size=flags.image_size)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    if job.world_size % job.sequence_parallel:
+        raise PlanError(f"sequence_parallel_size: {job.sequence_parallel} does not divide the {job.world_size} "
+                        "devices planned for (--devices_per_node x --num_nodes)")
     limits = Limits(device, host)
     pred = predict(job)
     ok, why = fits(pred, limits)
-    rec = recommend(job, limits)
-    return _as_data(job, pred, ok, why, rec, limits), flags
+    # Sequence parallelism runs on DeepSpeed's presets only (finetune.config refuses FSDP2 with it).
+    rec = recommend(job, limits, tuple(p for p in candidate_presets() if not p.startswith("fsdp"))
+                    if job.sequence_parallel > 1 else None)
+    plan = _as_data(job, pred, ok, why, rec, limits)
+    plan["longest_record"] = {"tokens": longest_record(job, limits), "sequence_parallel_size": job.sequence_parallel}
+    return plan, flags
 
 
 def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommendation, limits: Limits) -> dict[str, Any]:
@@ -1583,6 +1642,12 @@ def render(plan: dict[str, Any]) -> str:
         lines.append("rejected:")
         for name, why in plan["rejected"].items():
             lines.append(f"  {name}: {why}")
+    if "longest_record" in plan:
+        longest = plan["longest_record"]
+        split = longest["sequence_parallel_size"]
+        lines.append(f"longest record that fits: {longest['tokens']:,} tokens (this job's preset, micro-batch and "
+                     "checkpointing" + (f", each record split over {split} ranks)" if split > 1 else
+                                        "; --sequence_parallel_size N on the engine path divides activations by about N)"))
     for note in plan["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)

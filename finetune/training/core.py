@@ -21,7 +21,7 @@ from typing import Callable
 from finetune import compat, methods
 from finetune.methods.base import Context
 from finetune.process import exit_with
-from finetune.training import checkpoint, faults, watchdog
+from finetune.training import checkpoint, faults, sequence_parallel, watchdog
 from finetune.training.lifecycle import (_hash_path, commit_staged, plan_or_exit, rank0_print, saving, staging_dir,
                                          verify_staged, write_json_atomic, write_resolved)
 
@@ -102,7 +102,8 @@ def start(argv: list[str] | None, prog: str, *, script: str | None = None, deeps
     plan_or_exit(cfg)
     if script is not None:
         check_flags_or_exit(cfg, script)
-    if problems := fsdp_problems(cfg, "scripts/sft.py" if deepspeed_engine else script or "finetune/train.py"):
+    path = "scripts/sft.py" if deepspeed_engine else script or "finetune/train.py"
+    if problems := fsdp_problems(cfg, path) + sequence_parallel.path_problems(cfg, path):
         exit_with(str(C.ConfigError(problems)))
     if cfg.preset.is_fsdp:
         compat.fsdp_on_cpu()  # accelerate 1.15 would train DDP on CPU processes instead
@@ -405,7 +406,8 @@ class LogWindow:
         are; all ranks' at the next log."""
         if self.count_tokens:
             for b in chunk:
-                self.pending_tokens = self.pending_tokens + (b["attention_mask"].sum() if "attention_mask" in b
+                mask = b.get("attention_mask")  # a 4-D one (a sequence-parallel slice's) is no padding mask
+                self.pending_tokens = self.pending_tokens + (mask.sum() if mask is not None and mask.dim() == 2
                                                              else b["input_ids"].numel())
 
     def _flush_tokens(self) -> None:

@@ -24,7 +24,7 @@ from functools import partial
 
 from finetune import methods
 from finetune.data.packing import to_device
-from finetune.training import checkpoint, core, evaluate, examples
+from finetune.training import checkpoint, core, evaluate, examples, sequence_parallel
 from finetune.process import exit_with
 from finetune.training.lifecycle import finish_run, resume_or_exit
 
@@ -59,11 +59,22 @@ def main(argv: list[str] | None = None) -> None:
     method = methods.get(cfg.objective.method)
     tokenizer, train, held_out, stats = examples.datasets_or_exit(cfg, method, args.local_process_index)
     collator = method.collator(cfg, tokenizer)
-    loader = build_loader(train.dataset, collator, args, world, rank)
+    # --sequence_parallel_size N: groups of N ranks draw the same records and each trains its slice of every row
+    # (finetune.training.sequence_parallel); data parallel over the groups.
+    sp = cfg.launch.sequence_parallel_size
+    data_world, data_rank = world, rank
+    if sp > 1:
+        from finetune.data.sequence import SequenceParallelCollator
+
+        data_world, data_rank, sp_rank = sequence_parallel.groups_or_exit(sp, world, rank)
+        collator = SequenceParallelCollator(collator, sp_rank, sp)
+    loader = build_loader(train.dataset, collator, args, data_world, data_rank)
     max_steps = core.max_steps_of(args, len(loader))
 
     # Model (and LoRA).
     model = core.load_model_for_training(cfg, stats, world)
+    if sp > 1:
+        sequence_parallel.attach(model, sp)
 
     # Engine: "auto" values filled from the TrainingArguments as the Trainer does; optimizer from the DeepSpeed
     # config if it has one (DeepSpeedCPUAdam when offloaded), else the Trainer's; the Trainer's LR schedule.
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                              reporters=evaluate.Reporters(args, max_steps, engine.module),
                              metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
     log, pos = core.train(args, path, loader, len(loader), max_steps, resume)
+    if sp > 1:
+        sequence_parallel.detach()
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     state_dict = core.consolidated_state_dict(engine, engine.module)

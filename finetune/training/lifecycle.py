@@ -294,14 +294,17 @@ def describe_run(cfg, stats, model, world: int | None = None) -> str:
     args = cfg.training
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     world = args.world_size if world is None else world
-    global_batch = micro * accum * world
+    split = getattr(getattr(cfg, "launch", None), "sequence_parallel_size", 1)
+    global_batch = micro * accum * (world // split)
+    processes = (f"{world // split} data-parallel groups of {split} processes (sequence parallel: each record split "
+                 f"over {split})" if split > 1 else f"{world} processes")
     mean_len = stats.tokens / max(stats.examples, 1)
     # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its real size.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return "\n".join([
         f"parallelism: {cfg.preset.describe()}, world size {world}, device {args.device}",
-        f"batch: {micro} per device x {accum} accumulation x {world} processes = global batch {global_batch}",
+        f"batch: {micro} per device x {accum} accumulation x {processes} = global batch {global_batch}",
         _tokens_per_step(cfg, stats, global_batch, mean_len),
         f"parameters: {trainable:,} trainable of {total:,}",
         _precision(cfg, model),

@@ -13,7 +13,7 @@ log_history to the Trainer's.
 from __future__ import annotations
 
 from finetune import compat, methods
-from finetune.training import checkpoint, core, evaluate, examples
+from finetune.training import checkpoint, core, evaluate, examples, sequence_parallel
 from finetune.training.lifecycle import finish_run, fsdp_version, rank0_print, resume_or_exit
 
 
@@ -55,8 +55,17 @@ def main(argv: list[str] | None = None) -> None:
     method = methods.get(cfg.objective.method)
     tokenizer, train, held_out, stats = examples.datasets_or_exit(cfg, method, accelerator.local_process_index)
     collator = method.collator(cfg, tokenizer)
+    # --sequence_parallel_size N: groups of N consecutive ranks get the same batches (each batch dealt N times in a
+    # row) and each trains its slice of every row (finetune.training.sequence_parallel).
+    sp = cfg.launch.sequence_parallel_size
+    data_world = world
+    if sp > 1:
+        from finetune.data.sequence import SequenceParallelCollator
+
+        data_world, _, sp_rank = sequence_parallel.groups_or_exit(sp, world, accelerator.process_index)
+        collator = SequenceParallelCollator(collator, sp_rank, sp)
     dataloader = distributed_dataloader(
-        train.dataset, collator, world=world, batch_size=args.per_device_train_batch_size,
+        train.dataset, collator, world=data_world, batch_size=args.per_device_train_batch_size, copies=sp,
         shuffle=True, seed=core.data_seed(args), drop_last=args.dataloader_drop_last,
         repeat=method.repeats(cfg.objective), accum=args.gradient_accumulation_steps,
         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
@@ -67,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # Model, optimizer (DeepSpeed builds its own when its config names one), schedule.
     model = core.load_model_for_training(cfg, stats, world)
+    if sp > 1:
+        sequence_parallel.attach(model, sp)
     # What else the method needs (DPO's reference: a frozen copy of full fine-tuning is taken here, before any update).
     session = method.setup(cfg.objective, model, tokenizer, [train, held_out], collator, core.method_context(
         cfg, accelerator.device, lambda: accelerator.unwrap_model(model), accelerator.autocast,
@@ -136,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                              metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None,
                              fsdp=fsdp_version(cfg.preset))
     log, pos = core.train(args, path, dataloader, micro_per_epoch, max_steps, resume)
+    if sp > 1:
+        sequence_parallel.detach()
 
     # Save: consolidated model (or adapter) + tokenizer + log_history, staged, verified, committed.
     accelerator.wait_for_everyone()
