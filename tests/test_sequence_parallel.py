@@ -175,6 +175,11 @@ def _sp_run(flags: list[str], script: Path = ENGINE, pre: list[str] = (), timeou
     return result.output
 
 
+def _samples_per_step(out: Path) -> float:
+    last = json.loads((out / "trainer_state.json").read_text())["log_history"][-1]
+    return last["train_samples_per_second"] / last["train_steps_per_second"]
+
+
 def _assert_same(ref: list[float], got: list[float], steps: int) -> float:
     assert len(ref) == len(got) == steps, (ref, got)
     worst = 0.0
@@ -210,6 +215,9 @@ def test_split_records_train_as_one_process(case, tmp_path):
         assert "attention: packed records through one variable-length kernel call per layer" in output
     worst = _assert_same(losses(tmp_path / "one"), losses(tmp_path / "split"), steps)
     print(f"{case}: worst relative difference {worst:.2e}")
+    # A step is 2 records however many ranks split them (1 per device x 2 accumulation x 2 ranks / 2 per record).
+    assert _samples_per_step(tmp_path / "split") == pytest.approx(_samples_per_step(tmp_path / "one"), rel=0.02)
+    assert _samples_per_step(tmp_path / "one") == pytest.approx(2, rel=0.02)
     assert losses(tmp_path / "split")[-1] < losses(tmp_path / "split")[0]
 
 

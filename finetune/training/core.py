@@ -525,6 +525,7 @@ class TrainingPath:
     metrics: Callable | None = None
     position: "Position | None" = None  # where the run stands, once train() has read it (a method's Context.step)
     fsdp: int = 0  # the FSDP version the path shards with (0: none), for the checkpoint marker
+    sequence_parallel: int = 1  # ranks that train slices of the same rows (--sequence_parallel_size): one sample
 
 
 def _show(entry: dict) -> None:
@@ -597,7 +598,7 @@ def train(args, path: TrainingPath, loader, micro_per_epoch: int, max_steps: int
         rank0_print(f"loading the best model: {best.name} ({args.metric_for_best_model or 'loss'} {ev.best_metric})")
         path.load(best)
     log.finish(pos.step, pos.epoch + pos.micro_done / micro_per_epoch if pos.micro_done < micro_per_epoch
-               else float(pos.epoch), args.per_device_train_batch_size * accum * world())
+               else float(pos.epoch), args.per_device_train_batch_size * accum * world() // path.sequence_parallel)
     if path.reporters is not None:
         path.reporters.log(log.history[-1])
         path.reporters.close()

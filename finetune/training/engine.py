@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     path = core.TrainingPath("engine", cfg.preset.stage, partial(train_step, engine, session, world), save,
                              engine.device, method.count, cfg.fingerprint, evaluator=evaluator, load=load,
                              reporters=evaluate.Reporters(args, max_steps, engine.module),
-                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None)
+                             metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None,
+                             sequence_parallel=sp)
     log, pos = core.train(args, path, loader, len(loader), max_steps, resume)
     if sp > 1:
         sequence_parallel.detach()

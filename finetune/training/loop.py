@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                              evaluator=evaluator, load=lambda folder: accelerator.load_state(str(folder)),
                              reporters=evaluate.Reporters(args, max_steps, accelerator.unwrap_model(model)),
                              metrics=(lambda: session.metrics(core.all_sum)) if method.metrics else None,
-                             fsdp=fsdp_version(cfg.preset))
+                             fsdp=fsdp_version(cfg.preset), sequence_parallel=sp)
     log, pos = core.train(args, path, dataloader, micro_per_epoch, max_steps, resume)
     if sp > 1:
         sequence_parallel.detach()

@@ -84,7 +84,6 @@ def attach(model, size: int) -> None:
         exit_with("\n".join(problems))
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    # Batches of one row (config validation), of any length (a multiple of `size`: finetune.data.sequence pads).
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impl = model.config._attn_implementation
