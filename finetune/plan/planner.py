@@ -220,6 +220,15 @@ class Workload:
     # per prompt, seq_len then counting prompt and completion), and the completion's longest length.
     generations: int = 0
     completion_length: int = 0
+    # --tiled_mlp (finetune.models.tiled): each layer's MLP a tile of `tile` positions at a time, recomputed in
+    # backward; --offload_activations: the checkpointed layer inputs in host memory (a GPU run).
+    tiled_mlp: bool = False
+    offload_activations: bool = False
+
+    @property
+    def tile(self) -> int:
+        """Positions per tile of the tiled MLP (finetune.models.tiled.tile_tokens: the hidden size)."""
+        return min(self.seq_len, self.shape.hidden_size)
 
     @property
     def rows(self) -> int:
@@ -612,6 +621,7 @@ class Activations:
     per_layer: int  # one decoder layer without checkpointing
     detail: dict[str, int]
     stages: list[Stage]
+    offloaded: int = 0  # --offload_activations: the checkpointed layer inputs, in host memory
 
 
 def _dropout_saved(job: Workload, features: int, elt: int) -> int:
@@ -663,8 +673,9 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
     if not job.use_peft:
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
+        # Tiled, the MLP keeps none of its own (its input, norm2's output, is kept by the tiles' checkpoint).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
-        return norms + 4 * a * i
+        return norms + (0 if job.tiled_mlp else 4 * a * i)
     targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
@@ -690,6 +701,17 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
         # gradient (not layer 0's q/k/v input, without checkpointing).
         kept = {k: v or not (first and k == "y1") for k, v in kept.items()}
     per += a * (h * kept["y1"] + h * kept["y2"] + i * kept["p"])
+    if job.tiled_mlp:
+        # Tiled (finetune.models.tiled): the MLP's interior is recomputed a tile at a time in backward; what it
+        # saved (gate, up, act, the MLP adapters' outputs, dropouts and kept inputs) is replaced by its input,
+        # norm2's output, which the tiles' checkpoint keeps (measured: tests/test_tiled.py).
+        mlp = [lin for lin in targets if lin.reads in ("mlp_in", "mlp_act")]
+        per -= 3 * a * i + lora_elt * r * len(mlp) + a * (h * kept["y2"] + i * kept["p"])
+        if dropout:
+            per -= sum(_dropout_saved(job, lin.inp, lora_elt) for lin in mlp)
+        elif lora_elt != a:
+            per -= lora_elt * sum(lin.inp for lin in mlp)
+        per += a * h
     if first:
         per -= f32 * h + f32  # the embedding output needs no grad: norm1 saves nothing
         if dropout:  # and q/k/v's dropouts keep no mask
@@ -745,7 +767,11 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     full_layers = [layer_saved(job, run, k) for k in range(sh.num_layers)]
     per_layer = max(full_layers, default=0)
     layer_saved_bytes = full_layers
-    if ckpt:
+    if ckpt and job.offload_activations:
+        # --offload_activations: the layer inputs wait in host memory; each comes back for its layer's recompute.
+        layer_saved_bytes = [0] * sh.num_layers
+        detail["layer inputs (checkpointed)"] = 0
+    elif ckpt:
         # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
         layer_saved_bytes = [a * t * h] * sh.num_layers
         detail["layer inputs (checkpointed)"] = sum(layer_saved_bytes)
@@ -833,13 +859,19 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
                         2 * a * t * h))
     layer_tmp = 2 * a * t * (h + i)  # gradients flowing through a layer (approximate)
+    if job.tiled_mlp:
+        # The MLP's backward one tile at a time: its recomputed interior and its gradients for one tile only.
+        layer_tmp = 2 * a * t * h + 2 * a * job.rows * job.tile * (h + i) + 4 * a * job.rows * job.tile * i
+    if ckpt and job.offload_activations:
+        layer_tmp += a * t * h  # the layer's input, copied back for its recompute
     for k in reversed(range(sh.num_layers)):
         stages.append(Stage(f"layer {k}", layer_saved_bytes[k], layer_params, layer_largest,
                             layer_tmp + (full_layers[k] if ckpt else 0)))
     emb = v * h if full else 0
     rest = saved - sum(st.freed for st in stages)  # ids, rotary, mask: freed at the end
     stages.append(Stage("embedding", rest, emb, emb, a * t * h))
-    return Activations(saved, forward_peak, per_layer, detail, stages)
+    offloaded = a * t * h * sh.num_layers if ckpt and job.offload_activations else 0
+    return Activations(saved, forward_peak, per_layer, detail, stages, offloaded)
 
 
 def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: int = 0) -> tuple[int, int, int]:
@@ -995,13 +1027,19 @@ def predict(job: Workload) -> Prediction:
         device["gradients"] += st.host_grads
         device["optimizer states"] += st.host_optim
         notes.append("offload to CPU on a CPU run moves nothing out of the process: offloaded states are counted in it")
+    if act.offloaded:
+        if cpu:  # a CPU run's host memory is its memory (training refuses the flag without CUDA)
+            device["activations"] += act.offloaded
+        notes.append(f"--offload_activations: the {job.shape.num_layers} checkpointed layer inputs "
+                     f"({fmt_bytes(act.offloaded)}) wait in pinned host memory; one at a time comes back for its "
+                     "layer's recompute")
     if peak_name != "optimizer step" and stage in (0, 1, 2):
         notes.append(f"the peak is in the {peak_name}: gradients are freed after each step and rebuilt in backward, "
                      "so the breakdown shows the gradients alive at that moment")
     host: dict[str, int] = {}
     per_node = min(job.devices_per_node, job.world_size)
     offloaded = {"offloaded parameters": st.host_params, "offloaded gradients": st.host_grads,
-                 "offloaded optimizer states": st.host_optim}
+                 "offloaded optimizer states": st.host_optim, "offloaded activations": act.offloaded}
     if cpu:
         for key, value in device.items():  # every rank's memory is host memory
             host[key] = value * per_node
@@ -1331,6 +1369,7 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
         # Packed rows under per-record sdpa (finetune.models.attention): no mask reaches the kernel, whose GQA path
         # then keeps the key/value heads unrepeated.
         padding_mask=not per_record, per_record_attention=per_record,
+        tiled_mlp=getattr(model, "tiled_mlp", False), offload_activations=getattr(model, "offload_activations", False),
     )
 
 
