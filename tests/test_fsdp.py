@@ -274,6 +274,22 @@ def test_export_consolidates_a_step_checkpoint(setup, runs, tmp_path):
     assert json.loads((exported / "config.json").read_text())["model_type"] == "llama"
 
 
+@pytest.mark.slow
+def test_tiled_mlp_on_two_processes_equals_one(setup, runs):
+    """--tiled_mlp (docs/long-context.md) through the Trainer on 2 FSDP2 processes: each padded batch longer than the
+    tiny model's 64 hidden runs its MLPs over tiles (records of up to ~100 tokens), and every step's loss equals the
+    one untiled process within 1e-4 (the only cover of the flag on a training path)."""
+    ref_out, _ = runs("single", "ddp", "full")
+    out = setup[0] / "tiled-fsdp2"
+    result = run(command(setup, "trainer", "fsdp2", "full", out, 2, "--tiled_mlp"), timeout=600).check()
+    assert "parallelism: fsdp2 (FSDP2, " in result.output, result.output[-3000:]
+    assert "tiled MLP: 2 layers, tiles of 64 positions" in result.output, result.output[-3000:]
+    ref, got = losses(ref_out), losses(out)
+    assert len(ref) == len(got) == STEPS
+    for step, (a, b) in enumerate(zip(ref, got), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"tiled step {step}: {b} vs one untiled process {a}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Slow: finetune plan against measured FSDP2 runs (bench/memory.py's worker: the project's config -> load_model ->
 # HF Trainer, on fixed-length random records, 2 processes).

@@ -226,7 +226,10 @@ def install_tiling(model, cfg) -> int:
     from finetune.models import tiled
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return tiled.enable(model, base.config.get_text_config().hidden_size)
+    hidden = base.config.get_text_config().hidden_size
+    count = tiled.enable(model, hidden)
+    rank0_print(f"tiled MLP: {count} layers, tiles of {tiled.tile_tokens(hidden)} positions")
+    return count
 
 
 def install_loss(model, cfg) -> bool:
