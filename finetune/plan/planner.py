@@ -1161,8 +1161,13 @@ class Recommendation:
             return ""
         out = f"--config {self.config} --per_device_train_batch_size {self.micro_batch} --gradient_accumulation_steps {self.grad_accum}"
         out += " --gradient_checkpointing" if self.grad_ckpt else " --gradient_checkpointing false"
-        if self.prediction is not None and self.prediction.job.strategy.nvme:
+        job = self.prediction.job if self.prediction is not None else None
+        if job is not None and job.strategy.nvme:
             out += " --nvme_path FOLDER"
+        if job is not None and job.tiled_mlp:
+            out += " --tiled_mlp"
+        if job is not None and job.offload_activations:  # it needs the checkpointing (finetune.config refuses it alone)
+            out += " --offload_activations" if self.grad_ckpt else " --offload_activations false"
         return out
 
 
@@ -1441,6 +1446,7 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
             "world_size": job.world_size, "devices_per_node": job.devices_per_node, "num_nodes": job.num_nodes,
             "per_device_train_batch_size": job.micro_batch, "max_seq_length": job.seq_len,
             "gradient_accumulation_steps": job.grad_accum, "gradient_checkpointing": job.grad_ckpt,
+            "tiled_mlp": job.tiled_mlp, "offload_activations": job.offload_activations,
             "method": (("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft
                        else "full") + job.method_note,
             "precision": prec.note + ("; LoRA adapters in fp32: 4 + 4 + 8" if job.use_peft and prec.name == "bf16" else ""),
@@ -1475,7 +1481,8 @@ def render(plan: dict[str, Any]) -> str:
         f"job: --config {j['config']} = {j['strategy']}; {j['world_size']} {j['accelerator'].upper()} device(s) "
         f"({j['num_nodes']} node(s) x {j['devices_per_node']}); micro-batch {j['per_device_train_batch_size']} x "
         f"{j['max_seq_length']} tokens, accumulation {j['gradient_accumulation_steps']}, gradient checkpointing "
-        f"{'on' if j['gradient_checkpointing'] else 'off'}",
+        f"{'on' if j['gradient_checkpointing'] else 'off'}"
+        + (", tiled MLP" if j.get("tiled_mlp") else "") + (", activations offloaded" if j.get("offload_activations") else ""),
         "",
         "model states per device when the optimizer steps (offloaded ones included): " + ", ".join(
             f"{k} {fmt_bytes(v)}" for k, v in plan["model_states_at_step"].items()),
