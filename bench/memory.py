@@ -210,6 +210,7 @@ def worker(argv: list[str]) -> None:
     sampler.phase = "load"
     model = load_model(cfg.model, args)
     core.install_loss(model, cfg)  # --loss_chunk_size, as every training path installs it
+    core.install_tiling(model, cfg)  # --tiled_mlp
     timeline.append(("loaded", _rss(), peak_rss_bytes()))
     sampler.phase = "setup"
     vocab, seq = model.config.get_text_config().vocab_size, cfg.data.max_seq_length

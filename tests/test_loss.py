@@ -287,3 +287,38 @@ def test_zero3_lora_on_partitioned_lm_head(path_runs):
                                         ["loop_compiled_aot_eager"]))
 def test_torch_compile_same_losses(name, path_runs):
     assert_losses(path_runs("trainer"), path_runs(name), 1e-5)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fsdp2_head_keeps_the_fused_loss(tmp_path):
+    """Under FSDP2 the head's class is fully_shard's (FSDPChunkedLinear, as accelerate wraps the tail): the fused
+    Function still computes the loss (its gradients made in forward, nothing recomputed), equal to the stock loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    inputs = batch()
+    reference = run(tiny(), inputs, 97)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = tiny()
+        assert chunked.install(model, 7)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+        assert isinstance(model.lm_head, FSDPModule) and type(model.lm_head).__name__ == "FSDPChunkedLinear"
+        out = model(**inputs, num_items_in_batch=torch.tensor(97))
+        graph, seen = [out.loss.grad_fn], set()
+        while graph:
+            node = graph.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                graph += [n for n, _ in node.next_functions]
+        assert "_LinearCrossEntropyBackward" in {type(n).__name__ for n in seen}
+        (out.loss * 3.0).backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert_same(reference, (out.loss.detach(), grads))
+    finally:
+        dist.destroy_process_group()

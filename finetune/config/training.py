@@ -92,6 +92,20 @@ class ModelConfig:
                           "without a label get none. Same loss and gradients; 0: transformers' own loss. See "
                           "docs/training.md."},
     )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={"help": "Long records: each decoder layer's MLP computed over tiles of hidden_size positions, each "
+                          "recomputed in backward, so only one tile's intermediates live at once (ALST's tiled MLP). "
+                          "Same loss and gradients, one more MLP forward per step; dense MLPs only (a mixture-of-"
+                          "experts family refuses it). See docs/long-context.md."},
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata={"help": "With --gradient_checkpointing on a GPU: the layer inputs checkpointing keeps wait in pinned "
+                          "host memory instead of on the device, each copied back for its layer's recompute "
+                          "(transformers' activation-checkpointing offload). Refused without CUDA, where activations "
+                          "are already in host memory. See docs/long-context.md."},
+    )
     load_in_8bit: bool = field(default=False, metadata={"help": "Load the base weights in 8-bit (bitsandbytes)."})
     load_in_4bit: bool = field(default=False, metadata={"help": "Load the base weights in 4-bit (bitsandbytes)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantization type: nf4 or fp4."})
@@ -490,12 +504,33 @@ def parse(argv: list[str] | None = None, *, check_paths: bool = True,
         if before_arguments is not None:
             before_arguments(preset)
         training_values.update(device_defaults(training_values, sources))
+        problems += offload_activations(model, training_values)
+    if not problems:
         training, more = build_training_arguments(training_values, preset)
         problems += more
     if problems:
         raise ConfigError(problems)
     return FinetuneConfig(model, data, launch, training, preset, sources, evaluation=evaluation,
                           objective=extras["objective"])
+
+
+def offload_activations(model: ModelConfig, training: dict[str, Any], *, cuda: bool | None = None) -> list[str]:
+    """--offload_activations: transformers' activation-checkpointing offload (`offload` in the checkpointing
+    kwargs, which the Trainer and finetune.training.core both read), on a CUDA device only. Without one the
+    activations are in host memory already, and torch's pinned copies need an accelerator: refused by name."""
+    if not model.offload_activations:
+        return []
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda or training.get("use_cpu"):
+        return ["offload_activations: moves checkpointed activations from the GPU to pinned host memory; this run has "
+                "no CUDA device (its activations are in host memory already): leave --offload_activations out"]
+    key = "activation_checkpointing_kwargs" if training.get("activation_checkpointing_kwargs") else \
+        "gradient_checkpointing_kwargs"
+    training[key] = {**(training.get(key) or {}), "offload": True}
+    return []
 
 
 def validate_method(options: MethodConfig, data: DataConfig, training: dict[str, Any],
@@ -619,6 +654,9 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
         problems.append(f"max_seq_length: must be at least 2, got {data.max_seq_length}")
     if model.loss_chunk_size < 0:
         problems.append(f"loss_chunk_size: must be 0 (off) or a number of tokens, got {model.loss_chunk_size}")
+    if model.offload_activations and not (training.get("gradient_checkpointing") or training.get("activation_checkpointing")):
+        problems.append("offload_activations: moves the layer inputs that gradient checkpointing keeps; without "
+                        "--gradient_checkpointing there are none to move: add --gradient_checkpointing")
     if model.lora_r <= 0:
         problems.append(f"lora_r: must be positive, got {model.lora_r}")
     if not 0.0 <= model.lora_dropout < 1.0:
@@ -830,10 +868,27 @@ def family_problems(model: ModelConfig) -> list[str]:
     family = families.find(d if isinstance(d, dict) else {})
     problem = family.attention_problem(model.attn_implementation) if family is not None else None
     problems = [f"{problem} ({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}')"] if problem else []
+    problems += tiled_mlp_problems(model, family, d)
     if not getattr(model, "freeze_vision_tower", True) and isinstance(d, dict) and "vision_config" not in d:
         problems.append(f"freeze_vision_tower: false trains a vision tower, and {model.model_name_or_path} is a "
                         "text-only model (its config.json has no vision_config); leave the flag out")
     return problems + lora_target_problems(model, family, d)
+
+
+def tiled_mlp_problems(model: ModelConfig, family, d: dict) -> list[str]:
+    """--tiled_mlp on a mixture-of-experts model: refused (finetune.models.tiled: its blocks route per token and
+    record router logits for the load-balancing loss, which tiles would split)."""
+    if not getattr(model, "tiled_mlp", False) or family is None:
+        return []
+    try:
+        shape = family.shape(d)
+    except Exception:  # noqa: BLE001 - an unusual config.json: the family's load decides
+        return []
+    if any(shape.is_sparse(k) for k in range(shape.num_layers)):
+        return [f"tiled_mlp: {model.model_name_or_path} is a mixture-of-experts model (model_type "
+                f"'{d.get('model_type')}'), whose expert blocks route each token and record router logits for the "
+                "load-balancing loss: tiling covers dense MLPs only; leave --tiled_mlp out"]
+    return []
 
 
 def lora_target_problems(model: ModelConfig, family, d: dict) -> list[str]:

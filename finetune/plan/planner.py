@@ -230,6 +230,15 @@ class Workload:
     # --sequence_parallel_size: each row's tokens split over this many ranks (DeepSpeed Ulysses), which hold a slice
     # of every activation over the sequence, and exchange the attention's inputs and output by all-to-all.
     sequence_parallel: int = 1
+    # --tiled_mlp (finetune.models.tiled): each layer's MLP a tile of `tile` positions at a time, recomputed in
+    # backward; --offload_activations: the checkpointed layer inputs in host memory (a GPU run).
+    tiled_mlp: bool = False
+    offload_activations: bool = False
+
+    @property
+    def tile(self) -> int:
+        """Positions per tile of the tiled MLP (finetune.models.tiled.tile_tokens: the hidden size)."""
+        return min(self.seq_len, self.shape.hidden_size)
 
     @property
     def rows(self) -> int:
@@ -619,6 +628,7 @@ class Activations:
     detail: dict[str, int]
     stages: list[Stage]
     inputs: int = 0  # the batch's pixel values (image records): alive through the step, not saved by autograd
+    offloaded: int = 0  # --offload_activations: the checkpointed layer inputs, in host memory
 
 
 def _dropout_saved(job: Workload, features: int, elt: int) -> int:
@@ -672,8 +682,9 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
     if not job.use_peft:
         # RMSNorm (x2): the fp32 input (x itself in fp32), 1/rms, the normalized value (weight grad),
         # the output (saved by the next linear); MLP: gate, up, silu(gate) and their product (down's input).
+        # Tiled, the MLP keeps none of its own (its input, norm2's output, is kept by the tiles' checkpoint).
         norms = 2 * (f32 * h + f32 + a * h + a * h)
-        return norms + 4 * a * i
+        return norms + (0 if job.tiled_mlp else 4 * a * i)
     targets = _lora_linears(job)
     r = job.lora_r
     dropout = job.lora_dropout > 0
@@ -699,6 +710,17 @@ def layer_saved_per_token(job: Workload, run: Saving, first: bool = False) -> in
         # gradient (not layer 0's q/k/v input, without checkpointing).
         kept = {k: v or not (first and k == "y1") for k, v in kept.items()}
     per += a * (h * kept["y1"] + h * kept["y2"] + i * kept["p"])
+    if job.tiled_mlp:
+        # Tiled (finetune.models.tiled): the MLP's interior is recomputed a tile at a time in backward; what it
+        # saved (gate, up, act, the MLP adapters' outputs, dropouts and kept inputs) is replaced by its input,
+        # norm2's output, which the tiles' checkpoint keeps (measured: tests/test_tiled.py).
+        mlp = [lin for lin in targets if lin.reads in ("mlp_in", "mlp_act")]
+        per -= 3 * a * i + lora_elt * r * len(mlp) + a * (h * kept["y2"] + i * kept["p"])
+        if dropout:
+            per -= sum(_dropout_saved(job, lin.inp, lora_elt) for lin in mlp)
+        elif lora_elt != a:
+            per -= lora_elt * sum(lin.inp for lin in mlp)
+        per += a * h
     if first:
         per -= f32 * h + f32  # the embedding output needs no grad: norm1 saves nothing
         if dropout:  # and q/k/v's dropouts keep no mask
@@ -772,7 +794,11 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     full_layers = [layer_saved(job, run, k) for k in range(sh.num_layers)]
     per_layer = max(full_layers, default=0)
     layer_saved_bytes = full_layers
-    if ckpt:
+    if ckpt and job.offload_activations:
+        # --offload_activations: the layer inputs wait in host memory; each comes back for its layer's recompute.
+        layer_saved_bytes = [0] * sh.num_layers
+        detail["layer inputs (checkpointed)"] = 0
+    elif ckpt:
         # Checkpointing keeps each layer's input; the layer is recomputed (all of it saved) in its backward.
         layer_saved_bytes = [a * t * h] * sh.num_layers
         detail["layer inputs (checkpointed)"] = sum(layer_saved_bytes)
@@ -865,6 +891,11 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
     stages.append(Stage("final norm", detail["final norm"] - lm_head_input, h if full else 0, h if full else 0,
                         2 * a * t * h))
     layer_tmp = 2 * a * t * (h + i)  # gradients flowing through a layer (approximate)
+    if job.tiled_mlp:
+        # The MLP's backward one tile at a time: its recomputed interior and its gradients for one tile only.
+        layer_tmp = 2 * a * t * h + 2 * a * job.rows * job.tile * (h + i) + 4 * a * job.rows * job.tile * i
+    if ckpt and job.offload_activations:
+        layer_tmp += a * t * h  # the layer's input, copied back for its recompute
     for k in reversed(range(sh.num_layers)):
         stages.append(Stage(f"layer {k}", layer_saved_bytes[k], layer_params, layer_largest,
                             layer_tmp + (full_layers[k] if ckpt else 0)))
@@ -880,7 +911,9 @@ def activations(job: Workload, micro_batch: int | None = None, grad_ckpt: bool |
                             vision.get("vision tower: patch embedding input", 0)))
     # The batch's pixel values live through the step (the tower's patch embedding keeps them, or a copy, when it trains).
     pixels = a * images.pixels if images else 0
-    return Activations(saved, forward_peak + pixels, per_layer, detail, stages, inputs=pixels)
+    offloaded = a * t * h * sh.num_layers if ckpt and job.offload_activations else 0
+    return Activations(saved, forward_peak + pixels, per_layer, detail, stages, inputs=pixels, offloaded=offloaded)
+
 
 
 def backward_peak(act: Activations, grad_elt: int, keep_grads: bool, partition: int = 0) -> tuple[int, int, int]:
@@ -1057,13 +1090,19 @@ def predict(job: Workload) -> Prediction:
         device["gradients"] += st.host_grads
         device["optimizer states"] += st.host_optim
         notes.append("offload to CPU on a CPU run moves nothing out of the process: offloaded states are counted in it")
+    if act.offloaded:
+        if cpu:  # a CPU run's host memory is its memory (training refuses the flag without CUDA)
+            device["activations"] += act.offloaded
+        notes.append(f"--offload_activations: the {job.shape.num_layers} checkpointed layer inputs "
+                     f"({fmt_bytes(act.offloaded)}) wait in pinned host memory; one at a time comes back for its "
+                     "layer's recompute")
     if peak_name != "optimizer step" and stage in (0, 1, 2):
         notes.append(f"the peak is in the {peak_name}: gradients are freed after each step and rebuilt in backward, "
                      "so the breakdown shows the gradients alive at that moment")
     host: dict[str, int] = {}
     per_node = min(job.devices_per_node, job.world_size)
     offloaded = {"offloaded parameters": st.host_params, "offloaded gradients": st.host_grads,
-                 "offloaded optimizer states": st.host_optim}
+                 "offloaded optimizer states": st.host_optim, "offloaded activations": act.offloaded}
     if cpu:
         for key, value in device.items():  # every rank's memory is host memory
             host[key] = value * per_node
@@ -1226,8 +1265,13 @@ class Recommendation:
             return ""
         out = f"--config {self.config} --per_device_train_batch_size {self.micro_batch} --gradient_accumulation_steps {self.grad_accum}"
         out += " --gradient_checkpointing" if self.grad_ckpt else " --gradient_checkpointing false"
-        if self.prediction is not None and self.prediction.job.strategy.nvme:
+        job = self.prediction.job if self.prediction is not None else None
+        if job is not None and job.strategy.nvme:
             out += " --nvme_path FOLDER"
+        if job is not None and job.tiled_mlp:
+            out += " --tiled_mlp"
+        if job is not None and job.offload_activations:  # it needs the checkpointing (finetune.config refuses it alone)
+            out += " --offload_activations" if self.grad_ckpt else " --offload_activations false"
         return out
 
 
@@ -1504,6 +1548,7 @@ def workload_from_config(cfg, *, world_size: int, devices_per_node: int, acceler
         method_note=terms.note + (f"; {images_note}" if images_note else "")
         + ("; the vision tower and projector trained" if tower_trains else ""),
         sequence_parallel=cfg.launch.sequence_parallel_size,
+        tiled_mlp=getattr(model, "tiled_mlp", False), offload_activations=getattr(model, "offload_activations", False),
     )
 
 
@@ -1582,6 +1627,7 @@ def _as_data(job: Workload, pred: Prediction, ok: bool, why: str, rec: Recommend
             "world_size": job.world_size, "devices_per_node": job.devices_per_node, "num_nodes": job.num_nodes,
             "per_device_train_batch_size": job.micro_batch, "max_seq_length": job.seq_len,
             "gradient_accumulation_steps": job.grad_accum, "gradient_checkpointing": job.grad_ckpt,
+            "tiled_mlp": job.tiled_mlp, "offload_activations": job.offload_activations,
             "method": (("QLoRA (" + job.quant + " base)" if job.quant else "LoRA") + f" r={job.lora_r}" if job.use_peft
                        else "full") + job.method_note,
             "precision": prec.note + ("; LoRA adapters in fp32: 4 + 4 + 8" if job.use_peft and prec.name == "bf16" else ""),
@@ -1616,7 +1662,8 @@ def render(plan: dict[str, Any]) -> str:
         f"job: --config {j['config']} = {j['strategy']}; {j['world_size']} {j['accelerator'].upper()} device(s) "
         f"({j['num_nodes']} node(s) x {j['devices_per_node']}); micro-batch {j['per_device_train_batch_size']} x "
         f"{j['max_seq_length']} tokens, accumulation {j['gradient_accumulation_steps']}, gradient checkpointing "
-        f"{'on' if j['gradient_checkpointing'] else 'off'}",
+        f"{'on' if j['gradient_checkpointing'] else 'off'}"
+        + (", tiled MLP" if j.get("tiled_mlp") else "") + (", activations offloaded" if j.get("offload_activations") else ""),
         "",
         "model states per device when the optimizer steps (offloaded ones included): " + ", ".join(
             f"{k} {fmt_bytes(v)}" for k, v in plan["model_states_at_step"].items()),

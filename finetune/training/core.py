@@ -216,7 +216,21 @@ def load_model_for_training(cfg, stats, world_size: int):
     seed(cfg.training)
     enable_gradient_checkpointing(model, cfg.training)
     install_loss(model, cfg)
+    install_tiling(model, cfg)
     return model
+
+
+def install_tiling(model, cfg) -> int:
+    """--tiled_mlp: each decoder layer's MLP over tiles of positions (finetune.models.tiled), on every path."""
+    if not getattr(cfg.model, "tiled_mlp", False):
+        return 0
+    from finetune.models import tiled
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.config.get_text_config().hidden_size
+    count = tiled.enable(model, hidden)
+    rank0_print(f"tiled MLP: {count} layers, tiles of {tiled.tile_tokens(hidden)} positions")
+    return count
 
 
 def install_loss(model, cfg) -> bool:

@@ -144,7 +144,7 @@ def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_item
         denom = torch.tensor(float(len(targets)), device=hidden.device)
     else:
         denom = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
-    if type(head).__bases__[1] is torch.nn.Linear and head.bias is None:
+    if _plain_linear(head) and head.bias is None:
         weight = head.weight
         if weight.is_cuda and softcap is None and (liger := _liger()) is not None:
             out = liger(weight, rows, targets)
@@ -159,6 +159,15 @@ def chunked_loss(head, head_forward, hidden, labels, shift_labels=None, num_item
         total = total + checkpoint(_chunk_sum, head_forward, rows[i * chunk:(i + 1) * chunk],
                                    targets[i * chunk:(i + 1) * chunk], softcap, use_reentrant=False)
     return total / denom
+
+
+def _plain_linear(head) -> bool:
+    """Whether the class behind the chunked head is torch's Linear itself (not peft's LoRA layer or another
+    subclass). Read from the MRO, not the bases: FSDP2's fully_shard puts a class of its own in front of the head's
+    (FSDPChunkedLinear), and a bases check then sent every FSDP2 run to the recomputing path (a chunk's logits and
+    their gradients again in backward: measured +80 MB at the peak on a 2.6M-parameter model, 4 x 512 tokens)."""
+    mro = type(head).__mro__
+    return mro[mro.index(_ChunkedHead) + 1] is torch.nn.Linear
 
 
 def _chunks(head, rows, chunk: int) -> int:

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> None:
     attention.enable(model, cfg)
     rank0_print(describe_run(cfg, stats, model))
     core.install_loss(model, cfg)
+    core.install_tiling(model, cfg)
 
     # Trainer: the HF Trainer, data in DistributedSampler order; loss is normalized by the trained tokens of
     # the whole global batch (average_tokens_across_devices), so how the batch is split does not matter.
