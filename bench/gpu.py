@@ -76,6 +76,17 @@ PADFREE_RTOL = 1e-3  # |loss(layout) - loss(padded)| / loss(padded), bf16
 BF16_STEP1_RTOL = 1e-3
 BF16_MIXED_RTOL = 0.02
 MEMORY_RTOL = 0.05  # planner against torch.cuda.max_memory_allocated (test_plan holds the SFT cells to this)
+# The long section: step 1's loss of each mode against plain checkpointing's (the same weights and record: the options
+# move memory, not numbers). Offload moves the same tensors (bit-equal); the tiled MLP's GEMMs over fewer rows round
+# in bf16 in another order, 2^-8 of each product at worst, which the mean over the record's tokens averages down.
+LONG_LOSS_RTOL = 1e-2
+# mode -> flags on top of LONG_COMMON; the offload modes need CUDA (finetune.config refuses them without it).
+LONG_MODES = {
+    "ckpt": [],
+    "ckpt+offload": ["--offload_activations", "true"],
+    "ckpt+tiled": ["--tiled_mlp", "true"],
+    "ckpt+tiled+offload": ["--tiled_mlp", "true", "--offload_activations", "true"],
+}
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -94,7 +105,7 @@ SETTINGS = {
         memory_cells=("dpo-lora-bf16", "dpo-full-bf16", "full-bf16", "full-bf16-unchunked"),
         # first guesses of a child's seconds (replaced by what the last one like it took)
         guess={"llama1b-shape": 30, "smollm2-shape": 20, "bf16": 20, "padfree": 25, "memory": 45},
-        throughput_reserve=240, budget=420,
+        throughput_reserve=240, budget=520,
         # The rows section (the default on a GPU): the issue's table.
         row_models={"1b": "LLAMA_1B", "8b": "LLAMA_8B"},
         table_rows=(("1b", "full"), ("1b", "lora"), ("8b", "lora"), ("8b", "qlora")), row_records=2000,
@@ -102,6 +113,8 @@ SETTINGS = {
         # bench_row_child's gap_ms), priced at the default interval (finetune.config.training.GPU_DEFAULTS)
         seq_rows=2048, batches={"1b": 8, "8b": 4}, warmup_rows=2, timed_rows=15, logging_steps=5,
         row_guess={"1b-full": 40, "1b-lora": 35, "8b-lora": 50, "8b-qlora": 70},
+        # The long section: one record of long_seq tokens on the rows' 1B shape, bounded to long_budget seconds.
+        long_model="1b", long_seq=32768, long_steps=3, long_budget=100, long_guess=25,
     ),
     "cpu-smoke": dict(
         models={"tiny": TINY}, seq=128, batch=2, warmup=1, timed=3, repeats=3, methods=("lora", "full"),
@@ -112,10 +125,13 @@ SETTINGS = {
         row_records=120,
         seq_rows=128, batches={"tiny": 2}, warmup_rows=1, timed_rows=3, logging_steps=2,
         row_guess={"tiny-full": 20, "tiny-lora": 20, "tiny-qlora": 25},
+        long_model="tiny", long_seq=512, long_steps=2, long_budget=200, long_guess=30,
     ),
 }
-SECTIONS = ("rows", "padfree", "bf16", "memory", "throughput", "profile")
-DEFAULT_SECTIONS = {"gpu": ("rows",), "cpu-smoke": SECTIONS}  # a GPU run: the issue's rows, in at most 7 minutes
+SECTIONS = ("long", "rows", "padfree", "bf16", "memory", "throughput", "profile")
+# A GPU run: the long section (at most long_budget seconds, first: never measured on a GPU), then the issue's rows
+# in the 7 minutes left.
+DEFAULT_SECTIONS = {"gpu": ("long", "rows"), "cpu-smoke": SECTIONS}
 # The profile section: the ft_packed step taken apart, one change at a time, beside TRL's (smollm2-shape, full).
 PROFILE_VARIANTS = ("ft_packed", "trl_packing", "ft_no_per_record_sdpa", "ft_unchunked_loss")
 
@@ -553,6 +569,130 @@ def section_bf16(ctx) -> dict:
         log(f"bf16 {name} vs fp32: step 1 rel diff {rel[0]:.2e} (bound {BF16_STEP1_RTOL:g}), max over {n} steps "
             f"{max(rel):.2e} (bound {bound:g}): {'PASS' if r['loss_pass'] else 'FAIL'}")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Section: long records (docs/long-context.md): gradient checkpointing with --offload_activations and --tiled_mlp.
+
+
+def long_flags(seq: int, mode: str) -> list[str]:
+    """The training flags of one mode: one record of `seq` tokens, bf16 weights, gradient checkpointing."""
+    return ["--config", "ddp", "--per_device_train_batch_size", "1", "--max_seq_length", str(seq), "--seed", "0",
+            "--torch_dtype", "bfloat16", "--gradient_checkpointing", "true", *LONG_MODES[mode]]
+
+
+def long_child(model_dir: str, mode: str, seq: int, steps: int, work: str) -> dict:
+    """One mode through bench/memory.py's worker (config.parse -> load_model -> install_loss/install_tiling -> the HF
+    Trainer, which enables checkpointing with the offload as every Trainer run does), liger-kernel hidden (the
+    planner models the project's chunk loop), then the planner's device peak for the same flags."""
+    import memory as M
+
+    from finetune import config as C
+
+    flags = long_flags(seq, mode)
+    out = Path(work) / mode
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--model_name_or_path", model_dir, "--output_dir", str(out / "out"), *flags]
+    try:  # the refusal first, said as the user would see it (a CPU run: the offload modes need CUDA)
+        C.parse(argv, check_paths=False)
+    except C.ConfigError as e:
+        return {"mode": mode, "flags": flags, "refused": "; ".join(e.problems)}
+    os.environ["FINETUNE_BENCH_NO_LIGER"] = "1"
+    result = out / "result.json"
+    M.worker([str(result), "--steps", str(steps), "--", *argv])
+    rank = json.loads(Path(f"{result}.0").read_text())
+    row = {"mode": mode, "flags": flags, **MG.predict(Path(model_dir), flags), "cuda": rank.get("cuda_max_memory_allocated"),
+           "saved_measured": rank.get("saved_for_backward"), "losses": rank["losses"],
+           "step_seconds": rank["step_seconds"], "maxrss": rank["maxrss"]}
+    # Step 1 warms up (allocator, kernels, the optimizer's states): the time is the best of the later steps.
+    row["step_s"] = min(row["step_seconds"][1:] or row["step_seconds"])
+    return row
+
+
+def section_long(ctx) -> dict:
+    """Each LONG_MODES mode in its own forked child, within long_budget seconds of the section's start."""
+    s, gpu = ctx["settings"], ctx["gpu"]
+    model = ctx["models"][s["long_model"]]["dir"]
+    out = {"model": s["long_model"], "description": ctx["models"][s["long_model"]].get("description"),
+           "seq": s["long_seq"], "steps": s["long_steps"], "bound": LONG_LOSS_RTOL, "planner_bound": MEMORY_RTOL,
+           "modes": [], "notes": []}
+    ctx["sections_out"]["long"] = out
+    deadline = time.time() + min(s["long_budget"], ctx["budget"].left())
+    work = Path(ctx["work"]) / "long"
+    for mode in LONG_MODES:
+        left = deadline - time.time()
+        if left < ctx["budget"].estimate("long", s["long_guess"]) and not (not gpu and "offload" in mode):
+            out["modes"].append({"mode": mode, "flags": long_flags(s["long_seq"], mode),
+                                 "skipped": f"over the section's {s['long_budget']} s ({left:.0f} s left)"})
+            log(f"long {mode}: skipped (time: {left:.0f} s left of the section's {s['long_budget']})")
+            continue
+        status, res, secs = run_child(f"long-{mode}", long_child, model, mode, s["long_seq"], s["long_steps"],
+                                      str(work), timeout=max(left, 10))
+        if status != "ok":
+            log(f"long {mode}: FAILED: {_first_line(res)}")
+            out["modes"].append({"mode": mode, "flags": long_flags(s["long_seq"], mode), "error": str(res)[-2500:]})
+            continue
+        if "refused" in res:
+            res["needs"] = "CUDA"
+            log(f"long {mode}: needs CUDA, refused here: {res['refused']}")
+            out["modes"].append(res)
+            continue
+        ctx["budget"].took("long", secs)
+        res["seconds"] = round(secs, 1)
+        if res.get("cuda"):
+            res["rel_error"] = (res["device"] - res["cuda"]) / res["cuda"]
+            res["within"] = abs(res["rel_error"]) <= MEMORY_RTOL
+        log(f"long {mode}: step 1 loss {res['losses'][0]:.6f}, step {res['step_s']:.2f} s, "
+            + (f"peak {_bytes(res['cuda'])}, planned {_bytes(res['device'])} ({res['rel_error']:+.1%})"
+               if res.get("cuda") else f"planned {_bytes(res['device'])} on a GPU (no CUDA: not measured)")
+            + f" ({secs:.0f} s)")
+        out["modes"].append(res)
+        ctx["save"]()
+    ran = [r for r in out["modes"] if r.get("losses")]
+    ref = next((r for r in ran if r["mode"] == "ckpt"), None)
+    if ref is not None:
+        for r in ran:
+            r["loss_rel_diff"] = abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
+        out["max_loss_rel_diff"] = max(r["loss_rel_diff"] for r in ran)
+        out["loss_pass"] = len(ran) > 1 and out["max_loss_rel_diff"] <= LONG_LOSS_RTOL
+    return out
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def render_long(sec: dict) -> list[str]:
+    lines = ["### Long records: checkpointing with --offload_activations and --tiled_mlp", ""]
+    if "error" in sec:
+        return lines + [f"Section failed: {_first_line(sec['error'])}", ""]
+    lines += [f"{sec['model']} ({sec.get('description') or '?'}), full fine-tuning, bf16 weights, one record of "
+              f"{sec['seq']:,} tokens, `--gradient_checkpointing`, {sec['steps']} steps per mode, each mode a process "
+              "of bench/memory.py's worker (the HF Trainer path), liger-kernel hidden. Peak: "
+              "torch.cuda.max_memory_allocated over the run; planned: `finetune plan`'s device total less its "
+              f"CUDA-context allowance (within {sec['planner_bound']:.0%} marked ok). Step: the best of the steps after "
+              "the first. Step 1's loss against plain checkpointing's (same weights, same record), bound "
+              f"{sec['bound']:g} relative.", "",
+              "| mode | peak | planned | error | step | step-1 loss | vs ckpt |", "|---|---|---|---|---|---|---|"]
+    for r in sec["modes"]:
+        if "refused" in r:
+            lines.append(f"| {r['mode']} | needs CUDA: not run here ({r['refused'][:160]}) | | | | | |")
+            continue
+        if "skipped" in r or "error" in r:
+            why = r.get("skipped") or f"FAILED: {_first_line(r['error'])[:150]}"
+            lines.append(f"| {r['mode']} | {why} | | | | | |")
+            continue
+        peak = _bytes(r["cuda"]) if r.get("cuda") else "- (no CUDA)"
+        err = f"{r['rel_error']:+.1%} {'ok' if r['within'] else 'OFF'}" if "rel_error" in r else "-"
+        diff = f"{r['loss_rel_diff']:.1e}" if "loss_rel_diff" in r else "-"
+        lines.append(f"| {r['mode']} | {peak} | {_bytes(r['device'])} | {err} | {1000 * r['step_s']:,.0f} ms | "
+                     f"{r['losses'][0]:.6f} | {diff} |")
+    if "max_loss_rel_diff" in sec:
+        lines += ["", f"Step-1 losses: largest relative difference {sec['max_loss_rel_diff']:.1e} "
+                      f"({'within' if sec['loss_pass'] else 'OUTSIDE'} {sec['bound']:g})."]
+    for note in sec.get("notes", []):
+        lines.append(f"- {note}")
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1247,6 +1387,9 @@ def render(data: dict) -> str:
                 lines.append(f"- {note}")
         lines.append("")
 
+    if secs.get("long") is not None:
+        lines += render_long(secs["long"])
+
     prof = secs.get("profile")
     if prof is not None:
         lines += ["### Profile: the packed step taken apart", ""]
@@ -1323,6 +1466,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: rows on a GPU (the issue's table, at most 7 minutes); every section with --cpu-smoke")
     ap.add_argument("--models", nargs="+", default=None, help="build and use only these models (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="throughput repeats (default 3)")
+    ap.add_argument("--long-seq", type=int, default=None,
+                    help="the long section's record length (default 32,768 on a GPU; 65,536 shows the offload "
+                         "better, at about twice the time)")
     ap.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                     help="how children start (fork: modules already imported; spawn: what a parent that initialized "
                          "CUDA falls back to, by itself)")
@@ -1338,6 +1484,8 @@ def main(argv: list[str] | None = None) -> int:
     args.sections = args.sections or list(DEFAULT_SECTIONS[mode])
     if args.repeats:
         s["repeats"] = args.repeats
+    if args.long_seq:
+        s["long_seq"] = args.long_seq
     if args.models:
         s["models"] = {k: v for k, v in s["models"].items() if k in args.models}
     gpu = not args.cpu_smoke
@@ -1398,7 +1546,8 @@ def main(argv: list[str] | None = None) -> int:
     # Models and data (a child: the 1B model is built on the GPU). Only those the sections asked for use.
     wanted = {m for section, ms in (("padfree", [s["padfree_model"]]), ("bf16", [s["bf16_model"]]),
                                     ("memory", [s["memory_model"]]), ("throughput", list(s["models"])),
-                                    ("profile", [s["bf16_model"]]), ("rows", [m for m, _ in s["table_rows"]]))
+                                    ("profile", [s["bf16_model"]]), ("rows", [m for m, _ in s["table_rows"]]),
+                                    ("long", [s["long_model"]]))
               if section in args.sections for m in ms}
     shapes = {**s["models"], **{k: globals()[v] for k, v in s["row_models"].items()}}
     models = {}
@@ -1423,12 +1572,13 @@ def main(argv: list[str] | None = None) -> int:
            "work": str(work), "peak": peak, "peak_key": key, "no_liger": bool(gpu and info.get("liger") is False),
            "sections": args.sections, "liger_failed": {}, "save": lambda: _save(data, out_dir, work),
            "sections_out": data["sections"]}
-    for section, fn in (("rows", section_rows), ("padfree", section_padfree), ("bf16", section_bf16),
+    for section, fn in (("long", section_long), ("rows", section_rows), ("padfree", section_padfree), ("bf16", section_bf16),
                         ("memory", section_memory), ("throughput", section_throughput), ("profile", section_profile)):
         if section not in args.sections:
             continue
         needed = {"padfree": [s["padfree_model"]], "bf16": [s["bf16_model"]], "memory": [s["memory_model"]],
-                  "throughput": list(s["models"]), "profile": [s["bf16_model"]], "rows": []}[section]
+                  "throughput": list(s["models"]), "profile": [s["bf16_model"]], "rows": [],
+                  "long": [s["long_model"]]}[section]
         if not all(m in models for m in needed) and not (section == "throughput" and models):
             data["sections"][section] = {"error": f"model(s) {', '.join(m for m in needed if m not in models)} "
                                                   "were not built"}
@@ -1523,6 +1673,18 @@ def verdict_lines(data: dict) -> list[str]:
         elif "rel_error" in r:
             out.append(f"CHECK memory {r['cell']}: planner {r['rel_error']:+.1%} "
                        f"({'within' if r['within'] else 'OUTSIDE'} {MEMORY_RTOL:.0%})")
+    lg = secs.get("long", {})
+    for r in lg.get("modes", []):
+        if "refused" in r:
+            out.append(f"CHECK long {r['mode']}: needs CUDA (not run)")
+        elif "skipped" in r or "error" in r:
+            out.append(f"CHECK long {r['mode']}: " + ("skipped (time)" if "skipped" in r else "FAILED to run"))
+        elif "rel_error" in r:
+            out.append(f"CHECK long {r['mode']}: planner {r['rel_error']:+.1%} "
+                       f"({'within' if r['within'] else 'OUTSIDE'} {MEMORY_RTOL:.0%}), peak {r['cuda'] / 2**30:.2f} GiB")
+    if "loss_pass" in lg:
+        out.append(f"CHECK long step-1 losses equal across modes: {'PASS' if lg['loss_pass'] else 'FAIL'} "
+                   f"(max rel diff {lg['max_loss_rel_diff']:.1e}, bound {LONG_LOSS_RTOL:g})")
     for e in secs.get("throughput", {}).get("summary", []):
         ratio = e.get("ratio")
         out.append(f"CHECK throughput {e['model']} {e['method']}: " + (

@@ -276,11 +276,17 @@ def worker(argv: list[str]) -> None:
 
         def on_step_begin(self, *a, **k):
             sampler.phase = "forward"
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
             if measuring():
                 result["saved_for_backward"] = _saved.begin(trainer.model)
 
         def on_step_end(self, *a, **k):
             sampler.phase = "between steps"
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            step_seconds.append(time.perf_counter() - self.started)
             timeline.append((f"step {trainer.state.global_step}", _rss(), peak_rss_bytes()))
 
     class _Saved:
@@ -302,9 +308,13 @@ def worker(argv: list[str]) -> None:
     _saved = _Saved()
     original_compute_loss = trainer.compute_loss
 
+    step_seconds: list[float] = []  # each optimizer step, the device synchronized at both ends
+    losses: list = []  # each micro-batch's training loss, kept on the device until the end (no sync in the step)
+
     def compute_loss(*a, **k):
         sampler.phase = "forward"
         out = original_compute_loss(*a, **k)
+        losses.append((out[0] if isinstance(out, tuple) else out).detach())
         sampler.phase = "backward"
         if measuring() and getattr(_saved, "ctx", None) is not None and "saved_for_backward" in result:
             result["saved_for_backward"] = _saved.end()
@@ -316,7 +326,8 @@ def worker(argv: list[str]) -> None:
     trainer.train()
     timeline.append(("end", _rss(), peak_rss_bytes()))
     sampler.stop()
-    result.update(timeline=timeline, maxrss=peak_rss_bytes(), phase_peaks=sampler.peaks, seconds=time.time() - t0)
+    result.update(timeline=timeline, maxrss=peak_rss_bytes(), phase_peaks=sampler.peaks, seconds=time.time() - t0,
+                  losses=[float(x) for x in losses], step_seconds=step_seconds)
     if torch.cuda.is_available():  # on a GPU machine: the number the planner's device total is meant to bound
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     Path(f"{out_path}.{args.process_index}").write_text(json.dumps(result))

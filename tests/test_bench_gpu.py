@@ -56,11 +56,14 @@ def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu.py", "--cpu-smoke", "--budget", "900", "--write", str(out),
                            "--work", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    (out / "stdout.txt").write_text(proc.stdout)
     data = json.loads((out / "gpu.json").read_text())
     assert (out / "gpu.md").read_text().startswith("## GPU: cpu (bench/gpu.py)")
     secs = data["sections"]
-    assert set(secs) == {"rows", "padfree", "bf16", "memory", "throughput", "profile"}
+    assert set(secs) == {"long", "rows", "padfree", "bf16", "memory", "throughput", "profile"}
     assert not any("error" in s for s in secs.values()), {k: s.get("error", "")[:500] for k, s in secs.items()}
+
+    check_long_section(secs["long"], out)
 
     # Padding-free and packed rows give the padded batch's loss on the same trained tokens.
     (run,) = secs["padfree"]["runs"]
@@ -129,6 +132,59 @@ def test_cpu_smoke_runs_every_section_with_sane_numbers(tmp_path):
     assert rec.returncode == 0, rec.stderr[-3000:]
     text = results.read_text()
     assert "## GPU: cpu (bench/gpu.py)" in text and "--cpu-smoke" in text and "| tiny | lora |" in text
+
+
+def check_long_section(sec: dict, out: Path) -> None:
+    """The long section on CPU: checkpointing alone and with the tiled MLP ran, the same step-1 loss; the offload modes
+    are recorded as needing CUDA, with finetune.config's refusal."""
+    modes = {r["mode"]: r for r in sec["modes"]}
+    assert list(modes) == list(G.LONG_MODES), modes
+    for name in ("ckpt", "ckpt+tiled"):
+        r = modes[name]
+        assert "error" not in r and "skipped" not in r, (name, r)
+        assert len(r["losses"]) == sec["steps"] and all(map(math.isfinite, r["losses"])), (name, r["losses"])
+        assert len(r["step_seconds"]) == sec["steps"] and r["step_s"] > 0
+        assert r["device"] > 0 and r["saved_planned"] > 0 and r["cuda"] is None  # planned for a GPU; nothing measured
+    plain, tiled = modes["ckpt"], modes["ckpt+tiled"]
+    assert "--tiled_mlp" in tiled["flags"] and "--tiled_mlp" not in plain["flags"]
+    # the same weights and record: the tiled MLP changes memory, not the loss (bf16 weights)
+    assert tiled["losses"][0] == pytest.approx(plain["losses"][0], rel=G.LONG_LOSS_RTOL)
+    assert sec["loss_pass"] and sec["max_loss_rel_diff"] == tiled["loss_rel_diff"] <= G.LONG_LOSS_RTOL
+    # the tiles were installed on the worker's model (its log): 512 positions, 8 tiles a layer
+    (log,) = (out / "logs").glob("*-long-ckpt+tiled.log")
+    assert "tiled MLP: 2 layers, tiles of 64 positions" in log.read_text()
+    for name in ("ckpt+offload", "ckpt+tiled+offload"):
+        r = modes[name]
+        assert r["needs"] == "CUDA" and "offload_activations" in r["refused"] and "no CUDA" in r["refused"], r
+    md = (out / "gpu.md").read_text()
+    assert "### Long records" in md and "| ckpt+offload | needs CUDA" in md
+    assert "CHECK long step-1 losses equal across modes: PASS" in (out / "stdout.txt").read_text()
+
+
+# About 40 s on 2 cores (the tiny model, 2 training runs and 2 refusals in forked children): the long section's
+# readiness for a GPU session, with FINETUNE_FULL_MATRIX=1, not in CI.
+@pytest.mark.slow
+@pytest.mark.full_matrix
+def test_cpu_smoke_long_section(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--cpu-smoke", "--sections", "long", "--budget", "600",
+                           "--write", str(out), "--work", str(work)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    (out / "stdout.txt").write_text(proc.stdout)
+    data = json.loads((out / "gpu.json").read_text())
+    assert set(data["sections"]) == {"long"}
+    check_long_section(data["sections"]["long"], out)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmarks\n")
+    rec = subprocess.run([sys.executable, "bench/gpu.py", "--record", str(out / "gpu.json"), "--results",
+                          str(results)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    text = results.read_text()
+    assert "### Long records" in text and "| ckpt+tiled |" in text and "| ckpt+tiled+offload | needs CUDA" in text
 
 
 def _fails_with_liger(no_liger: bool, x: int) -> dict:
