@@ -1,13 +1,22 @@
-"""One GPU, one run (at most ~8 minutes): throughput against TRL, bf16 correctness, padding-free on GPU kernels, and
-the memory planner's DPO and chunked-loss cells, each section guarded so that one failing still lets the others report.
+"""One GPU, one run (at most ~8.5 minutes): activation memory at one long record, throughput against TRL, bf16
+correctness, padding-free on GPU kernels, and the memory planner's DPO and chunked-loss cells, each section guarded so
+that one failing still lets the others report.
 
     bash bench/gpu_run.sh                                   # on the GPU machine: wheels, versions, then the line below
     python3 bench/gpu.py --write "$OUT"                     # the run; writes $OUT/gpu.json, $OUT/gpu.md, $OUT/logs/
     .venv/bin/python bench/gpu.py --cpu-smoke               # every section end to end on CPU with tiny shapes (~2 min)
     .venv/bin/python bench/gpu.py --record gpu.json         # later: put that run's section into bench/RESULTS.md
 
-Sections, in the order they run (--sections picks some):
+Sections, in the order they run (--sections picks some; a GPU run's default: long, then rows):
 
+0. long (docs/long-context.md): one record of long_seq tokens (32,768 on a GPU; --long-seq) on the rows' 1B shape,
+   bf16 weights, full fine-tuning, --gradient_checkpointing, long_steps steps in each of LONG_MODES: plain,
+   --offload_activations, --tiled_mlp, both. Each mode is a forked child running bench/memory.py's worker (config.parse
+   -> load_model -> install_loss / install_tiling -> the HF Trainer, which enables the checkpointing with its offload
+   from the config's checkpointing kwargs, as every Trainer run does). Per mode: torch.cuda.max_memory_allocated, the
+   step time (the best after the first), every step's loss, and the planner's device peak for the same flags (its
+   error). Step 1's loss of every mode against plain checkpointing's, relative bound LONG_LOSS_RTOL. Bounded to
+   long_budget seconds; on CPU the offload modes are recorded as needing CUDA, with finetune.config's refusal.
 1. padfree: one batch of records of mixed lengths as a padded batch, as one padding-free row (flat, position ids
    restarting at every record) and, with sdpa, as packed rows (transformers' block mask, and this project's
    per-record sdpa); bf16 weights under bf16 autocast; each loss against the padded batch's, relative bound
@@ -77,10 +86,11 @@ BF16_STEP1_RTOL = 1e-3
 BF16_MIXED_RTOL = 0.02
 MEMORY_RTOL = 0.05  # planner against torch.cuda.max_memory_allocated (test_plan holds the SFT cells to this)
 # The long section: step 1's loss of each mode against plain checkpointing's (the same weights and record: the options
-# move memory, not numbers). Offload moves the same tensors (bit-equal); the tiled MLP's GEMMs over fewer rows round
-# in bf16 in another order, 2^-8 of each product at worst, which the mean over the record's tokens averages down.
+# move memory, not numbers). The offload copies the same tensors out and back (exact); the tiled MLP's GEMMs over
+# fewer rows may sum in another order, each rounded to bf16 (2^-8 relative), which the mean over the record's tokens
+# averages down (on CPU, 512 tokens in tiles of 64: equal to the bit).
 LONG_LOSS_RTOL = 1e-2
-# mode -> flags on top of LONG_COMMON; the offload modes need CUDA (finetune.config refuses them without it).
+# mode -> its flags beside long_flags' common ones; the offload modes need CUDA (finetune.config refuses them without it).
 LONG_MODES = {
     "ckpt": [],
     "ckpt+offload": ["--offload_activations", "true"],
@@ -105,7 +115,7 @@ SETTINGS = {
         memory_cells=("dpo-lora-bf16", "dpo-full-bf16", "full-bf16", "full-bf16-unchunked"),
         # first guesses of a child's seconds (replaced by what the last one like it took)
         guess={"llama1b-shape": 30, "smollm2-shape": 20, "bf16": 20, "padfree": 25, "memory": 45},
-        throughput_reserve=240, budget=520,
+        throughput_reserve=240, budget=510,
         # The rows section (the default on a GPU): the issue's table.
         row_models={"1b": "LLAMA_1B", "8b": "LLAMA_8B"},
         table_rows=(("1b", "full"), ("1b", "lora"), ("8b", "lora"), ("8b", "qlora")), row_records=2000,
@@ -114,7 +124,7 @@ SETTINGS = {
         seq_rows=2048, batches={"1b": 8, "8b": 4}, warmup_rows=2, timed_rows=15, logging_steps=5,
         row_guess={"1b-full": 40, "1b-lora": 35, "8b-lora": 50, "8b-qlora": 70},
         # The long section: one record of long_seq tokens on the rows' 1B shape, bounded to long_budget seconds.
-        long_model="1b", long_seq=32768, long_steps=3, long_budget=100, long_guess=25,
+        long_model="1b", long_seq=32768, long_steps=3, long_budget=90, long_guess=25,
     ),
     "cpu-smoke": dict(
         models={"tiny": TINY}, seq=128, batch=2, warmup=1, timed=3, repeats=3, methods=("lora", "full"),
@@ -601,9 +611,9 @@ def long_child(model_dir: str, mode: str, seq: int, steps: int, work: str) -> di
     result = out / "result.json"
     M.worker([str(result), "--steps", str(steps), "--", *argv])
     rank = json.loads(Path(f"{result}.0").read_text())
-    row = {"mode": mode, "flags": flags, **MG.predict(Path(model_dir), flags), "cuda": rank.get("cuda_max_memory_allocated"),
-           "saved_measured": rank.get("saved_for_backward"), "losses": rank["losses"],
-           "step_seconds": rank["step_seconds"], "maxrss": rank["maxrss"]}
+    row = {"mode": mode, "flags": flags, **MG.predict(Path(model_dir), flags),
+           "cuda": rank.get("cuda_max_memory_allocated"), "saved_measured": rank.get("saved_for_backward"),
+           "losses": rank["losses"], "step_seconds": rank["step_seconds"], "maxrss": rank["maxrss"]}
     # Step 1 warms up (allocator, kernels, the optimizer's states): the time is the best of the later steps.
     row["step_s"] = min(row["step_seconds"][1:] or row["step_seconds"])
     return row
@@ -670,8 +680,8 @@ def render_long(sec: dict) -> list[str]:
               f"{sec['seq']:,} tokens, `--gradient_checkpointing`, {sec['steps']} steps per mode, each mode a process "
               "of bench/memory.py's worker (the HF Trainer path), liger-kernel hidden. Peak: "
               "torch.cuda.max_memory_allocated over the run; planned: `finetune plan`'s device total less its "
-              f"CUDA-context allowance (within {sec['planner_bound']:.0%} marked ok). Step: the best of the steps after "
-              "the first. Step 1's loss against plain checkpointing's (same weights, same record), bound "
+              f"CUDA-context allowance (within {sec['planner_bound']:.0%} marked ok). Step: the best of the steps "
+              "after the first. Step 1's loss against plain checkpointing's (same weights, same record), bound "
               f"{sec['bound']:g} relative.", "",
               "| mode | peak | planned | error | step | step-1 loss | vs ckpt |", "|---|---|---|---|---|---|---|"]
     for r in sec["modes"]:
@@ -1463,7 +1473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", default=None, metavar="DIR", help="write gpu.json, gpu.md and logs/ there")
     ap.add_argument("--work", default=None, help="models, data, run folders (default: a folder under /tmp)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
-                    help="default: rows on a GPU (the issue's table, at most 7 minutes); every section with --cpu-smoke")
+                    help="default on a GPU: long (at most 90 s) then rows (the issue's table, 7 minutes); every "
+                         "section with --cpu-smoke")
     ap.add_argument("--models", nargs="+", default=None, help="build and use only these models (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="throughput repeats (default 3)")
     ap.add_argument("--long-seq", type=int, default=None,
@@ -1572,8 +1583,9 @@ def main(argv: list[str] | None = None) -> int:
            "work": str(work), "peak": peak, "peak_key": key, "no_liger": bool(gpu and info.get("liger") is False),
            "sections": args.sections, "liger_failed": {}, "save": lambda: _save(data, out_dir, work),
            "sections_out": data["sections"]}
-    for section, fn in (("long", section_long), ("rows", section_rows), ("padfree", section_padfree), ("bf16", section_bf16),
-                        ("memory", section_memory), ("throughput", section_throughput), ("profile", section_profile)):
+    for section, fn in (("long", section_long), ("rows", section_rows), ("padfree", section_padfree),
+                        ("bf16", section_bf16), ("memory", section_memory), ("throughput", section_throughput),
+                        ("profile", section_profile)):
         if section not in args.sections:
             continue
         needed = {"padfree": [s["padfree_model"]], "bf16": [s["bf16_model"]], "memory": [s["memory_model"]],
@@ -1680,8 +1692,8 @@ def verdict_lines(data: dict) -> list[str]:
         elif "skipped" in r or "error" in r:
             out.append(f"CHECK long {r['mode']}: " + ("skipped (time)" if "skipped" in r else "FAILED to run"))
         elif "rel_error" in r:
-            out.append(f"CHECK long {r['mode']}: planner {r['rel_error']:+.1%} "
-                       f"({'within' if r['within'] else 'OUTSIDE'} {MEMORY_RTOL:.0%}), peak {r['cuda'] / 2**30:.2f} GiB")
+            out.append(f"CHECK long {r['mode']}: planner {r['rel_error']:+.1%} ({'within' if r['within'] else 'OUTSIDE'} "
+                       f"{MEMORY_RTOL:.0%}), peak {_bytes(r['cuda'])}, step {r['step_s']:.2f} s")
     if "loss_pass" in lg:
         out.append(f"CHECK long step-1 losses equal across modes: {'PASS' if lg['loss_pass'] else 'FAIL'} "
                    f"(max rel diff {lg['max_loss_rel_diff']:.1e}, bound {LONG_LOSS_RTOL:g})")

@@ -9,8 +9,9 @@
 #    huggingface_hub from .whl/fallback/ only where the machine's is older than the 1.31 that transformers 5.24 and
 #    datasets 5.2 need; pyarrow and pandas are the machine's (checked: not carried, pyarrow's wheel is 55 MB);
 # 2. prints the versions that will run and the GPU's name;
-# 3. runs bench/gpu.py --write "$OUT" (on a GPU: the rows section, ours against TRL; its --budget, default 420 s,
-#    bounds the run), output also in $OUT/log; $OUT/results/gpu.json is bench/results/gpu.json.
+# 3. runs bench/gpu.py --write "$OUT" (on a GPU: the long section, checkpointing with --offload_activations and
+#    --tiled_mlp at one 32k-token record, at most 90 s; then the rows section, ours against TRL; its --budget,
+#    default 510 s, bounds the run), output also in $OUT/log; $OUT/results/gpu.json is bench/results/gpu.json.
 #
 # Afterwards, on a machine with this checkout: python bench/gpu.py --record OUT/gpu.json   (bench/RESULTS.md)
 set -uo pipefail

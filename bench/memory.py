@@ -17,6 +17,9 @@ per_device_train_batch_size x max_seq_length tokens), trains a few steps and, at
 - counts the bytes autograd saved for backward during that step's forward (saved-tensor hooks);
 - records RSS over the run and the peak (VmHWM: finetune.process.peak_rss_bytes).
 
+It also keeps every micro-batch's training loss and every optimizer step's time (the device synchronized at
+both ends of the step; bench/gpu.py's long section compares modes by them).
+
 Run it with MALLOC_MMAP_THRESHOLD_ pinned (the grid does), or RSS is not repeatable.
 """
 
