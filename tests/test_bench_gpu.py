@@ -43,6 +43,34 @@ def test_record_replaces_the_section_of_the_same_device(tmp_path):
     assert "`bash bench/gpu_run.sh`" in text
 
 
+def test_long_section_renders_a_gpu_run():
+    """The long section's GPU rows (measured peaks, the planner's error) as --record writes them: the CPU smoke test has
+    no CUDA peak to show, so this part of the report is checked on a run's JSON."""
+    gib = 2**30
+    modes = [{"mode": "ckpt", "cuda": 14 * gib, "device": 14.4 * gib, "step_s": 1.5, "losses": [12.0, 11.9]},
+             {"mode": "ckpt+offload", "cuda": 12 * gib, "device": 13.0 * gib, "step_s": 1.6, "losses": [12.0, 11.9]},
+             {"mode": "ckpt+tiled", "skipped": "over the section's 90 s (10 s left)"},
+             {"mode": "ckpt+tiled+offload", "error": "RuntimeError: CUDA out of memory"}]
+    for r in modes[:2]:
+        r["rel_error"] = (r["device"] - r["cuda"]) / r["cuda"]
+        r["within"] = abs(r["rel_error"]) <= G.MEMORY_RTOL
+        r["loss_rel_diff"] = 0.0
+    sec = {"model": "1b", "description": "1,235,814,400 parameters", "seq": 32768, "steps": 3,
+           "bound": G.LONG_LOSS_RTOL, "planner_bound": G.MEMORY_RTOL, "modes": modes, "notes": [],
+           "max_loss_rel_diff": 0.0, "loss_pass": True}
+    data = {"mode": "gpu", "info": {"device": "NVIDIA H200", "versions": {}}, "sections": {"long": sec}, "notes": []}
+    text = G.render(data)
+    assert "one record of 32,768 tokens" in text
+    assert "| ckpt | 14.00 GiB | 14.40 GiB | +2.9% ok | 1,500 ms | 12.000000 | 0.0e+00 |" in text
+    assert "| ckpt+offload | 12.00 GiB | 13.00 GiB | +8.3% OFF |" in text
+    assert "| ckpt+tiled | over the section's 90 s" in text and "| ckpt+tiled+offload | FAILED: RuntimeError" in text
+    checks = G.verdict_lines(data)
+    assert "CHECK long ckpt: planner +2.9% (within 5%), peak 14.00 GiB, step 1.50 s" in checks
+    assert "CHECK long ckpt+offload: planner +8.3% (OUTSIDE 5%), peak 12.00 GiB, step 1.60 s" in checks
+    assert "CHECK long ckpt+tiled: skipped (time)" in checks and "CHECK long ckpt+tiled+offload: FAILED to run" in checks
+    assert "CHECK long step-1 losses equal across modes: PASS (max rel diff 0.0e+00, bound 0.01)" in checks
+
+
 # About 3 minutes on 2 cores (every section in forked children, 18 throughput rows, 4 profiled): a bench script's
 # readiness, run before a GPU session and with FINETUNE_FULL_MATRIX=1, not in CI.
 @pytest.mark.slow
