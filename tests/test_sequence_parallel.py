@@ -5,6 +5,7 @@ split, trained positions, a packed row's boundaries), their trained tokens add u
 Processes: `deepspeed --num_gpus 2 scripts/sft.py --sequence_parallel_size 2` (each record split over the two
 ranks) against one process without it (the Trainer path), per-step losses within 1e-4, on ~1.5k-token records,
 padded and packed; and (full matrix) on 16k-token records, with each rank's peak memory against the unsplit run's.
+Resume: a split run with rank 1 killed after a checkpoint, resumed, gives the uninterrupted split run's losses.
 """
 
 from __future__ import annotations
@@ -129,6 +130,34 @@ def test_model_and_world_refusals():
     with pytest.raises(SystemExit) as e:
         sequence_parallel.groups_or_exit(3, 4, 0)
     assert e.value.code == 2
+
+
+def test_a_checkpoint_resumes_only_with_its_split(tmp_path):
+    """A checkpoint's data position counts micro-batches of its run's groups of N ranks: another N (or none) is
+    refused by name with the fix; a checkpoint without sequence parallelism resumes as before."""
+    from finetune.training import checkpoint
+
+    def saved(name: str, split: int):
+        folder = checkpoint.folder_for(tmp_path / name, 3)
+        folder.mkdir(parents=True)
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+        checkpoint.mark_complete(folder, path="engine", world_size=4, zero_stage=2, global_step=3,
+                                 sequence_parallel=split)
+        return folder
+
+    split, plain = saved("split", 2), saved("plain", 1)
+    assert "sequence_parallel" not in checkpoint.read_meta(plain)  # the marker as before the flag existed
+    kw = dict(path="engine", world_size=4, zero_stage=2)
+    assert checkpoint.resolve("latest", tmp_path / "split", sequence_parallel=2, **kw) == split
+    assert checkpoint.resolve("latest", tmp_path / "plain", **kw) == plain
+    for folder, saved_n, this in ((split, 2, 1), (split, 2, 4), (plain, 1, 2)):
+        with pytest.raises(checkpoint.ResumeError) as e:
+            checkpoint.resolve("latest", folder.parent, sequence_parallel=this, **kw)
+        assert str(e.value) == (
+            f"{folder} was saved by a run with --sequence_parallel_size {saved_n}, this run has {this}: its data "
+            f"position counts micro-batches of groups of {saved_n} ranks, so the resumed run would train other records "
+            f"than the run it continues. Resume with --sequence_parallel_size {saved_n}, or start a new run without "
+            "--resume_from_checkpoint")
 
 
 def test_trainer_path_refuses_it(tiny_chatml, tmp_path, monkeypatch, capfd, isolated, one_thread):
@@ -289,6 +318,11 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, tmp_path):
     diff = max(abs(a - b) for a, b in zip(expected, got))
     print(f"{path}: resumed vs uninterrupted, max |loss difference| {diff:.2e}")
     assert diff <= 1e-6, f"{path}: resumed vs uninterrupted: max |diff| {diff}\n{expected}\n{got}"
+    # The checkpoint says N: resuming it with another is refused before anything loads (the data position is N's).
+    folder = out / f"checkpoint-{save}"
+    assert checkpoint.read_meta(folder)["sequence_parallel"] == 2
+    with pytest.raises(checkpoint.ResumeError, match="saved by a run with --sequence_parallel_size 2, this run has 1"):
+        checkpoint.check_compatible(folder, path=path, world_size=2, zero_stage=2)
 
 
 def _widen_mlp(model: Path, intermediate: int) -> None:
