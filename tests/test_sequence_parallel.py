@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -303,11 +304,15 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(path, tmp_path):
     model, data = _job(tmp_path, words=40, records=10)
     flags = ["--config", "zero2", "--gradient_accumulation_steps", "2", "--save_steps", str(save),
              "--resume_from_checkpoint", "latest"]
-    _sp_run(_flags(tmp_path, model, data, "full", steps, 512, *flags), path=path)
     out = tmp_path / "killed"
     cmd = _sp_command(_flags(tmp_path, model, data, "killed", steps, 512, *flags), path=path)
-    killed = run_and_kill_rank(cmd, out / f"checkpoint-{save}" / checkpoint.MARKER, rank=1, timeout=600,
-                               stop_at=(save + 1, 0.0), MALLOC_MMAP_THRESHOLD_="131072")
+    # The uninterrupted run and the killed one side by side (each its own port and folder; most of a 2-rank job on
+    # 2 cores is start-up and waiting).
+    with ThreadPoolExecutor(2) as pool:
+        full = pool.submit(_sp_run, _flags(tmp_path, model, data, "full", steps, 512, *flags), path=path)
+        killed = run_and_kill_rank(cmd, out / f"checkpoint-{save}" / checkpoint.MARKER, rank=1, timeout=600,
+                                   stop_at=(save + 1, 0.0), MALLOC_MMAP_THRESHOLD_="131072")
+        full.result()
     assert killed.returncode != 0 and not killed.survivors, killed.output[-3000:]
     assert not (out / "config.json").exists()  # no final model: the run was cut off
     output = _sp_run(_flags(tmp_path, model, data, "killed", steps, 512, *flags), path=path)
