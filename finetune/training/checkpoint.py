@@ -52,7 +52,7 @@ def _rank() -> int:
 
 
 def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage: int, global_step: int,
-                  fingerprint: dict | None = None, fsdp: int = 0) -> None:
+                  fingerprint: dict | None = None, fsdp: int = 0, sequence_parallel: int = 1) -> None:
     """Collective: call on every rank after it has written its part of `folder`.
 
     The barrier comes first: rank 0 must not vouch for partition files other ranks are still writing.
@@ -65,7 +65,8 @@ def mark_complete(folder: str | Path, *, path: str, world_size: int, zero_stage:
         paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.startswith(".")]
         files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
         meta = {"path": path, "world_size": world_size, "zero_stage": zero_stage, "global_step": global_step,
-                **({"fsdp": fsdp} if fsdp else {}), "fingerprint": fingerprint, "files": files,
+                **({"fsdp": fsdp} if fsdp else {}),
+                **({"sequence_parallel": sequence_parallel} if sequence_parallel > 1 else {}), "fingerprint": fingerprint, "files": files,
                 HASH: {str(p.relative_to(folder)): file_hash(p) for p in paths}}
         tmp = folder / f".{MARKER}.tmp{os.getpid()}"  # never another process's temporary name
         with open(tmp, "w") as f:
@@ -158,7 +159,8 @@ def conversion_hint(folder: Path) -> str:
 
 
 def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-            nvme: bool = False, fingerprint: dict | None = None, fsdp: int = 0) -> Path | None:
+            nvme: bool = False, fingerprint: dict | None = None, fsdp: int = 0,
+            sequence_parallel: int = 1) -> Path | None:
     """`--resume_from_checkpoint` (None, `latest` or a folder) -> the folder to resume from, or ResumeError.
 
     `latest` with no complete checkpoint yet starts from scratch (with a note), so one command line both
@@ -171,7 +173,7 @@ def resolve(requested: str | None, output_dir: str | Path, *, path: str, world_s
     folder, error = None, None
     try:
         folder = _resolve_here(requested, output_dir, path=path, world_size=world_size, zero_stage=zero_stage,
-                               nvme=nvme, fingerprint=fingerprint, fsdp=fsdp)
+                               nvme=nvme, fingerprint=fingerprint, fsdp=fsdp, sequence_parallel=sequence_parallel)
     except ResumeError as e:
         error = str(e)
     views = gather((None if folder is None else folder.name, error))
@@ -224,7 +226,7 @@ def gather(value) -> list:
 
 
 def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_size: int, zero_stage: int,
-                  nvme: bool, fingerprint: dict | None, fsdp: int = 0) -> Path | None:
+                  nvme: bool, fingerprint: dict | None, fsdp: int = 0, sequence_parallel: int = 1) -> Path | None:
     """This rank's answer for resolve(), from the files it sees."""
     if requested == "latest":
         folder = latest(output_dir)
@@ -237,7 +239,8 @@ def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_si
         if (why := problem(folder)) is not None:
             raise ResumeError(f"--resume_from_checkpoint {requested}: incomplete checkpoint ({why}); "
                               "resume from an earlier one, or use --resume_from_checkpoint latest")
-    check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage, fsdp=fsdp)
+    check_compatible(folder, path=path, world_size=world_size, zero_stage=zero_stage, fsdp=fsdp,
+                     sequence_parallel=sequence_parallel)
     check_same_model(folder, fingerprint)
     if (why := garbled(folder)) is not None:
         raise ResumeError(f"resume: {why}; its weights or optimizer state would be wrong. Resume from an earlier "
@@ -254,7 +257,8 @@ def _resolve_here(requested: str, output_dir: str | Path, *, path: str, world_si
     return folder
 
 
-def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int, fsdp: int = 0) -> None:
+def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: int, fsdp: int = 0,
+                     sequence_parallel: int = 1) -> None:
     meta = read_meta(folder)
     saved_path = FORMER_PATH_NAMES.get(meta["path"], meta["path"])
     if saved_path != path:
@@ -274,6 +278,13 @@ def check_compatible(folder: Path, *, path: str, world_size: int, zero_stage: in
                           f"processes, this run has {world_size}: rerun with {saved_world} processes "
                           f"(--num_processes {saved_world}), or export it ({export_command(folder)}: one consolidated HF "
                           "folder) and start a new run from DIR without --resume_from_checkpoint")
+    saved_split = meta.get("sequence_parallel", 1)
+    if saved_split != sequence_parallel:
+        # The data position counts micro-batches of the saved run's groups: another N deals other records to them.
+        raise ResumeError(f"{folder} was saved by a run with --sequence_parallel_size {saved_split}, this run has "
+                          f"{sequence_parallel}: its data position counts micro-batches of groups of {saved_split} "
+                          "ranks, so the resumed run would train other records than the run it continues. Resume with "
+                          f"--sequence_parallel_size {saved_split}, or start a new run without --resume_from_checkpoint")
     if saved_stage != zero_stage:
         raise ResumeError(f"{folder} was saved under ZeRO stage {saved_stage}, this run uses stage {zero_stage}: "
                           f"use the checkpoint's preset, or {conversion_hint(folder)}")

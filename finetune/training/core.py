@@ -634,7 +634,8 @@ def save_checkpoint(args, path: TrainingPath, position: dict) -> None:
         if rank() == 0:
             write_json_atomic(folder / POSITION, position)
         checkpoint.mark_complete(folder, path=path.name, world_size=world(), zero_stage=path.zero_stage, fsdp=path.fsdp,
-                                 global_step=position["global_step"], fingerprint=path.fingerprint)
+                                 global_step=position["global_step"], fingerprint=path.fingerprint,
+                                 sequence_parallel=path.sequence_parallel)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ def resume_or_exit(cfg, *, path: str, world_size: int) -> Path | None:
     try:
         return checkpoint.resolve(args.resume_from_checkpoint, args.output_dir, path=path,
                                   world_size=world_size, zero_stage=cfg.preset.stage, nvme=cfg.preset.uses_nvme,
-                                  fingerprint=cfg.fingerprint, fsdp=fsdp_version(cfg.preset))
+                                  fingerprint=cfg.fingerprint, fsdp=fsdp_version(cfg.preset),
+                                  sequence_parallel=cfg.launch.sequence_parallel_size)
     except checkpoint.ResumeError as e:
         exit_with(str(e))
 
