@@ -103,13 +103,16 @@ def test_freeze_vision_tower_false_is_refused_for_a_text_only_model(tiny_chatml,
 
 
 @pytest.mark.slow
-def test_resume_is_exact(job, isolated, one_thread):
+@pytest.mark.parametrize("path", ["trainer", "loop", "engine"])
+def test_resume_is_exact(job, isolated, one_thread, path, capfd):
     """Steps 3-4 resumed from step 2's checkpoint (model, optimizer, data position, RNG) equal the uninterrupted
-    run's, on image records with the per-batch processor (4 steps of the 4 records each)."""
+    run's, on image records with the per-batch processor (4 steps of the 4 records each), on each path."""
     root, _, _ = job
-    flags = ("--save_steps", "2", "--lr_scheduler_type", "constant")
-    whole = train(job, "resume-whole", *flags, steps=4)
-    resumed = train(job, "resume-again", *flags, "--resume_from_checkpoint", str(root / "resume-whole" / "checkpoint-2"),
-                    steps=4)
-    print(f"\nresume: uninterrupted {whole}, resumed {resumed}")
+    flags = ("--save_steps", "2", "--lr_scheduler_type", "cosine", "--warmup_steps", "1")
+    whole = train(job, f"resume-{path}-whole", *flags, steps=4, path=path)
+    checkpoint = root / f"resume-{path}-whole" / "checkpoint-2"
+    capfd.readouterr()
+    resumed = train(job, f"resume-{path}-again", *flags, "--resume_from_checkpoint", str(checkpoint), steps=4, path=path)
+    assert f"resume: from {checkpoint}" in capfd.readouterr().err  # resumed, not trained again from the start
+    print(f"\nresume {path}: uninterrupted {whole}, resumed {resumed}")
     assert len(whole) == 4 and resumed[-2:] == whole[-2:]

@@ -1,6 +1,7 @@
 """A vision-language model's vision tower and projector (Family.vision_prefixes), frozen by default
 (--freeze_vision_tower): full fine-tuning trains the language model only, and LoRA's default adapters go on the
-language model's linear layers only (the family's peft_target_modules)."""
+language model's linear layers only (the family's peft_target_modules). The tower also runs on every micro-batch,
+a blank image's features times zero where the batch has no image (run_tower_on_every_batch)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,60 @@ def freeze_vision(model) -> int:
             p.requires_grad_(False)
             frozen += p.numel()
     return frozen
+
+
+class _TowerOnEveryBatch:
+    """The hooks of run_tower_on_every_batch: the inner model's forward notes whether its call has pixels; the
+    embedding's output then gets 0 x the blank image's features where it has none."""
+
+    def __init__(self, model, family):
+        self.model, self.family, self.has_pixels, self.blank = model, family, True, None
+
+    def note(self, module, args, kwargs):
+        self.has_pixels = any(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+
+    def add(self, module, args, output):
+        import torch
+        import torch.distributed as dist
+
+        if self.has_pixels:
+            return None
+        # A generation on one process pays nothing; training, and anything on several ranks, runs the tower.
+        if not torch.is_grad_enabled() and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        if self.blank is None:
+            self.blank = self.family.dummy_image(self.model.config)
+        inner = self.model.model
+        kwargs = {k: v.to(output.device, dtype=output.dtype if v.is_floating_point() else v.dtype)
+                  if isinstance(v, torch.Tensor) else v for k, v in self.blank.items()}
+        features = inner.get_image_features(**kwargs)
+        total = sum(t.float().sum() for t in _tensors(features))
+        # x + 0 is x (features of a blank image are finite): the loss and every gradient are unchanged, bit for bit.
+        return output + (total * 0).to(output.dtype)
+
+
+def _tensors(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def run_tower_on_every_batch(model) -> None:
+    """Run the vision tower and projector on every micro-batch: where a batch has no image, on a blank image whose
+    features are multiplied by zero and added to the token embeddings. Under ZeRO-3 the tower's forward (and
+    backward, when it trains) gathers its partitioned weights from every rank together, so a rank whose micro-batch
+    had no image would skip collectives its peers wait in; DDP with a trained tower likewise needs every rank's
+    gradients for it. Each family gives its blank image (Family.dummy_image)."""
+    family = families.find(model.config)
+    if family is None or not family.vision:
+        return
+    hooks = _TowerOnEveryBatch(model, family)
+    model.model.register_forward_pre_hook(hooks.note, with_kwargs=True)
+    model.get_input_embeddings().register_forward_hook(hooks.add)

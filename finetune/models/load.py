@@ -12,7 +12,7 @@ import torch
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import declare_loss_kwargs, guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
-from finetune.models.freeze import freeze_vision
+from finetune.models.freeze import freeze_vision, run_tower_on_every_batch
 
 
 class WeightsError(ValueError):
@@ -224,6 +224,8 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     declare_loss_kwargs(model)  # the Trainer's global-batch token mean for Qwen's VLMs (finetune.compat)
     if is_vision(model.config) and getattr(model_cfg, "freeze_vision_tower", True) and not model_cfg.use_peft:
         freeze_vision(model)  # full fine-tuning of the language model (LoRA freezes everything but its adapters)
+    if is_vision(model.config):
+        run_tower_on_every_batch(model)  # ZeRO-3's gathers and DDP's reductions on every rank's micro-batch
     from finetune.models.hub import stamp_config
 
     stamp_config(model.config, getattr(model_cfg, "_hub", None))

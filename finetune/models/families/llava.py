@@ -22,6 +22,8 @@ LLAMA_LAYOUT = ("llama", "mistral")
 
 @dataclass(frozen=True)
 class LlavaFamily(VisionFamily, LlamaFamily):
+    packing_refusal = ("finetune does not pack its image records yet (each image's pixel values would follow its "
+                       "record's tokens in the row)")
     # LlamaConfig's defaults (LlavaConfig's text_config class when config.json names none) and LlavaConfig's vision
     # tower (CLIP ViT-L/14 at 336 pixels).
     text_defaults = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -55,13 +57,31 @@ class LlavaFamily(VisionFamily, LlamaFamily):
         """Parameters registered before the tower: none in LLaVA 1.5."""
         return []
 
+    def dummy_image(self, config) -> dict[str, Any]:
+        # get_image_features takes the feature layer and selection as arguments (the model's forward passes its config's).
+        return {**super().dummy_image(config), "vision_feature_layer": config.vision_feature_layer,
+                "vision_feature_select_strategy": config.vision_feature_select_strategy}
+
 
 @dataclass(frozen=True)
 class LlavaNextFamily(LlavaFamily):
     towers = ("model.image_newline", "model.vision_tower", "model.multi_modal_projector")
+    packing_refusal = ("its images come as tiles padded to the most tiles of a batch, with their sizes; finetune "
+                       "does not regroup them per packed row")
 
     def newline(self, sh: ModelShape) -> list[Tensor]:
         return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        """One square image of the tower's size: the tiles its grid pinpoints give it, each a tower-sized image."""
+        import torch
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        out = super().dummy_image(config)
+        s = int(config.vision_config.image_size)
+        tiles = image_size_to_num_patches((s, s), config.image_grid_pinpoints, s)
+        return dict(out, pixel_values=out["pixel_values"].expand(tiles, -1, -1, -1)[None].contiguous(),
+                    image_sizes=torch.tensor([[s, s]]))
 
 
 LLAVA = LlavaFamily(

@@ -13,12 +13,17 @@ from typing import Any
 
 from finetune.models.families.base import ModelShape, Saving, Tensor
 from finetune.models.families.qwen2 import Qwen2Family
-from finetune.models.families.vision import VisionFamily, dense
+from finetune.models.families.vision import VisionFamily, dense, patch_grid_image
 
 
 @dataclass(frozen=True)
 class Qwen25VLFamily(VisionFamily, Qwen2Family):
     towers = ("model.visual",)
+    packing_refusal = ("its mrope positions are 3-D, computed by the model from the image grids of the whole row, "
+                       "not restarted per record")
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        return patch_grid_image(config)
 
     def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
         """mrope's cos and sin are gathered per section from the three position rows (temporal, height, width): one

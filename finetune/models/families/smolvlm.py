@@ -19,6 +19,8 @@ from finetune.models.families.vision import MmprojTower, VisionFamily, clip_laye
 class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
     language = "model.text_model."
     towers = ("model.vision_model", "model.connector")
+    packing_refusal = ("its pixel values come per row ([rows, images, channels, height, width]), padded to the most "
+                       "images of a row; finetune does not regroup them per packed row")
     # LlamaConfig's defaults (the text_config class of both configs) and SmolVLMVisionConfig's.
     text_defaults = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                          num_attention_heads=32)
@@ -26,6 +28,13 @@ class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
                            image_size=224, patch_size=32, num_attention_heads=16)
 
     projector = "idefics3"
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        """One image of one tile ([images, tiles, channels, height, width]), every pixel real (its mask all set)."""
+        import torch
+
+        pixels = super().dummy_image(config)["pixel_values"][None]
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, *pixels.shape[-2:], dtype=torch.bool)}
     layer_norm_eps = 1e-5
 
     def mmproj_source(self, name: str) -> str | None:

@@ -26,6 +26,9 @@ class VisionFamily:
     towers = ("model.vision_tower", "model.multi_modal_projector")
     text_defaults: dict[str, Any] = {}
     vision_defaults: dict[str, Any] = {}
+    # Why --packing / --padding_free cannot put this family's image records in one row exactly, or "" where they can
+    # (each record its own positions and attention, its images in order: tests/test_vision_packing.py).
+    packing_refusal = "finetune does not pack its image inputs per record"
 
     def vision_prefixes(self, config) -> tuple[str, ...]:
         return self.towers
@@ -54,6 +57,15 @@ class VisionFamily:
         """The tower's and projector's parameters, in named_parameters() order (V: vision_config over defaults)."""
         raise NotImplementedError
 
+    def dummy_image(self, config) -> dict[str, Any]:
+        """get_image_features' arguments for one blank image of the tower's own size: what each rank's tower runs on
+        when its micro-batch has no image (finetune.models.freeze.run_tower_on_every_batch)."""
+        import torch
+
+        v = config.vision_config
+        s = int(v.image_size)
+        return {"pixel_values": torch.zeros(1, int(getattr(v, "num_channels", 3)), s, s)}
+
     def peft_target_modules(self, config, names: list[str]) -> list[str] | str:
         """The names under the language model only (peft matches a regular expression against the whole name)."""
         return rf"{re.escape(self.language)}.*\.({'|'.join(map(re.escape, names))})"
@@ -79,6 +91,17 @@ class VisionFamily:
         where = ("llama.cpp reads them from a separate mmproj file" if isinstance(self, MmprojTower)
                  else "llama.cpp's converter has no projector of this family")
         return lm.eval(), f"the file holds the language model only: the vision tower and projector are not included ({where})"
+
+
+def patch_grid_image(config) -> dict[str, Any]:
+    """Qwen's towers' blank image: one spatial_merge_size-square grid of patches, flattened as their processors give
+    pixel values (a row per patch of in_channels x temporal_patch_size x patch_size^2 values)."""
+    import torch
+
+    v = config.vision_config
+    m, p, t = int(v.spatial_merge_size), int(v.patch_size), int(v.temporal_patch_size)
+    return {"pixel_values": torch.zeros(m * m, int(getattr(v, "in_channels", 3)) * t * p * p),
+            "image_grid_thw": torch.tensor([[1, m, m]])}
 
 
 # ---- the towers' building blocks, as transformers names them ----
