@@ -24,18 +24,28 @@ def job(tmp_path_factory):
     return root, model, write_jsonl(root / "data.jsonl", RECORDS)
 
 
-def train(job, name: str, *flags: str, path: str = "trainer", steps: int = 1) -> list[float]:
+def train(job, name: str, *flags: str, path: str = "trainer", steps: int = 1, capfd=None) -> list[float]:
     """One process, `steps` optimizer steps of the 4 records (2 per micro-batch x 2 accumulation: the global
-    batch)."""
-    from finetune.training import engine, loop, trainer
+    batch). The Trainer and the loop run in this process; the engine in a process of its own (DeepSpeed keeps its
+    process groups across runs in one process)."""
+    import sys
+
+    from launch import ENGINE, run
+
+    from finetune.training import loop, trainer
 
     root, model, data = job
     out = root / name
-    {"trainer": trainer.main, "loop": loop.main, "engine": engine.main}[path](
-        ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir",
-         str(root / "cache"), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-         "--max_steps", str(steps), "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "3", "--max_seq_length", "256",
-         "--disable_tqdm", "true", *flags])
+    argv = ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir",
+            str(root / "cache"), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", str(steps), "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "3",
+            "--max_seq_length", "256", "--disable_tqdm", "true", *flags]
+    if path == "engine":
+        result = run([sys.executable, ENGINE, *argv], timeout=600).check()
+        if capfd is not None:
+            sys.stderr.write(result.output)
+    else:
+        {"trainer": trainer.main, "loop": loop.main}[path](argv)
     state = json.loads((out / "trainer_state.json").read_text())
     return [e["loss"] for e in state["log_history"] if "loss" in e]
 
@@ -112,7 +122,8 @@ def test_resume_is_exact(job, isolated, one_thread, path, capfd):
     whole = train(job, f"resume-{path}-whole", *flags, steps=4, path=path)
     checkpoint = root / f"resume-{path}-whole" / "checkpoint-2"
     capfd.readouterr()
-    resumed = train(job, f"resume-{path}-again", *flags, "--resume_from_checkpoint", str(checkpoint), steps=4, path=path)
+    resumed = train(job, f"resume-{path}-again", *flags, "--resume_from_checkpoint", str(checkpoint), steps=4, path=path,
+                    capfd=capfd)
     assert f"resume: from {checkpoint}" in capfd.readouterr().err  # resumed, not trained again from the start
     print(f"\nresume {path}: uninterrupted {whole}, resumed {resumed}")
     assert len(whole) == 4 and resumed[-2:] == whole[-2:]

@@ -15,13 +15,16 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.errors import DataError
 
 ATTRIBUTE = "finetune_processor"
+PACKS = "finetune_packs_images"  # set where the model's family packs image records exactly (attach's `packs`)
 URL_TIMEOUT_S = 30.0
 
 
-def attach(tokenizer, processor) -> None:
+def attach(tokenizer, processor, packs: bool = False) -> None:
     """Give the data pipeline the model's processor through its tokenizer (processor.tokenizer). The processor's chat
-    template, where it has one, is the one rendered (it places the image parts)."""
+    template, where it has one, is the one rendered (it places the image parts). `packs`: the model's family takes
+    packed rows of image records exactly (PackedVisionCollator)."""
     setattr(tokenizer, ATTRIBUTE, processor)
+    setattr(tokenizer, PACKS, packs)
     template = getattr(processor, "chat_template", None)
     if template:
         tokenizer.chat_template = template
@@ -29,6 +32,10 @@ def attach(tokenizer, processor) -> None:
 
 def processor_of(tokenizer):
     return getattr(tokenizer, ATTRIBUTE, None)
+
+
+def packs_images(tokenizer) -> bool:
+    return bool(getattr(tokenizer, PACKS, False))
 
 
 def fingerprint(tokenizer) -> str:
@@ -155,4 +162,47 @@ class VisionCollator:
         for i, f in enumerate(features):
             labels[i, : lengths[i]] = torch.as_tensor(f["labels"])
         batch["labels"] = labels
+        return batch
+
+
+class PackedVisionCollator:
+    """Packed rows (or padding-free micro-batches) of image records, for a model whose images come as one flat
+    [images, channels, height, width] tensor that it scatters over the image tokens in order (LLaVA 1.5): each row's
+    records through the processor (their tokens checked against the cache, as VisionCollator does), the rows' tokens
+    laid out by finetune.data.packing.PackedCollator (positions restarting per record, no attention mask), and every
+    row's pixel values in the order of the image tokens across the batch."""
+
+    KEYS = ("input_ids", "attention_mask", "pixel_values")  # what the processor may give: nothing per record besides
+
+    def __init__(self, processor, pad_token_id: int, layout: str = "rows"):
+        from finetune.data.packing import PackedCollator
+
+        self.processor, self.packed = processor, PackedCollator(pad_token_id, layout=layout)
+
+    def __call__(self, features: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        features = [f if "texts" in f else dict(f, texts=[f["text"]], images=[f.get("images") or []],
+                                                seq_lens=[len(f["input_ids"])]) for f in features]
+        pixels = []
+        for f in features:
+            images = [[as_pil(x) for x in record] for record in f["images"]]
+            enc = self.processor(text=list(f["texts"]), images=images if any(images) else None, padding=True,
+                                 padding_side="right", add_special_tokens=False, return_tensors="pt")
+            other = sorted(set(enc) - set(self.KEYS))
+            if other:
+                raise DataError(f"{type(self.processor).__name__} gives {', '.join(other)}: its records cannot be packed")
+            start = 0
+            for r, n in enumerate(f["seq_lens"]):
+                if enc["input_ids"].shape[1] < n or enc["input_ids"][r, :n].tolist() != list(f["input_ids"][start:start + n]):
+                    raise DataError(
+                        "the processor's tokens of a cached example differ from the cache's (an image file changed "
+                        "size since the data was tokenized, or the processor's settings changed): delete the tokenized "
+                        "data cache (--dataset_cache_dir) and run again")
+                start += n
+            if "pixel_values" in enc:
+                pixels.append(enc["pixel_values"])
+        batch = self.packed([{k: f[k] for k in ("input_ids", "labels", "seq_lens")} for f in features])
+        if pixels:
+            batch["pixel_values"] = torch.cat(pixels)
         return batch

@@ -240,9 +240,16 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
         model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0, task=task)
         if gradient_checkpointing:
             model.enable_input_require_grads()
-    # The KV cache is useless in training and breaks gradient checkpointing.
-    model.config.use_cache = False
+    # The KV cache is useless in training and breaks gradient checkpointing; with one, transformers also skips
+    # finding packed records from their positions (a vision-language model's decoder reads its text_config's).
+    set_use_cache(model.config, False)
     return model
+
+
+def set_use_cache(config, value: bool) -> None:
+    """use_cache on the config and on its text config (a vision-language model's decoder reads that one)."""
+    config.use_cache = value
+    config.get_text_config().use_cache = value
 
 
 @contextlib.contextmanager

@@ -110,7 +110,10 @@ def attach_processor(model_cfg, tokenizer) -> None:
     processor.tokenizer = tokenizer
     if getattr(model_cfg, "chat_template", None) or not processor.chat_template:
         processor.chat_template = tokenizer.chat_template
-    images.attach(tokenizer, processor)
+    from finetune.models import families
+
+    family = families.find(json.loads(config.read_text()))
+    images.attach(tokenizer, processor, packs=family is not None and not family.packing_refusal)
 
 
 def read_split(output_dir) -> dict | None:

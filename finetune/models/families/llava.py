@@ -22,8 +22,9 @@ LLAMA_LAYOUT = ("llama", "mistral")
 
 @dataclass(frozen=True)
 class LlavaFamily(VisionFamily, LlamaFamily):
-    packing_refusal = ("finetune does not pack its image records yet (each image's pixel values would follow its "
-                       "record's tokens in the row)")
+    # Packs exactly: its images are one flat [images, channels, height, width] tensor scattered over the image tokens
+    # in order, its positions 1-D (finetune.data.images.PackedVisionCollator).
+    packing_refusal = ""
     # LlamaConfig's defaults (LlavaConfig's text_config class when config.json names none) and LlavaConfig's vision
     # tower (CLIP ViT-L/14 at 336 pixels).
     text_defaults = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
