@@ -29,8 +29,11 @@ def freeze_vision(model) -> int:
 
 
 class _TowerOnEveryBatch:
-    """The hooks of run_tower_on_every_batch: the inner model's forward notes whether its call has pixels; the
-    embedding's output then gets 0 x the blank image's features where it has none."""
+    """The hooks of run_tower_on_every_batch: the inner model's forward notes whether its call has pixels; where it
+    has none, the language model's inputs_embeds get 0 x the blank image's features as it starts. The tower runs
+    where its images' would (after the token embedding, before the language model), so ZeRO-3 records the same
+    module order on every rank, and its backward comes first, as an image's does (DeepSpeed checks both orders
+    across ranks)."""
 
     def __init__(self, model, family):
         self.model, self.family, self.has_pixels, self.blank = model, family, True, None
@@ -38,24 +41,28 @@ class _TowerOnEveryBatch:
     def note(self, module, args, kwargs):
         self.has_pixels = any(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
 
-    def add(self, module, args, output):
+    def add(self, module, args, kwargs):
         import torch
         import torch.distributed as dist
 
-        if self.has_pixels:
+        embeds = kwargs.get("inputs_embeds")
+        if self.has_pixels or embeds is None:
             return None
         # A generation on one process pays nothing; training, and anything on several ranks, runs the tower.
         if not torch.is_grad_enabled() and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return None
         if self.blank is None:
             self.blank = self.family.dummy_image(self.model.config)
-        inner = self.model.model
-        kwargs = {k: v.to(output.device, dtype=output.dtype if v.is_floating_point() else v.dtype)
-                  if isinstance(v, torch.Tensor) else v for k, v in self.blank.items()}
-        features = inner.get_image_features(**kwargs)
-        total = sum(t.float().sum() for t in _tensors(features))
+        blank = {k: v.to(embeds.device, dtype=embeds.dtype if v.is_floating_point() else v.dtype)
+                 if isinstance(v, torch.Tensor) else v for k, v in self.blank.items()}
+        features = self.model.model.get_image_features(**blank)
+        # What the model takes from an image's forward (the projected features; Qwen3-VL's deepstack features too),
+        # so the same tower parameters get gradients as from a real image (LLaVA's last layer gets none).
+        used = [getattr(features, "pooler_output", None), getattr(features, "deepstack_features", None)]
+        total = sum(t.float().sum() for t in _tensors(used))
         # x + 0 is x (features of a blank image are finite): the loss and every gradient are unchanged, bit for bit.
-        return output + (total * 0).to(output.dtype)
+        kwargs["inputs_embeds"] = embeds + (total * 0).to(embeds.dtype)
+        return args, kwargs
 
 
 def _tensors(value):
@@ -73,13 +80,13 @@ def _tensors(value):
 
 def run_tower_on_every_batch(model) -> None:
     """Run the vision tower and projector on every micro-batch: where a batch has no image, on a blank image whose
-    features are multiplied by zero and added to the token embeddings. Under ZeRO-3 the tower's forward (and
-    backward, when it trains) gathers its partitioned weights from every rank together, so a rank whose micro-batch
-    had no image would skip collectives its peers wait in; DDP with a trained tower likewise needs every rank's
-    gradients for it. Each family gives its blank image (Family.dummy_image)."""
+    features are multiplied by zero and added to the language model's input embeddings. Under ZeRO-3 the tower's
+    forward (and backward, when it trains) gathers its partitioned weights from every rank together, so a rank whose
+    micro-batch had no image would skip collectives its peers wait in; DDP with a trained tower likewise needs every
+    rank's gradients for it. Each family gives its blank image (VisionFamily.dummy_image)."""
     family = families.find(model.config)
     if family is None or not family.vision:
         return
     hooks = _TowerOnEveryBatch(model, family)
     model.model.register_forward_pre_hook(hooks.note, with_kwargs=True)
-    model.get_input_embeddings().register_forward_hook(hooks.add)
+    model.get_submodule(family.language.rstrip(".")).register_forward_pre_hook(hooks.add, with_kwargs=True)
