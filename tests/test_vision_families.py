@@ -112,7 +112,8 @@ def test_first_step_loss_equals_float64(root, family, isolated, one_thread):
     assert abs(got - want) < 1e-5
 
 
-@pytest.mark.parametrize("family", list(tiny.VLMS))
+# CI: the two families built above, Qwen3-VL (its deepstack features) and LLaVA 1.5 (a tower layer its features skip).
+@pytest.mark.parametrize("family", matrix(list(tiny.VLMS), ["gemma3", "qwen2_5_vl", "qwen3_vl", "llava"]))
 def test_blank_image_changes_nothing_but_runs_the_tower(root, family, one_thread):
     """A micro-batch without images runs the tower on the family's blank image, times zero
     (finetune.models.freeze.run_tower_on_every_batch: what keeps ZeRO-3's gathers in step across ranks): the loss and
