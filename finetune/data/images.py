@@ -166,13 +166,16 @@ class VisionCollator:
 
 
 class PackedVisionCollator:
-    """Packed rows (or padding-free micro-batches) of image records, for a model whose images come as one flat
-    [images, channels, height, width] tensor that it scatters over the image tokens in order (LLaVA 1.5): each row's
-    records through the processor (their tokens checked against the cache, as VisionCollator does), the rows' tokens
-    laid out by finetune.data.packing.PackedCollator (positions restarting per record, no attention mask), and every
-    row's pixel values in the order of the image tokens across the batch."""
+    """Packed rows (or padding-free micro-batches) of image records, for a model that scatters its images' features
+    over the image tokens in order, whatever row they are in: each row's records through the processor (their tokens
+    checked against the cache, as VisionCollator does), the rows' tokens laid out by
+    finetune.data.packing.PackedCollator (positions restarting per record, no attention mask), and the images in the
+    order of their tokens across the batch: LLaVA 1.5's [images, channels, height, width] as they come; SmolVLM's
+    [records, images, ...], padded with all-zero images that its model drops, as the real images of one row;
+    LLaVA-NeXT's [images, tiles, ...] with their image_sizes, padded to the batch's most tiles (its model reads an
+    image's own number of tiles from its size)."""
 
-    KEYS = ("input_ids", "attention_mask", "pixel_values")  # what the processor may give: nothing per record besides
+    KEYS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "image_sizes")  # nothing else
 
     def __init__(self, processor, pad_token_id: int, layout: str = "rows"):
         from finetune.data.packing import PackedCollator
@@ -184,7 +187,7 @@ class PackedVisionCollator:
 
         features = [f if "texts" in f else dict(f, texts=[f["text"]], images=[f.get("images") or []],
                                                 seq_lens=[len(f["input_ids"])]) for f in features]
-        pixels = []
+        pixels, masks, sizes = [], [], []
         for f in features:
             images = [[as_pil(x) for x in record] for record in f["images"]]
             enc = self.processor(text=list(f["texts"]), images=images if any(images) else None, padding=True,
@@ -200,9 +203,26 @@ class PackedVisionCollator:
                         "size since the data was tokenized, or the processor's settings changed): delete the tokenized "
                         "data cache (--dataset_cache_dir) and run again")
                 start += n
-            if "pixel_values" in enc:
+            if "image_sizes" in enc:
+                pixels.append(enc["pixel_values"])
+                sizes.append(enc["image_sizes"])
+            elif "pixel_attention_mask" in enc:
+                # The model's own test of a padding image (all zeros): the real ones, in order.
+                real = (enc["pixel_values"] != 0).flatten(2).any(-1)
+                pixels.append(enc["pixel_values"][real])
+                masks.append(enc["pixel_attention_mask"][real])
+            elif "pixel_values" in enc:
                 pixels.append(enc["pixel_values"])
         batch = self.packed([{k: f[k] for k in ("input_ids", "labels", "seq_lens")} for f in features])
-        if pixels:
+        if sizes:  # the tiles padded to the batch's most (zeros past an image's own, which its model slices off)
+            most = max(p.shape[1] for p in pixels)
+            pixels = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pixels]
+            batch["image_sizes"] = torch.cat(sizes)
+        if pixels and len({p.shape[1:] for p in pixels}) > 1:
+            raise DataError(f"{type(self.processor).__name__} gave images of different sizes to the rows of one batch "
+                            f"({sorted({tuple(p.shape[1:]) for p in pixels})}): they cannot be packed together")
+        if masks:
+            batch["pixel_values"], batch["pixel_attention_mask"] = torch.cat(pixels)[None], torch.cat(masks)[None]
+        elif pixels:
             batch["pixel_values"] = torch.cat(pixels)
         return batch

@@ -67,8 +67,7 @@ class LlavaFamily(VisionFamily, LlamaFamily):
 @dataclass(frozen=True)
 class LlavaNextFamily(LlavaFamily):
     towers = ("model.image_newline", "model.vision_tower", "model.multi_modal_projector")
-    packing_refusal = ("its images come as tiles padded to the most tiles of a batch, with their sizes; finetune "
-                       "does not regroup them per packed row")
+    packing_refusal = ""  # its images' tiles and sizes, in order (PackedVisionCollator), and 1-D positions
 
     def newline(self, sh: ModelShape) -> list[Tensor]:
         return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]

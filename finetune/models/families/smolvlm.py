@@ -19,8 +19,9 @@ from finetune.models.families.vision import MmprojTower, VisionFamily, clip_laye
 class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
     language = "model.text_model."
     towers = ("model.vision_model", "model.connector")
-    packing_refusal = ("its pixel values come per row ([rows, images, channels, height, width]), padded to the most "
-                       "images of a row; finetune does not regroup them per packed row")
+    # Packs exactly: its model keeps a batch's real images (not all zeros) in order, whatever row they are in, and
+    # its positions are 1-D (finetune.data.images.PackedVisionCollator).
+    packing_refusal = ""
     # LlamaConfig's defaults (the text_config class of both configs) and SmolVLMVisionConfig's.
     text_defaults = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                          num_attention_heads=32)
