@@ -18,6 +18,20 @@ def under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def freeze_unused_tower(model) -> int:
+    """requires_grad off for the tower's parameters that the forward never uses (Family.unused_tower: LLaVA's layers
+    after its feature layer), LoRA's adapters on them included; returns how many values were frozen."""
+    family = families.find(model.config)
+    prefixes = tuple(family.unused_tower(model.config)) if family is not None and family.vision else ()
+    frozen = 0
+    for name, p in model.named_parameters():
+        # peft names the base model's parameters under base_model.model.
+        if prefixes and under(name.removeprefix("base_model.model."), prefixes) and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
+
+
 def freeze_vision(model) -> int:
     """requires_grad off for the vision tower's and projector's parameters; returns how many values were frozen."""
     prefixes, frozen = vision_prefixes(model), 0

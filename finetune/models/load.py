@@ -12,7 +12,7 @@ import torch
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import declare_loss_kwargs, guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
-from finetune.models.freeze import freeze_vision, run_tower_on_every_batch
+from finetune.models.freeze import freeze_unused_tower, freeze_vision, run_tower_on_every_batch
 
 
 class WeightsError(ValueError):
@@ -240,6 +240,8 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
         model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0, task=task)
         if gradient_checkpointing:
             model.enable_input_require_grads()
+    if is_vision(model.config):
+        freeze_unused_tower(model)  # --freeze_vision_tower false: what no image reaches gets no gradient, DDP's refusal
     # The KV cache is useless in training and breaks gradient checkpointing; with one, transformers also skips
     # finding packed records from their positions (a vision-language model's decoder reads its text_config's).
     set_use_cache(model.config, False)

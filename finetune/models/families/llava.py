@@ -58,6 +58,14 @@ class LlavaFamily(VisionFamily, LlamaFamily):
         """Parameters registered before the tower: none in LLaVA 1.5."""
         return []
 
+    def unused_tower(self, config) -> tuple[str, ...]:
+        """The CLIP layers after vision_feature_layer (-2 in the published checkpoints: the last layer) and the final
+        LayerNorm (CLIP applies it to the pooled output only): the features are hidden_states[k], layer k-1's output."""
+        n = int(config.vision_config.num_hidden_layers)
+        layers = config.vision_feature_layer
+        k = max(int(x) % (n + 1) for x in (layers if isinstance(layers, (list, tuple)) else [layers]))
+        return tuple(f"model.vision_tower.encoder.layers.{i}" for i in range(k, n)) + ("model.vision_tower.post_layernorm",)
+
     def dummy_image(self, config) -> dict[str, Any]:
         # get_image_features takes the feature layer and selection as arguments (the model's forward passes its config's).
         return {**super().dummy_image(config), "vision_feature_layer": config.vision_feature_layer,

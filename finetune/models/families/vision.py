@@ -33,6 +33,11 @@ class VisionFamily:
     def vision_prefixes(self, config) -> tuple[str, ...]:
         return self.towers
 
+    def unused_tower(self, config) -> tuple[str, ...]:
+        """Module prefixes of the tower that the model's forward never uses (no gradient ever reaches them): kept
+        frozen even when the tower trains, as DDP refuses trained parameters without a gradient."""
+        return ()
+
     def text_dict(self, d: dict[str, Any]) -> dict[str, Any]:
         """The language model's config keys: text_config (older configs keep them at the top level), over the
         config class's defaults."""
