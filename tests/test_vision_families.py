@@ -118,7 +118,8 @@ def test_blank_image_changes_nothing_but_runs_the_tower(root, family, one_thread
     """A micro-batch without images runs the tower on the family's blank image, times zero
     (finetune.models.freeze.run_tower_on_every_batch: what keeps ZeRO-3's gathers in step across ranks): the loss and
     every language-model gradient equal the plain model's bit for bit, every tower parameter that an image's forward
-    reaches gets a gradient (zero); a batch with images is left as it is."""
+    reaches gets a gradient (zero), and those are the tower parameters --freeze_vision_tower false trains; a batch
+    with images is left as it is."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -154,6 +155,12 @@ def test_blank_image_changes_nothing_but_runs_the_tower(root, family, one_thread
     reached = {n for n in tower if image_grads[n] is not None}
     assert reached and reached == {n for n in tower if grads_h[n] is not None}
     assert all(not grads_h[n].any() for n in reached)
+    # --freeze_vision_tower false trains exactly those (DDP refuses a trained parameter that gets no gradient).
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_model
+
+    loaded = load_model(ModelConfig(model_name_or_path=str(folder), freeze_vision_tower=False))
+    assert {n for n, p in loaded.named_parameters() if under(n, prefixes) and p.requires_grad} == reached
     (a, ga), (b, gb) = run(plain, with_images), run(hooked, with_images)
     assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga if ga[n] is not None)
     print(f"\n{family}: text-only loss {loss.item():.8f} with and without the blank image; {len(reached)} of "
