@@ -1,7 +1,7 @@
 """Vision-language training on 2 processes equals 1 at every step (within 1e-4, relative): image records through
-the processor, the vision tower trained (frozen under ZeRO-2), on the Trainer, the prepare() loop and the DeepSpeed engine paths with DDP,
-ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, text records beside image records. CI runs a cover (COVER: each path and
-preset but ZeRO-3 offload once); FINETUNE_FULL_MATRIX=1 runs every family x path x preset."""
+the processor, text records beside them, on the Trainer, the prepare() loop and the DeepSpeed engine paths with DDP,
+ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, the vision tower trained (frozen under ZeRO-2). CI runs a cover (COVER:
+each path and each preset but ZeRO-3 offload once); FINETUNE_FULL_MATRIX=1 runs every family x path x preset."""
 
 from __future__ import annotations
 
