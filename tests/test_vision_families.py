@@ -110,3 +110,58 @@ def test_first_step_loss_equals_float64(root, family, isolated, one_thread):
     want = float64_loss(folder, family, RECORDS, root)
     print(f"\n{family}: first-step loss {got:.8f}, float64 {want:.8f}, diff {abs(got - want):.1e}")
     assert abs(got - want) < 1e-5
+
+
+# CI: the two families built above, Qwen3-VL (its deepstack features) and LLaVA 1.5 (a tower layer its features skip).
+@pytest.mark.parametrize("family", matrix(list(tiny.VLMS), ["gemma3", "qwen2_5_vl", "qwen3_vl", "llava"]))
+def test_blank_image_changes_nothing_but_runs_the_tower(root, family, one_thread):
+    """A micro-batch without images runs the tower on the family's blank image, times zero
+    (finetune.models.freeze.run_tower_on_every_batch: what keeps ZeRO-3's gathers in step across ranks): the loss and
+    every language-model gradient equal the plain model's bit for bit, every tower parameter that an image's forward
+    reaches gets a gradient (zero), and those are the tower parameters --freeze_vision_tower false trains; a batch
+    with images is left as it is."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.compat import processors_without_video
+    from finetune.models.freeze import run_tower_on_every_batch, under, vision_prefixes
+
+    processors_without_video()
+    folder = tiny.tiny_vlm(family, root / family)
+    processor = AutoProcessor.from_pretrained(folder)
+    texts = [processor.apply_chat_template(as_parts(r["messages"]), tokenize=False) for r in RECORDS]
+    pictures = [[Image.open(root / p) for p in r.get("images", [])] for r in RECORDS]
+    text_only = processor.tokenizer([texts[1]], return_tensors="pt", add_special_tokens=False)
+    with_images = processor(text=texts[:1], images=pictures[:1], return_tensors="pt", add_special_tokens=False)
+
+    def run(model, batch):
+        model.zero_grad()
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).train()
+    hooked = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).train()
+    run_tower_on_every_batch(hooked)
+    prefixes = vision_prefixes(plain)
+    (loss, grads), (loss_h, grads_h) = run(plain, text_only), run(hooked, text_only)
+    assert torch.equal(loss, loss_h)
+    tower = [n for n in grads if under(n, prefixes)]
+    for n in (n for n in grads if n not in tower):
+        assert (grads[n] is None) == (grads_h[n] is None) and (grads[n] is None or torch.equal(grads[n], grads_h[n])), n
+    assert all(grads[n] is None for n in tower)  # the plain model never runs its tower on text
+    # The same tower parameters as an image's forward reaches, each with an all-zero gradient.
+    _, image_grads = run(plain, with_images)
+    reached = {n for n in tower if image_grads[n] is not None}
+    assert reached and reached == {n for n in tower if grads_h[n] is not None}
+    assert all(not grads_h[n].any() for n in reached)
+    # --freeze_vision_tower false trains exactly those (DDP refuses a trained parameter that gets no gradient).
+    from finetune.config import ModelConfig
+    from finetune.models.load import load_model
+
+    loaded = load_model(ModelConfig(model_name_or_path=str(folder), freeze_vision_tower=False))
+    assert {n for n, p in loaded.named_parameters() if under(n, prefixes) and p.requires_grad} == reached
+    (a, ga), (b, gb) = run(plain, with_images), run(hooked, with_images)
+    assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga if ga[n] is not None)
+    print(f"\n{family}: text-only loss {loss.item():.8f} with and without the blank image; {len(reached)} of "
+          f"{len(tower)} tower tensors reached, gradients zero")

@@ -24,18 +24,28 @@ def job(tmp_path_factory):
     return root, model, write_jsonl(root / "data.jsonl", RECORDS)
 
 
-def train(job, name: str, *flags: str, path: str = "trainer", steps: int = 1) -> list[float]:
+def train(job, name: str, *flags: str, path: str = "trainer", steps: int = 1, capfd=None) -> list[float]:
     """One process, `steps` optimizer steps of the 4 records (2 per micro-batch x 2 accumulation: the global
-    batch)."""
-    from finetune.training import engine, loop, trainer
+    batch). The Trainer and the loop run in this process; the engine in a process of its own (DeepSpeed keeps its
+    process groups across runs in one process)."""
+    import sys
+
+    from launch import ENGINE, run
+
+    from finetune.training import loop, trainer
 
     root, model, data = job
     out = root / name
-    {"trainer": trainer.main, "loop": loop.main, "engine": engine.main}[path](
-        ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir",
-         str(root / "cache"), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-         "--max_steps", str(steps), "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "3", "--max_seq_length", "256",
-         "--disable_tqdm", "true", *flags])
+    argv = ["--model_name_or_path", str(model), "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir",
+            str(root / "cache"), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", str(steps), "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "3",
+            "--max_seq_length", "256", "--disable_tqdm", "true", *flags]
+    if path == "engine":
+        result = run([sys.executable, ENGINE, *argv], timeout=600).check()
+        if capfd is not None:
+            sys.stderr.write(result.output)
+    else:
+        {"trainer": trainer.main, "loop": loop.main}[path](argv)
     state = json.loads((out / "trainer_state.json").read_text())
     return [e["loss"] for e in state["log_history"] if "loss" in e]
 
@@ -103,13 +113,19 @@ def test_freeze_vision_tower_false_is_refused_for_a_text_only_model(tiny_chatml,
 
 
 @pytest.mark.slow
-def test_resume_is_exact(job, isolated, one_thread):
+# CI: the Trainer and the loop (the engine's data and collator are the loop's; its own resume on text records:
+# test_resume.py); the engine too with FINETUNE_FULL_MATRIX=1.
+@pytest.mark.parametrize("path", matrix(["trainer", "loop", "engine"], ["trainer", "loop"]))
+def test_resume_is_exact(job, isolated, one_thread, path, capfd):
     """Steps 3-4 resumed from step 2's checkpoint (model, optimizer, data position, RNG) equal the uninterrupted
-    run's, on image records with the per-batch processor (4 steps of the 4 records each)."""
+    run's, on image records with the per-batch processor (4 steps of the 4 records each), on each path."""
     root, _, _ = job
-    flags = ("--save_steps", "2", "--lr_scheduler_type", "constant")
-    whole = train(job, "resume-whole", *flags, steps=4)
-    resumed = train(job, "resume-again", *flags, "--resume_from_checkpoint", str(root / "resume-whole" / "checkpoint-2"),
-                    steps=4)
-    print(f"\nresume: uninterrupted {whole}, resumed {resumed}")
+    flags = ("--save_steps", "2", "--lr_scheduler_type", "cosine", "--warmup_steps", "1")
+    whole = train(job, f"resume-{path}-whole", *flags, steps=4, path=path)
+    checkpoint = root / f"resume-{path}-whole" / "checkpoint-2"
+    capfd.readouterr()
+    resumed = train(job, f"resume-{path}-again", *flags, "--resume_from_checkpoint", str(checkpoint), steps=4, path=path,
+                    capfd=capfd)
+    assert f"resume: from {checkpoint}" in capfd.readouterr().err  # resumed, not trained again from the start
+    print(f"\nresume {path}: uninterrupted {whole}, resumed {resumed}")
     assert len(whole) == 4 and resumed[-2:] == whole[-2:]

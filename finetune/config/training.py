@@ -684,7 +684,7 @@ def validate(model: ModelConfig, data: DataConfig, launch: LaunchConfig, trainin
             problems.append("model_name_or_path: required (a local model folder)")
         else:
             found = resolve_model_or_problems(model)
-            problems += found or family_problems(model)
+            problems += found or family_problems(model, data)
         if model.model_name_or_path and training.get("output_dir") and \
                 Path(training["output_dir"]).resolve() == Path(model.model_name_or_path).resolve():
             problems.append(f"output_dir: {training['output_dir']} is the model folder (--model_name_or_path); the run "
@@ -855,8 +855,9 @@ def attn_problems(name: str | None, flag: str = "attn_implementation") -> list[s
     return []
 
 
-def family_problems(model: ModelConfig) -> list[str]:
-    """What the model's family cannot run with these flags (an attention kernel it lacks), from its config.json."""
+def family_problems(model: ModelConfig, data=None) -> list[str]:
+    """What the model's family cannot run with these flags (an attention kernel it lacks, packing of its image
+    records), from its config.json."""
     import json
 
     from finetune.models import families
@@ -872,6 +873,11 @@ def family_problems(model: ModelConfig) -> list[str]:
     if not getattr(model, "freeze_vision_tower", True) and isinstance(d, dict) and "vision_config" not in d:
         problems.append(f"freeze_vision_tower: false trains a vision tower, and {model.model_name_or_path} is a "
                         "text-only model (its config.json has no vision_config); leave the flag out")
+    flag = next((f for f in ("packing", "padding_free") if getattr(data, f, False)), None)
+    if flag and family is not None and family.vision and family.packing_refusal:
+        problems.append(f"{flag}: the {family.name} family's records are not packed: {family.packing_refusal} "
+                        f"({model.model_name_or_path}/config.json: model_type '{d.get('model_type')}'); leave "
+                        f"--{flag} out")
     return problems + lora_target_problems(model, family, d)
 
 

@@ -15,13 +15,16 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.errors import DataError
 
 ATTRIBUTE = "finetune_processor"
+PACKS = "finetune_packs_images"  # set where the model's family packs image records exactly (attach's `packs`)
 URL_TIMEOUT_S = 30.0
 
 
-def attach(tokenizer, processor) -> None:
+def attach(tokenizer, processor, packs: bool = False) -> None:
     """Give the data pipeline the model's processor through its tokenizer (processor.tokenizer). The processor's chat
-    template, where it has one, is the one rendered (it places the image parts)."""
+    template, where it has one, is the one rendered (it places the image parts). `packs`: the model's family takes
+    packed rows of image records exactly (PackedVisionCollator)."""
     setattr(tokenizer, ATTRIBUTE, processor)
+    setattr(tokenizer, PACKS, packs)
     template = getattr(processor, "chat_template", None)
     if template:
         tokenizer.chat_template = template
@@ -29,6 +32,10 @@ def attach(tokenizer, processor) -> None:
 
 def processor_of(tokenizer):
     return getattr(tokenizer, ATTRIBUTE, None)
+
+
+def packs_images(tokenizer) -> bool:
+    return bool(getattr(tokenizer, PACKS, False))
 
 
 def fingerprint(tokenizer) -> str:
@@ -155,4 +162,67 @@ class VisionCollator:
         for i, f in enumerate(features):
             labels[i, : lengths[i]] = torch.as_tensor(f["labels"])
         batch["labels"] = labels
+        return batch
+
+
+class PackedVisionCollator:
+    """Packed rows (or padding-free micro-batches) of image records, for a model that scatters its images' features
+    over the image tokens in order, whatever row they are in: each row's records through the processor (their tokens
+    checked against the cache, as VisionCollator does), the rows' tokens laid out by
+    finetune.data.packing.PackedCollator (positions restarting per record, no attention mask), and the images in the
+    order of their tokens across the batch: LLaVA 1.5's [images, channels, height, width] as they come; SmolVLM's
+    [records, images, ...], padded with all-zero images that its model drops, as the real images of one row;
+    LLaVA-NeXT's [images, tiles, ...] with their image_sizes, padded to the batch's most tiles (its model reads an
+    image's own number of tiles from its size)."""
+
+    KEYS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "image_sizes")  # nothing else
+
+    def __init__(self, processor, pad_token_id: int, layout: str = "rows"):
+        from finetune.data.packing import PackedCollator
+
+        self.processor, self.packed = processor, PackedCollator(pad_token_id, layout=layout)
+
+    def __call__(self, features: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        features = [f if "texts" in f else dict(f, texts=[f["text"]], images=[f.get("images") or []],
+                                                seq_lens=[len(f["input_ids"])]) for f in features]
+        pixels, masks, sizes = [], [], []
+        for f in features:
+            images = [[as_pil(x) for x in record] for record in f["images"]]
+            enc = self.processor(text=list(f["texts"]), images=images if any(images) else None, padding=True,
+                                 padding_side="right", add_special_tokens=False, return_tensors="pt")
+            other = sorted(set(enc) - set(self.KEYS))
+            if other:
+                raise DataError(f"{type(self.processor).__name__} gives {', '.join(other)}: its records cannot be packed")
+            start = 0
+            for r, n in enumerate(f["seq_lens"]):
+                if enc["input_ids"].shape[1] < n or enc["input_ids"][r, :n].tolist() != list(f["input_ids"][start:start + n]):
+                    raise DataError(
+                        "the processor's tokens of a cached example differ from the cache's (an image file changed "
+                        "size since the data was tokenized, or the processor's settings changed): delete the tokenized "
+                        "data cache (--dataset_cache_dir) and run again")
+                start += n
+            if "image_sizes" in enc:
+                pixels.append(enc["pixel_values"])
+                sizes.append(enc["image_sizes"])
+            elif "pixel_attention_mask" in enc:
+                # The model's own test of a padding image (all zeros): the real ones, in order.
+                real = (enc["pixel_values"] != 0).flatten(2).any(-1)
+                pixels.append(enc["pixel_values"][real])
+                masks.append(enc["pixel_attention_mask"][real])
+            elif "pixel_values" in enc:
+                pixels.append(enc["pixel_values"])
+        batch = self.packed([{k: f[k] for k in ("input_ids", "labels", "seq_lens")} for f in features])
+        if sizes:  # the tiles padded to the batch's most (zeros past an image's own, which its model slices off)
+            most = max(p.shape[1] for p in pixels)
+            pixels = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pixels]
+            batch["image_sizes"] = torch.cat(sizes)
+        if pixels and len({p.shape[1:] for p in pixels}) > 1:
+            raise DataError(f"{type(self.processor).__name__} gave images of different sizes to the rows of one batch "
+                            f"({sorted({tuple(p.shape[1:]) for p in pixels})}): they cannot be packed together")
+        if masks:
+            batch["pixel_values"], batch["pixel_attention_mask"] = torch.cat(pixels)[None], torch.cat(masks)[None]
+        elif pixels:
+            batch["pixel_values"] = torch.cat(pixels)
         return batch

@@ -104,16 +104,22 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.bins)
 
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
+    def __getitem__(self, i: int) -> dict[str, list]:
         ids: list[int] = []
         labels: list[int] = []
         lens: list[int] = []
+        texts: list[str] = []
+        images: list = []
         for j in self.bins[i]:
             e = self.examples[j]
             ids += e["input_ids"]
             labels += e["labels"]
             lens.append(len(e["input_ids"]))
-        return {"input_ids": ids, "labels": labels, "seq_lens": lens}
+            if "images" in e:  # image records (finetune.data.images.PackedVisionCollator): each record's text and images
+                texts.append(e["text"])
+                images.append(e["images"])
+        row = {"input_ids": ids, "labels": labels, "seq_lens": lens}
+        return dict(row, texts=texts, images=images) if texts else row
 
 
 def pack_dataset(examples, capacity: int) -> tuple[PackedDataset, PackingStats]:

@@ -581,8 +581,10 @@ def prepare_dataset(cfg, tokenizer, *, local_rank: int = 0, log=print, seed: int
     """Return (datasets.Dataset with input_ids/labels, DataStats), tokenized once per node (once per job on a shared
     cache folder) with a multi-process `Dataset.map` while the other ranks wait, then packed where asked."""
     processor = images.processor_of(tokenizer)
-    if processor is not None and (getattr(cfg, "packing", False) or getattr(cfg, "padding_free", False)):
-        # Packed rows would need each record's own positions, mrope's 3-D ones included, and its images in order.
+    if processor is not None and not images.packs_images(tokenizer) and \
+            (getattr(cfg, "packing", False) or getattr(cfg, "padding_free", False)):
+        # Packed rows need each record's own positions, mrope's 3-D ones included, and its images in order: the
+        # families that take them say so (VisionFamily.packing_refusal; the run's checks name the others first).
         flag = "--packing" if getattr(cfg, "packing", False) else "--padding_free"
         raise DataError(f"{flag} is not supported for vision-language models ({type(processor).__name__}): image "
                         f"records are not packed; leave {flag} out")

@@ -857,13 +857,15 @@ def make_collator(cfg, tokenizer):
     """
     from finetune.data.packing import PackedCollator, collator_layout
 
-    from finetune.data.images import VisionCollator, processor_of
+    from finetune.data.images import PackedVisionCollator, VisionCollator, processor_of
 
-    if processor_of(tokenizer) is not None:  # a vision-language model: its processor makes the batches
-        return VisionCollator(processor_of(tokenizer), tokenizer.pad_token_id)
     data_cfg = getattr(cfg, "data", cfg)
     attn = getattr(getattr(cfg, "model", None), "attn_implementation", "sdpa")
     layout = collator_layout(getattr(data_cfg, "packing", False), getattr(data_cfg, "padding_free", False), attn)
+    if processor_of(tokenizer) is not None:  # a vision-language model: its processor makes the batches
+        if layout is not None:  # a family that packs image records (prepare_dataset refuses the others)
+            return PackedVisionCollator(processor_of(tokenizer), tokenizer.pad_token_id, layout=layout)
+        return VisionCollator(processor_of(tokenizer), tokenizer.pad_token_id)
     collator = Collator(tokenizer.pad_token_id) if layout is None else PackedCollator(tokenizer.pad_token_id,
                                                                                        layout=layout)
     return WithTrainedRows(collator) if chunked_loss_on(cfg) else collator

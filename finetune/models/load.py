@@ -12,7 +12,7 @@ import torch
 # The bitsandbytes 4-bit CPU repacking guard (a workaround for bitsandbytes internals); load_model applies it.
 from finetune.compat import declare_loss_kwargs, guard_4bit_training, outside_zero3, quiet_checkpointing_alias  # noqa: F401
 from finetune.models import families
-from finetune.models.freeze import freeze_vision
+from finetune.models.freeze import freeze_unused_tower, freeze_vision, run_tower_on_every_batch
 
 
 class WeightsError(ValueError):
@@ -224,6 +224,8 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
     declare_loss_kwargs(model)  # the Trainer's global-batch token mean for Qwen's VLMs (finetune.compat)
     if is_vision(model.config) and getattr(model_cfg, "freeze_vision_tower", True) and not model_cfg.use_peft:
         freeze_vision(model)  # full fine-tuning of the language model (LoRA freezes everything but its adapters)
+    if is_vision(model.config):
+        run_tower_on_every_batch(model)  # ZeRO-3's gathers and DDP's reductions on every rank's micro-batch
     from finetune.models.hub import stamp_config
 
     stamp_config(model.config, getattr(model_cfg, "_hub", None))
@@ -238,9 +240,18 @@ def load_model(model_cfg, training_args=None, task: str = "CAUSAL_LM"):
         model = add_lora(model, model_cfg, seed=training_args.seed if training_args else 0, task=task)
         if gradient_checkpointing:
             model.enable_input_require_grads()
-    # The KV cache is useless in training and breaks gradient checkpointing.
-    model.config.use_cache = False
+    if is_vision(model.config):
+        freeze_unused_tower(model)  # --freeze_vision_tower false: what no image reaches gets no gradient, DDP's refusal
+    # The KV cache is useless in training and breaks gradient checkpointing; with one, transformers also skips
+    # finding packed records from their positions (a vision-language model's decoder reads its text_config's).
+    set_use_cache(model.config, False)
     return model
+
+
+def set_use_cache(config, value: bool) -> None:
+    """use_cache on the config and on its text config (a vision-language model's decoder reads that one)."""
+    config.use_cache = value
+    config.get_text_config().use_cache = value
 
 
 @contextlib.contextmanager

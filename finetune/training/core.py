@@ -670,7 +670,9 @@ def save_final_module(module, state_dict, tokenizer, output_dir, state: dict, cf
     staging, main = staging_dir(output_dir), rank() == 0
     if main:
         shutil.rmtree(staging, ignore_errors=True)
-        module.config.use_cache = True  # turned off for training; the saved model is for inference
+        from finetune.models.load import set_use_cache
+
+        set_use_cache(module.config, True)  # turned off for training; the saved model is for inference
         with saving(staging, "the final model", partial=staging):
             module.save_pretrained(staging, state_dict=state_dict)
             tokenizer.save_pretrained(staging)

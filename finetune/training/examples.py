@@ -55,7 +55,6 @@ def datasets_or_exit(cfg, method, local_rank: int):
         unpacked = dataclasses.replace(data, packing=False)
         dataset, stats, key = prepare(unpacked, "data error", seed=cfg.training.seed)
         rank0_print(stats.summary())
-        check_images_under_zero3(cfg, stats)
         seed = core.data_seed(cfg.training)
         try:
             train_idx, eval_idx = split_indices(len(dataset), data.eval_split_size, seed)
@@ -83,7 +82,6 @@ def datasets_or_exit(cfg, method, local_rank: int):
                 method.examples(held_out, split and f"{split}-eval"), stats)
     dataset, stats, key = prepare(data, "data error", seed=cfg.training.seed)
     rank0_print(stats.summary())
-    check_images_under_zero3(cfg, stats)
     if not data.eval_dataset:
         return tokenizer, method.examples(dataset, key), None, stats
     eval_data = dataclasses.replace(data, dataset=data.eval_dataset, dataset_split=data.eval_dataset_split,
@@ -91,18 +89,6 @@ def datasets_or_exit(cfg, method, local_rank: int):
     eval_dataset, eval_stats, eval_key = prepare(eval_data, "eval data error (--eval_dataset)")
     rank0_print(f"eval {eval_stats.summary()}")
     return tokenizer, method.examples(dataset, key), method.examples(eval_dataset, eval_key), stats
-
-
-def check_images_under_zero3(cfg, stats) -> None:
-    """Under ZeRO-3 every rank gathers the vision tower's partitioned weights together, in its forward: a micro-batch
-    without an image on one rank skips the tower and the ranks' collectives no longer match (gloo: "Received data size
-    doesn't match expected size"). Text records beside image records are refused there, by number."""
-    n = getattr(stats, "without_images", 0)
-    preset = getattr(cfg, "preset", None)
-    if n and preset is not None and preset.zero3 and core.world() > 1:
-        exit_with(f"--config {cfg.launch.config}: {n} of the {stats.examples} examples of --dataset have no image; under "
-                  "ZeRO-3 every rank runs the vision tower together on each micro-batch, so every record needs an "
-                  "image (or train with DDP or ZeRO-2, which take text records beside image records)")
 
 
 def attach_processor(model_cfg, tokenizer) -> None:
@@ -124,7 +110,10 @@ def attach_processor(model_cfg, tokenizer) -> None:
     processor.tokenizer = tokenizer
     if getattr(model_cfg, "chat_template", None) or not processor.chat_template:
         processor.chat_template = tokenizer.chat_template
-    images.attach(tokenizer, processor)
+    from finetune.models import families
+
+    family = families.find(json.loads(config.read_text()))
+    images.attach(tokenizer, processor, packs=family is not None and not family.packing_refusal)
 
 
 def read_split(output_dir) -> dict | None:

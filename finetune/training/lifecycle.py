@@ -412,7 +412,9 @@ def save_final_trainer(trainer, output_dir: str | Path, cfg=None) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     # Training turns the KV cache off; the saved model is for inference, where the cache is the default.
-    trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
+    from finetune.models.load import set_use_cache
+
+    set_use_cache(trainer.accelerator.unwrap_model(trainer.model).config, True)
     # Every rank calls save_model: under ZeRO-3 it gathers the partitioned weights. Under FSDP2 with sharded state
     # dicts save_model writes nothing: every rank gathers the shards (collective) and rank 0 writes the whole model.
     fsdp_state_dict = None

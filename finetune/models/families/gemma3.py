@@ -134,6 +134,8 @@ class Gemma3Family(Gemma2Family):
 
 @dataclass(frozen=True)
 class Gemma3VisionFamily(VisionFamily, MmprojTower, Gemma3Family):
+    packing_refusal = ("an image's tokens attend to each other both ways (token_type_ids), which a packed row's "
+                       "per-record causal attention, found from its positions, does not keep")
     """The multimodal checkpoints (Gemma3ForConditionalGeneration): the same decoder under model.language_model.,
     after the SigLIP tower (model.vision_tower) and the projector (model.multi_modal_projector: an RMSNorm of the
     tower's width, average-pooled to mm_tokens_per_image per image, then one matrix into the decoder's width)."""

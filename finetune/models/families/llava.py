@@ -23,6 +23,9 @@ LLAMA_LAYOUT = ("llama", "mistral")
 
 @dataclass(frozen=True)
 class LlavaFamily(VisionFamily, LlamaFamily):
+    # Packs exactly: its images are one flat [images, channels, height, width] tensor scattered over the image tokens
+    # in order, its positions 1-D (finetune.data.images.PackedVisionCollator).
+    packing_refusal = ""
     # LlamaConfig's defaults (LlavaConfig's text_config class when config.json names none) and LlavaConfig's vision
     # tower (CLIP ViT-L/14 at 336 pixels).
     text_defaults = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -77,15 +80,38 @@ class LlavaFamily(VisionFamily, LlamaFamily):
                 "vision tower: position ids": 8 * (t // max(n, 1)),
                 "vision tower: layers": layer_norm_saved(a, t, h) + int(v["num_hidden_layers"]) * encoder_layer_saved(a, t, v),
                 "projector": a * selected * (h + 2 * sh.hidden_size)}
+    def unused_tower(self, config) -> tuple[str, ...]:
+        """The CLIP layers after vision_feature_layer (-2 in the published checkpoints: the last layer) and the final
+        LayerNorm (CLIP applies it to the pooled output only): the features are hidden_states[k], layer k-1's output."""
+        n = int(config.vision_config.num_hidden_layers)
+        layers = config.vision_feature_layer
+        k = max(int(x) % (n + 1) for x in (layers if isinstance(layers, (list, tuple)) else [layers]))
+        return tuple(f"model.vision_tower.encoder.layers.{i}" for i in range(k, n)) + ("model.vision_tower.post_layernorm",)
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        # get_image_features takes the feature layer and selection as arguments (the model's forward passes its config's).
+        return {**super().dummy_image(config), "vision_feature_layer": config.vision_feature_layer,
+                "vision_feature_select_strategy": config.vision_feature_select_strategy}
 
 
 @dataclass(frozen=True)
 class LlavaNextFamily(LlavaFamily):
     towers = ("model.image_newline", "model.vision_tower", "model.multi_modal_projector")
+    packing_refusal = ""  # its images' tiles and sizes, in order (PackedVisionCollator), and 1-D positions
 
     def newline(self, sh: ModelShape) -> list[Tensor]:
         return [Tensor("model.image_newline", (sh.hidden_size,), "embed")]
 
+    def dummy_image(self, config) -> dict[str, Any]:
+        """One square image of the tower's size: the tiles its grid pinpoints give it, each a tower-sized image."""
+        import torch
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        out = super().dummy_image(config)
+        s = int(config.vision_config.image_size)
+        tiles = image_size_to_num_patches((s, s), config.image_grid_pinpoints, s)
+        return dict(out, pixel_values=out["pixel_values"].expand(tiles, -1, -1, -1)[None].contiguous(),
+                    image_sizes=torch.tensor([[s, s]]))
     def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,
                     max_tokens: int | None = None) -> tuple[Images, int]:
         """anyres: the image's best grid of image_grid_pinpoints (LlavaNextImageProcessor's select_best_resolution; the

@@ -22,7 +22,8 @@ from typing import Any
 
 from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.qwen2 import QWEN2, Qwen2Family
-from finetune.models.families.vision import F32, MmprojTower, VisionFamily, dense, qwen_attention_saved, qwen_image_input
+from finetune.models.families.vision import (F32, MmprojTower, VisionFamily, dense, patch_grid_image, qwen_attention_saved,
+                                             qwen_image_input)
 
 
 def window_pattern(vision: dict[str, Any]) -> int | None:
@@ -186,6 +187,11 @@ class Qwen25VLFamily(VisionFamily, MmprojTower, Qwen2Family):
                 if m[0] != "add_vision_attention_layernorm_eps"]
         return meta + [("add_vision_use_silu", True), ("add_vision_n_wa_pattern", pattern),
                        ("add_vision_attention_layernorm_eps", float(config.get("rms_norm_eps", 1e-6)))]
+    packing_refusal = ("its mrope positions are 3-D, computed by the model from the image grids of the whole row, "
+                       "not restarted per record")
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        return patch_grid_image(config)
 
     def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
         """mrope's cos and sin are gathered per section from the three position rows (temporal, height, width): one

@@ -13,13 +13,18 @@ from typing import Any
 
 from finetune.models.families.base import Images, ModelShape, Saving, Tensor
 from finetune.models.families.qwen3 import Qwen3Family
-from finetune.models.families.vision import (F32, VisionFamily, dense, layer_norm_saved, ln, qwen_attention_saved,
-                                             qwen_image_input)
+from finetune.models.families.vision import (F32, VisionFamily, dense, layer_norm_saved, ln, patch_grid_image,
+                                             qwen_attention_saved, qwen_image_input)
 
 
 @dataclass(frozen=True)
 class Qwen3VLFamily(VisionFamily, Qwen3Family):
     towers = ("model.visual",)
+    packing_refusal = ("its mrope positions are 3-D, computed by the model from the image grids of the whole row, "
+                       "not restarted per record")
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        return patch_grid_image(config)
 
     def model_saved_extra(self, sh: ModelShape, run: Saving) -> dict[str, int]:
         """Interleaved mrope's cos and sin, gathered from the three position rows: one more [rows, seq, head_dim]

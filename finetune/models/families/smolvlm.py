@@ -22,6 +22,9 @@ from finetune.models.families.vision import (MmprojTower, VisionFamily, clip_lay
 class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
     language = "model.text_model."
     towers = ("model.vision_model", "model.connector")
+    # Packs exactly: its model keeps a batch's real images (not all zeros) in order, whatever row they are in, and
+    # its positions are 1-D (finetune.data.images.PackedVisionCollator).
+    packing_refusal = ""
     # LlamaConfig's defaults (the text_config class of both configs) and SmolVLMVisionConfig's.
     text_defaults = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                          num_attention_heads=32)
@@ -29,6 +32,13 @@ class SmolVLMFamily(VisionFamily, MmprojTower, LlamaFamily):
                            image_size=224, patch_size=32, num_attention_heads=16)
 
     projector = "idefics3"
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        """One image of one tile ([images, tiles, channels, height, width]), every pixel real (its mask all set)."""
+        import torch
+
+        pixels = super().dummy_image(config)["pixel_values"][None]
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, *pixels.shape[-2:], dtype=torch.bool)}
     layer_norm_eps = 1e-5
 
     def image_input(self, config: dict[str, Any], processor: dict[str, Any], size: tuple[int, int] | None,

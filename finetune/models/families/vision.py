@@ -27,6 +27,9 @@ class VisionFamily:
     towers = ("model.vision_tower", "model.multi_modal_projector")
     text_defaults: dict[str, Any] = {}
     vision_defaults: dict[str, Any] = {}
+    # Why --packing / --padding_free cannot put this family's image records in one row exactly, or "" where they can
+    # (each record its own positions and attention, its images in order: tests/test_vision_packing.py).
+    packing_refusal = "finetune does not pack its image inputs per record"
 
     # On image records the language model's attention takes a mask in every layer, padded or not (Gemma-3's image
     # tokens attend to each other both ways).
@@ -59,6 +62,10 @@ class VisionFamily:
     def tower_saved(self, sh: ModelShape, run: Saving, images: Images, v: dict[str, Any]) -> dict[str, int]:
         """What the trained tower and projector save, by part (V: vision_config over the defaults)."""
         raise NotImplementedError
+    def unused_tower(self, config) -> tuple[str, ...]:
+        """Module prefixes of the tower that the model's forward never uses (no gradient ever reaches them): kept
+        frozen even when the tower trains, as DDP refuses trained parameters without a gradient."""
+        return ()
 
     def text_dict(self, d: dict[str, Any]) -> dict[str, Any]:
         """The language model's config keys: text_config (older configs keep them at the top level), over the
@@ -83,6 +90,15 @@ class VisionFamily:
     def vision_tensors(self, sh: ModelShape, v: dict[str, Any]) -> list[Tensor]:
         """The tower's and projector's parameters, in named_parameters() order (V: vision_config over defaults)."""
         raise NotImplementedError
+
+    def dummy_image(self, config) -> dict[str, Any]:
+        """get_image_features' arguments for one blank image of the tower's own size: what each rank's tower runs on
+        when its micro-batch has no image (finetune.models.freeze.run_tower_on_every_batch)."""
+        import torch
+
+        v = config.vision_config
+        s = int(v.image_size)
+        return {"pixel_values": torch.zeros(1, int(getattr(v, "num_channels", 3)), s, s)}
 
     def peft_target_modules(self, config, names: list[str]) -> list[str] | str:
         """The names under the language model only (peft matches a regular expression against the whole name)."""
@@ -175,6 +191,15 @@ def qwen_attention_saved(a: int, tokens: int, v: dict[str, Any]) -> int:
     outputs joined, a copy)."""
     h, heads = int(v["hidden_size"]), int(v.get("num_heads", v.get("num_attention_heads", 16)))
     return tokens * (a * h * (1 + 2 + 3 + 1 + 1) + F32 * heads)
+def patch_grid_image(config) -> dict[str, Any]:
+    """Qwen's towers' blank image: one spatial_merge_size-square grid of patches, flattened as their processors give
+    pixel values (a row per patch of in_channels x temporal_patch_size x patch_size^2 values)."""
+    import torch
+
+    v = config.vision_config
+    m, p, t = int(v.spatial_merge_size), int(v.patch_size), int(v.temporal_patch_size)
+    return {"pixel_values": torch.zeros(m * m, int(getattr(v, "in_channels", 3)) * t * p * p),
+            "image_grid_thw": torch.tensor([[1, m, m]])}
 
 
 # ---- the towers' building blocks, as transformers names them ----
