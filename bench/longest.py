@@ -1,6 +1,7 @@
 """The longest record one process trains within a memory budget, by bisection over measured runs (CPU).
 
     python bench/longest.py --budget 3GiB [--modes plain ckpt tiled ckpt+tiled] [--minutes 20]
+    python bench/longest.py --budget 2GiB --modes --keep --sequence_parallel_size 2 --sp_modes plain tiled
 
 Each probe is a real run of bench/memory.py's worker (the project's config -> load_model -> HF Trainer, the chunked
 loss as by default) on the 56M-parameter bench model, one record of L random tokens per step, 2 steps (Adam's

@@ -1,5 +1,5 @@
 """bench/plan_long.py and bench/longest.py without their runs: the Llama-3.1-8B config counted on the meta device,
-the plan's cells, and the bisection's planner bound."""
+the plan's cells, the bisection's planner bound, and its sequence-parallel probe's command and plan."""
 
 from __future__ import annotations
 
