@@ -367,6 +367,11 @@ def test_plan_knows_the_split(tmp_path):
     assert "each record split over 2 ranks" in planner.render(two)
     with pytest.raises(planner.PlanError, match="does not divide the 2 devices"):
         planner.make_plan([*argv, "--sequence_parallel_size", "3"])
+    # --config ddp with a split runs on the engine (DeepSpeed's stage 0): no DDP gradient buckets.
+    ddp = [*argv[:argv.index("zero2")], "ddp", *argv[argv.index("zero2") + 1:]]
+    assert any("DDP gradient buckets" in n for n in planner.make_plan(ddp)["notes"])
+    split = planner.make_plan([*ddp, "--sequence_parallel_size", "2"])
+    assert not any("DDP gradient buckets" in n for n in split["notes"])
 
 
 def test_path_refusals():
