@@ -185,7 +185,7 @@ def test_gguf_names_round_trip_every_tensor(fam, tied):
 def test_gguf_architectures_and_refusals():
     assert families.by_gguf_arch("qwen2") is QWEN2 and families.by_gguf_arch("qwen3") is QWEN3
     assert families.by_gguf_arch("llama") is LLAMA  # a "llama" file (Mistral's too) imports as Llama
-    assert families.gguf_archs() == ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe"]
+    assert families.gguf_archs() == ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2vl"]
     assert QWEN2.gguf_required_names() == ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_q.bias",
                                            "blk.0.ffn_down.weight")
     assert QWEN3.gguf_required_names() == ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_q_norm.weight",
